@@ -1,0 +1,16 @@
+"""Compute ops. Each op has a torch implementation: the CPU path and the reference for any
+accelerator kernel."""
+
+from kernels.activation import silu_and_mul
+from kernels.attention import paged_decode_attention, paged_prefill_attention, write_kv
+from kernels.norm import rms_norm
+from kernels.rope import apply_rope
+
+__all__ = [
+    "apply_rope",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rms_norm",
+    "silu_and_mul",
+    "write_kv",
+]

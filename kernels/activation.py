@@ -1,0 +1,8 @@
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a packed gate/up projection: silu(gate) * up, halves of the last dim."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

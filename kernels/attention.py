@@ -1,0 +1,64 @@
+"""Attention over a paged KV cache.
+
+Cache layout, per layer: k_cache, v_cache of shape [num_blocks, block_size, kv_heads, head_dim].
+A sequence's block table lists its blocks in order; token position p lives in block
+table[p // block_size] at offset p % block_size.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store k, v ([tokens, kv_heads, head_dim]) at flat slots (block * block_size + offset)."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[batch, blocks] block ids -> [batch, kv_heads, blocks * block_size, head_dim]."""
+    batch, num_blocks = block_tables.shape
+    gathered = cache[block_tables]  # [batch, blocks, block_size, kv_heads, head_dim]
+    return gathered.view(batch, num_blocks * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           sliding_window: int | None = None) -> torch.Tensor:
+    """One query token per sequence, attending to its first context_lens[i] cached positions.
+
+    q: [batch, heads, head_dim]; block_tables: [batch, max_blocks] (padding entries may be any
+    valid block id: they are masked); returns [batch, heads, head_dim].
+    """
+    k = _gather(k_cache, block_tables)
+    v = _gather(v_cache, block_tables)
+    key_pos = torch.arange(k.shape[2], device=q.device)
+    mask = key_pos[None, :] < context_lens[:, None]
+    if sliding_window is not None:
+        mask &= key_pos[None, :] >= (context_lens[:, None] - sliding_window)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return out.squeeze(2)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table: torch.Tensor, start_pos: int, scale: float,
+                            sliding_window: int | None = None) -> torch.Tensor:
+    """A chunk of one sequence's queries at positions start_pos.. attending causally to the
+    cache (which already holds the chunk's own keys).
+
+    q: [chunk, heads, head_dim]; block_table: [blocks]; returns [chunk, heads, head_dim].
+    """
+    chunk = q.shape[0]
+    context = start_pos + chunk
+    k = _gather(k_cache, block_table[None])[0, :, :context]
+    v = _gather(v_cache, block_table[None])[0, :, :context]
+    query_pos = torch.arange(start_pos, context, device=q.device)[:, None]
+    key_pos = torch.arange(context, device=q.device)[None, :]
+    mask = key_pos <= query_pos
+    if sliding_window is not None:
+        mask &= key_pos > query_pos - sliding_window
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=k.shape[0] != q.shape[1])
+    return out.transpose(0, 1)

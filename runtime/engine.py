@@ -1,0 +1,440 @@
+"""The engine: one loop — drain submissions, schedule, run the model, sample, post-process —
+over sequence coroutines. Callers submit from any thread and collect completions as they finish;
+the sequence primitives (suspend, resume, evict, migrate; fork happens for n > 1) are public."""
+
+import json
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from runtime.default_model import default_model_dir
+from runtime.kv_cache import BlockManager, HostKVPool, KVCache, block_hash
+from runtime.loader import load_model
+from runtime.request import Completion, Request, SampleOutput, Timings
+from runtime.runner import ModelRunner
+from runtime.sampling import SampleRow, SamplingParams, sample
+from runtime.scheduler import Scheduler
+from runtime.sequence import Event, Sequence, Status, StopRule
+from runtime.tokenizer import load_tokenizer
+
+
+class InvalidPrompt(ValueError):
+    """A request the engine answers with an error completion instead of running."""
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt_tokens: int
+    n: int
+    timings: Timings
+    seqs: list[Sequence] = field(default_factory=list)
+    outputs: dict[int, SampleOutput] = field(default_factory=dict)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    forward_seconds: float = 0.0
+
+
+class _Waiter:
+    """Collects the completions of one generate() call."""
+
+    def __init__(self, ids: list[str]):
+        self.pending = set(ids)
+        self.results: dict[str, Completion] = {}
+        self.done = threading.Event()
+
+    def add(self, completion: Completion) -> None:
+        self.results[completion.id] = completion
+        self.pending.discard(completion.id)
+        if not self.pending:
+            self.done.set()
+
+
+class Engine:
+    def __init__(self, model: str | Path | None = None, *, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, block_size: int = 16,
+                 kv_cache_bytes: int = 2 << 30, host_kv_bytes: int = 2 << 30,
+                 admission: str = "fifo", preemption: str = "suspend",
+                 enable_prefix_caching: bool = True, max_model_len: int | None = None,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 num_threads: int | None = None):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.model_dir = Path(model) if model is not None else default_model_dir()
+        self.device = torch.device(device)
+        self.model = load_model(self.model_dir, self.device, dtype)
+        self.spec = self.model.spec
+        self.tokenizer = load_tokenizer(self.model_dir)
+
+        block_bytes = KVCache.bytes_per_block(self.spec, block_size, dtype)
+        num_blocks = kv_cache_bytes // block_bytes
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds fewer than 2 blocks "
+                             f"of {block_bytes} bytes")
+        self.kv = KVCache(self.spec, num_blocks, block_size, dtype, self.device)
+        self.scheduler = Scheduler(
+            BlockManager(num_blocks, block_size, enable_prefix_caching), self.kv,
+            HostKVPool(host_kv_bytes // block_bytes, pin_memory=self.device.type == "cuda"),
+            max_num_seqs, max_num_batched_tokens, admission, preemption)
+        self.runner = ModelRunner(self.model, self.kv, self.device)
+        # A lone sequence must always fit in the cache, so the cache bounds the context too.
+        self.max_model_len = min(max_model_len or self.spec.max_position_embeddings,
+                                 self.spec.max_position_embeddings, num_blocks * block_size)
+        self.stop_rule = StopRule(frozenset(self._eos_token_ids()), self.max_model_len,
+                                  self._detokenize if self.tokenizer is not None else None)
+        self.stats = EngineStats()
+
+        self._lock = threading.RLock()  # engine state: scheduler, requests in flight
+        self._inbox: queue.SimpleQueue[_RequestState | dict] = queue.SimpleQueue()
+        self._outbox: queue.Queue[Completion] = queue.Queue()
+        self._requests: dict[str, _RequestState | None] = {}  # None: submitted, not yet drained
+        self._waiters: dict[str, _Waiter] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._wake = threading.Event()
+        self._failure: BaseException | None = None
+
+    def _eos_token_ids(self) -> list[int]:
+        gen_config = self.model_dir / "generation_config.json"
+        if gen_config.exists():
+            eos = json.loads(gen_config.read_text()).get("eos_token_id")
+            if eos is not None:
+                return list(eos) if isinstance(eos, list) else [eos]
+        return list(self.spec.eos_token_ids)
+
+    def _detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # ---- submitting ----------------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        """Queue a request (thread-safe). Invalid sampling values raise ValueError; a bad prompt
+        yields an error completion instead."""
+        if not isinstance(request.params, SamplingParams):
+            raise TypeError(f"request {request.id!r}: params must be SamplingParams")
+        if request.params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a model with a tokenizer")
+        with self._lock:
+            if request.id in self._requests:
+                raise ValueError(f"request id {request.id!r} is already in flight")
+            self._requests[request.id] = None
+        timings = Timings(submitted=time.perf_counter())
+        try:
+            prompt_ids = self._prompt_token_ids(request)
+        except InvalidPrompt as bad:
+            with self._lock:
+                del self._requests[request.id]
+            self._deliver(Completion(request.id, [SampleOutput(0, [], "", "error")], 0, timings,
+                                     error=str(bad)))
+            return
+        state = _RequestState(request.id, len(prompt_ids), request.params.n, timings)
+        state.seqs.append(self._new_sequence(request.id, 0, prompt_ids, request.params))
+        self._inbox.put(state)
+        self._wake.set()
+
+    def _prompt_token_ids(self, request: Request) -> list[int]:
+        given = [x for x in (request.prompt, request.messages, request.prompt_token_ids) if x is not None]
+        if len(given) != 1:
+            raise InvalidPrompt("give exactly one of prompt, messages, prompt_token_ids")
+        if request.prompt_token_ids is not None:
+            ids = list(request.prompt_token_ids)
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.spec.vocab_size
+                       for t in ids):
+                raise InvalidPrompt(f"prompt_token_ids must be integers in [0, {self.spec.vocab_size})")
+        elif self.tokenizer is None:
+            raise InvalidPrompt("this model has no tokenizer: give prompt_token_ids")
+        elif request.messages is not None:
+            ids = self._encode_chat(request.messages)
+        else:
+            if not isinstance(request.prompt, str):
+                raise InvalidPrompt(f"prompt must be a string, got {type(request.prompt).__name__}")
+            if not request.prompt.strip():
+                raise InvalidPrompt("prompt is empty")
+            ids = self.tokenizer.encode(request.prompt)
+        if not ids:
+            raise InvalidPrompt("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidPrompt(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
+                                "(prompt plus at least one generated token)")
+        return ids
+
+    def _encode_chat(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer.chat_template is None:
+            raise InvalidPrompt("this model's tokenizer has no chat template: give a prompt")
+        if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                   and isinstance(m.get("content"), str) for m in messages):
+            raise InvalidPrompt("messages must be a non-empty list of {role: str, content: str}")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _new_sequence(self, request_id: str, index: int, token_ids: list[int],
+                      params: SamplingParams, num_prompt_tokens: int | None = None) -> Sequence:
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        generator = torch.Generator().manual_seed((seed + index) % (1 << 63))
+        seq_id = request_id if index == 0 else f"{request_id}#{index}"
+        return Sequence(seq_id, request_id, index, token_ids,
+                        num_prompt_tokens if num_prompt_tokens is not None else len(token_ids),
+                        params, generator, self.stop_rule)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Run one scheduling step. False when there was nothing to run."""
+        with self._lock:
+            self._drain_inbox()
+            batch = self.scheduler.schedule()
+            if not batch:
+                return False
+            now = time.perf_counter()
+            for seq in batch.decodes + [s for s, _ in batch.prefills]:
+                timings = self._requests[seq.request_id].timings
+                timings.first_scheduled = timings.first_scheduled or now
+            logits, samplers = self.runner.run(batch)
+            self.stats.steps += 1
+            self.stats.decode_tokens += len(batch.decodes)
+            self.stats.prefill_tokens += batch.num_tokens - len(batch.decodes)
+            self.stats.forward_seconds += time.perf_counter() - now
+            self._postprocess(batch, logits, samplers)
+            return True
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                state = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._requests[state.request_id] = state
+            for seq in state.seqs:
+                if not seq.is_finished:
+                    self.scheduler.add(seq)
+
+    def _postprocess(self, batch, logits: torch.Tensor, samplers: list[Sequence]) -> None:
+        sampling = {id(s) for s in samplers}
+        for seq, num in batch.prefills:
+            if id(seq) not in sampling:
+                seq.send(Event.PREFILLED, num)
+                self._register_full_blocks(seq)
+        rows, row_seqs = [], []
+        for row, seq in enumerate(samplers):
+            group = [seq]
+            if seq.params.n > 1 and not seq.forked:
+                group += self._fork(seq)
+            rows += [row] * len(group)
+            row_seqs += group
+        if len(rows) != len(samplers):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        tokens = sample(logits, [SampleRow(s.params, s.generator) for s in row_seqs])
+        now = time.perf_counter()
+        for seq, token in zip(row_seqs, tokens):
+            timings = self._requests[seq.request_id].timings
+            timings.first_token = timings.first_token or now
+            seq.send(Event.TOKEN, token)
+            self._register_full_blocks(seq)
+            if seq.is_finished:
+                self._finish_sequence(seq)
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        bs = self.kv.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            digest = block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            self.scheduler.blocks.register(seq.block_table[i], digest)
+            seq.block_hashes.append(digest)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """n > 1: the other samples share the prompt's KV blocks (copy-on-write)."""
+        parent.forked = True
+        state = self._requests[parent.request_id]
+        children = []
+        for index in range(1, parent.params.n):
+            child = self._new_sequence(parent.request_id, index, list(parent.token_ids), parent.params)
+            child.send(Event.ADMITTED)
+            child.send(Event.PREFILLED, parent.num_computed)
+            child.block_table, child.block_hashes = list(parent.block_table), list(parent.block_hashes)
+            self.scheduler.blocks.share(child.block_table)
+            self.scheduler.running.append(child)
+            state.seqs.append(child)
+            children.append(child)
+        return children
+
+    def _finish_sequence(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        state = self._requests[seq.request_id]
+        if seq.text is None:
+            seq.text = self._detokenize(seq.generated_ids) if self.tokenizer is not None else ""
+        logprobs = seq.logprobs if seq.params.logprobs is not None else None
+        state.outputs[seq.sample_index] = SampleOutput(
+            seq.sample_index, seq.generated_ids, seq.text, seq.finish_reason, logprobs,
+            seq.top_logprobs if seq.params.logprobs else None)
+        if len(state.outputs) == state.n:
+            state.timings.finished = time.perf_counter()
+            del self._requests[seq.request_id]
+            outputs = [state.outputs[i] for i in range(state.n)]
+            self._deliver(Completion(state.request_id, outputs, state.prompt_tokens, state.timings))
+
+    def _deliver(self, completion: Completion) -> None:
+        waiter = self._waiters.pop(completion.id, None)
+        if waiter is not None:
+            waiter.add(completion)
+        else:
+            self._outbox.put(completion)
+
+    # ---- collecting ----------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def poll(self, timeout: float | None = None) -> list[Completion]:
+        """Completions finished so far (at least one unless nothing is left or the timeout
+        passes). Without a background loop, the calling thread runs steps until one finishes."""
+        completions = []
+        if self._thread is None:
+            while self._outbox.empty() and self.has_unfinished():
+                self._step_or_stall()
+        elif self._outbox.empty() and self.has_unfinished():
+            self._raise_failure()
+            try:
+                completions.append(self._outbox.get(timeout=timeout))
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                completions.append(self._outbox.get_nowait())
+            except queue.Empty:
+                return completions
+
+    def completions(self):
+        """Iterate completions as they finish until nothing is in flight."""
+        while self.has_unfinished() or not self._outbox.empty():
+            yield from self.poll(timeout=0.1)
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Submit all, wait for all; results in request order."""
+        waiter = _Waiter([r.id for r in requests])
+        if len(waiter.pending) != len(requests):
+            raise ValueError("request ids must be unique")
+        with self._lock:
+            for request_id in waiter.pending:
+                self._waiters[request_id] = waiter
+        try:
+            for request in requests:
+                self.submit(request)
+            while not waiter.done.is_set():
+                if self._thread is None:
+                    self._step_or_stall()
+                else:
+                    waiter.done.wait(0.1)
+                    self._raise_failure()
+        finally:
+            with self._lock:
+                for request_id in waiter.pending:
+                    self._waiters.pop(request_id, None)
+        return [waiter.results[r.id] for r in requests]
+
+    def _step_or_stall(self) -> None:
+        if not self.step() and self._inbox.empty():
+            held = len(self.scheduler.held)
+            raise RuntimeError(f"no progress possible: {held} sequence(s) held by suspend() "
+                               "need resume()" if held else "engine stalled with requests in flight")
+
+    # ---- background loop -----------------------------------------------------------------
+    def start(self) -> "Engine":
+        """Run the loop on a background thread; submit and collect from any thread."""
+        if self._thread is None:
+            self._stopping.clear()
+            self._thread = threading.Thread(target=self._loop, name="batchgen-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stopping.set()
+            self._wake.set()
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                if not self.step():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as failure:  # surfaced to every caller waiting on this engine
+            self._failure = failure
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError("engine loop failed") from self._failure
+
+    # ---- primitives ----------------------------------------------------------------------
+    def _live_sequences(self, request_id: str) -> list[Sequence]:
+        self._drain_inbox()
+        state = self._requests.get(request_id)
+        if state is None:
+            raise KeyError(f"request {request_id!r} is not in flight in this engine")
+        return [s for s in state.seqs if not s.is_finished]
+
+    def suspend(self, request_id: str) -> int:
+        """Move the request's running sequences' KV to the host tier and hold them there
+        until resume(). Returns how many were suspended."""
+        with self._lock:
+            running = [s for s in self._live_sequences(request_id) if s in self.scheduler.running]
+            for seq in running:
+                self.scheduler.suspend(seq, hold=True)
+            return len(running)
+
+    def resume(self, request_id: str) -> int:
+        with self._lock:
+            held = [s for s in self._live_sequences(request_id) if s.seq_id in self.scheduler.held]
+            for seq in held:
+                self.scheduler.resume(seq)
+            self._wake.set()
+            return len(held)
+
+    def evict(self, request_id: str) -> int:
+        """Drop the request's KV; its sequences recompute it when re-admitted."""
+        with self._lock:
+            evictable = [s for s in self._live_sequences(request_id)
+                         if s.status in (Status.PREFILLING, Status.DECODING, Status.SUSPENDED)]
+            for seq in evictable:
+                self.scheduler.evict(seq)
+            return len(evictable)
+
+    def migrate_out(self, request_id: str) -> dict:
+        """Take a request out of this engine: a picklable state that `migrate_in` on another
+        engine (same model) continues exactly where it stopped."""
+        with self._lock:
+            live = self._live_sequences(request_id)
+            state = self._requests.pop(request_id)
+            for seq in live:
+                self.scheduler.remove(seq)
+                seq.send(Event.MIGRATED)
+            return {"request_id": request_id, "prompt_tokens": state.prompt_tokens, "n": state.n,
+                    "submitted": state.timings.submitted, "outputs": dict(state.outputs),
+                    "sequences": [seq.export_state() for seq in live]}
+
+    def migrate_in(self, migrated: dict) -> None:
+        request_id = migrated["request_id"]
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            state = _RequestState(request_id, migrated["prompt_tokens"], migrated["n"],
+                                  Timings(submitted=time.perf_counter()),
+                                  outputs=dict(migrated["outputs"]))
+            state.seqs = [Sequence.from_state(s, self.stop_rule) for s in migrated["sequences"]]
+            self._requests[request_id] = None
+        self._inbox.put(state)
+        self._wake.set()

@@ -1,0 +1,74 @@
+"""Load an HF safetensors directory into our CausalLM, packing q|k|v and gate|up."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from runtime.config import load_hf_config, model_spec, rope_cos_sin
+from runtime.model import CausalLM
+
+# Our packed parameter -> the HF parameters concatenated (along dim 0) to form it.
+_PACKED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / shard for shard in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+class _Checkpoint:
+    """Tensors by HF name across all shards, read lazily (memory-mapped)."""
+
+    def __init__(self, model_dir: Path):
+        self._handles = [safe_open(str(f), framework="pt") for f in _safetensors_files(model_dir)]
+        self._where = {name: h for h in self._handles for name in h.keys()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        return self._where[name].get_tensor(name)
+
+
+def _hf_sources(our_name: str) -> list[str]:
+    """HF tensor names that make up one of our parameters."""
+    name = our_name if our_name.startswith("lm_head") else "model." + our_name
+    for packed, parts in _PACKED.items():
+        if f".{packed}." in name:
+            return [name.replace(packed, part) for part in parts]
+    return [name]
+
+
+def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
+               dtype: torch.dtype = torch.float32) -> CausalLM:
+    model_dir = Path(model_dir)
+    config = load_hf_config(model_dir)
+    spec = model_spec(config)
+    cos, sin = rope_cos_sin(config, spec.head_dim, spec.max_position_embeddings)
+    with torch.device("meta"):
+        model = CausalLM(spec, cos, sin)
+    model = model.to_empty(device=device)
+    model.rope_cos.copy_(cos)
+    model.rope_sin.copy_(sin)
+    if spec.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+
+    checkpoint = _Checkpoint(model_dir)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # tied weights are listed once
+            tensors = [checkpoint.get(src) for src in _hf_sources(name)]
+            param.copy_(torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0])
+    return model.to(dtype).eval()

@@ -1,0 +1,129 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM) in plain torch, over one flattened
+batch of tokens from many sequences: decode tokens first, then prefill chunks. No padding.
+
+Projections are packed at load time (q|k|v, gate|up): one matmul each instead of three and two.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels import (apply_rope, paged_decode_attention, paged_prefill_attention, rms_norm,
+                     silu_and_mul, write_kv)
+from runtime.config import ModelSpec
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's chunk of consecutive tokens inside the flattened batch."""
+    token_start: int  # first row in the flattened batch
+    num_tokens: int
+    start_pos: int  # position of the chunk's first token in its sequence
+    block_table: torch.Tensor  # [blocks]
+
+
+@dataclass
+class AttentionBatch:
+    """Where each token's KV goes and what each query attends to."""
+    slot_mapping: torch.Tensor  # [tokens] flat cache slot per token
+    num_decode: int  # the first num_decode tokens are single decode tokens
+    decode_block_tables: torch.Tensor  # [num_decode, max_blocks]
+    decode_context_lens: torch.Tensor  # [num_decode]
+    prefills: list[PrefillChunk]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, sliding_window: int | None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.sliding_window = sliding_window
+        self.scale = spec.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, batch: AttentionBatch, k_cache, v_cache):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(k_cache, v_cache, batch.slot_mapping, k, v)
+
+        out = torch.empty_like(q)
+        nd = batch.num_decode
+        if nd:
+            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, batch.decode_block_tables,
+                                              batch.decode_context_lens, self.scale, self.sliding_window)
+        for chunk in batch.prefills:
+            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            out[rows] = paged_prefill_attention(q[rows], k_cache, v_cache, chunk.block_table,
+                                                chunk.start_pos, self.scale, self.sliding_window)
+        return self.o_proj(out.view(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, sliding_window: int | None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, sliding_window)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, cos, sin, batch, k_cache, v_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, w) for w in spec.sliding_windows)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("rope_cos", rope_cos, persistent=False)
+        self.register_buffer("rope_sin", rope_sin, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Final hidden states [tokens, hidden] (normed); logits are computed separately, only
+        for the rows that sample."""
+        x = self.embed_tokens(input_ids)
+        cos = self.rope_cos[positions].to(x.dtype)
+        sin = self.rope_sin[positions].to(x.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, batch, k_cache, v_cache)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,66 @@
+"""What callers hand the engine and what they get back."""
+
+from dataclasses import dataclass, field
+
+from runtime.sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    """One generation request. Give `prompt` (text), `messages` (chat, rendered with the
+    tokenizer's chat template) or `prompt_token_ids`."""
+    id: str
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    prompt_token_ids: list[int] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class SampleOutput:
+    """One of a request's n samples."""
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop", "length" or "error"
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class Timings:
+    """Seconds on the engine's clock (time.perf_counter)."""
+    submitted: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class Completion:
+    id: str
+    outputs: list[SampleOutput]
+    prompt_tokens: int
+    timings: Timings
+    error: str | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+    # Shorthands for the common n = 1 case.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text if self.outputs else ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids if self.outputs else []
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason if self.outputs else "error"
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        return self.outputs[0].logprobs if self.outputs else None

@@ -1,0 +1,200 @@
+"""Continuous batching under a per-step token budget.
+
+Each step: running sequences first (decodes, then continuing prefill chunks), then suspended
+ones resume, then waiting ones are admitted in the configured order, each taking a prefill
+chunk of what budget is left. When KV blocks run out, the most recently admitted running
+sequence is preempted: suspended to the host tier if it has room (or if asked to), else evicted.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from runtime.kv_cache import BlockManager, HostKVPool, KVCache
+from runtime.sequence import Event, Sequence, Status
+
+# Admission orders: a sort key over waiting sequences (lowest first).
+ADMISSION_ORDERS: dict[str, Callable[[Sequence], object]] = {
+    "fifo": lambda seq: 0,
+    # Longest expected work first: the batch's long tail starts early and finishes with it.
+    "longest_first": lambda seq: -(seq.num_tokens + seq.params.max_tokens - seq.num_generated),
+    "shortest_first": lambda seq: seq.num_tokens + seq.params.max_tokens - seq.num_generated,
+}
+PREEMPTION_MODES = ("suspend", "evict")
+
+
+@dataclass
+class ScheduledBatch:
+    """Sequences to run this step and how many of each one's pending tokens to compute.
+    Decodes (one token each) come first, then prefill chunks."""
+    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, kv: KVCache, host: HostKVPool, max_num_seqs: int,
+                 max_num_batched_tokens: int, admission: str = "fifo",
+                 preemption: str = "suspend"):
+        if admission not in ADMISSION_ORDERS:
+            raise ValueError(f"admission must be one of {sorted(ADMISSION_ORDERS)}, got {admission!r}")
+        if preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
+        self.blocks, self.kv, self.host = blocks, kv, host
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.admission_key = ADMISSION_ORDERS[admission]
+        self.preemption = preemption
+        self.waiting: list[Sequence] = []
+        self.suspended: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.held: dict[str, Sequence] = {}  # suspended by a caller: resume only when asked
+
+    # ---- queues --------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the scheduler, releasing its device and host KV."""
+        for queue in (self.waiting, self.running, self.suspended):
+            if seq in queue:
+                queue.remove(seq)
+        self.held.pop(seq.seq_id, None)
+        self.blocks.release(seq.block_table)
+        seq.block_table = []
+        if seq.seq_id in self.host:
+            self.host.take(seq.seq_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.suspended or self.held)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+        decodes = [s for s in self.running if s.status is Status.DECODING]
+        prefilling = [s for s in self.running if s.status is Status.PREFILLING]
+        for seq in decodes + prefilling:
+            if budget == 0:
+                break
+            if id(seq) not in scheduled and seq in self.running:
+                num = min(seq.num_uncomputed, budget)
+                if self._reserve(seq, num, batch, scheduled):
+                    scheduled.add(id(seq))
+                    self._place(seq, num, batch)
+                    budget -= num
+        while self.suspended and budget and len(self.running) < self.max_num_seqs:
+            seq = self.suspended[0]
+            if not self._fits(self.blocks.blocks_needed(seq.num_computed + 1)):
+                break
+            self.suspended.popleft()
+            self.swap_in(seq)
+            num = min(seq.num_uncomputed, budget)
+            if not self._reserve(seq, num, batch, scheduled):
+                break
+            scheduled.add(id(seq))
+            self._place(seq, num, batch)
+            budget -= num
+        self.waiting.sort(key=self.admission_key)  # stable: ties keep arrival order
+        while self.waiting and budget and len(self.running) < self.max_num_seqs \
+                and not self.suspended:
+            seq = self.waiting[0]
+            cached, hashes = self.blocks.match_prefix(seq.token_ids)
+            num = min(seq.num_tokens - len(cached) * self.blocks.block_size, budget)
+            fresh = self.blocks.blocks_needed(len(cached) * self.blocks.block_size + num) - len(cached)
+            if not self._fits(fresh):
+                self.blocks.release(cached)
+                break
+            self.waiting.pop(0)
+            seq.block_table, seq.block_hashes = cached, hashes
+            seq.send(Event.ADMITTED)
+            if cached:
+                seq.send(Event.PREFILLED, len(cached) * self.blocks.block_size)
+            self.running.append(seq)
+            self._reserve(seq, num, batch, scheduled)
+            scheduled.add(id(seq))
+            self._place(seq, num, batch)
+            budget -= num
+        return batch
+
+    def _fits(self, num_blocks: int) -> bool:
+        return num_blocks <= self.blocks.num_free
+
+    def _place(self, seq: Sequence, num: int, batch: ScheduledBatch) -> None:
+        if seq.status is Status.DECODING:
+            batch.decodes.append(seq)
+        else:
+            batch.prefills.append((seq, num))
+
+    def _reserve(self, seq: Sequence, num: int, batch: ScheduledBatch, scheduled: set[int]) -> bool:
+        """Make seq's block table cover `num` more tokens, preempting others (never ones already
+        scheduled this step) if blocks run short. False if seq itself had to be preempted."""
+        first_block = seq.num_computed // self.blocks.block_size
+        need = self.blocks.blocks_needed(seq.num_computed + num) - len(seq.block_table)
+        cow = first_block < len(seq.block_table) and self.blocks.is_shared(seq.block_table[first_block])
+        while need + cow > self.blocks.num_free:
+            victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
+            if victim is None:
+                raise RuntimeError("KV cache too small for the sequences already scheduled")
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        if cow:  # never write into a block another sequence still reads
+            shared = seq.block_table[first_block]
+            (copy,) = self.blocks.allocate(1)
+            batch.block_copies.append((shared, copy))
+            self.blocks.release([shared])
+            seq.block_table[first_block] = copy
+        if need > 0:
+            seq.block_table.extend(self.blocks.allocate(need))
+            seq.send(Event.PAGE_BOUNDARY, len(seq.block_table))
+        return True
+
+    # ---- primitives ----------------------------------------------------------------------
+    def preempt(self, seq: Sequence) -> None:
+        seq.counters["preemptions"] += 1
+        if self.preemption == "suspend" and self.host.can_hold(len(seq.block_table)):
+            self.suspend(seq)
+        else:
+            self.evict(seq)
+
+    def suspend(self, seq: Sequence, hold: bool = False) -> None:
+        """Move seq's KV to the host tier; it resumes exactly where it was, as soon as blocks
+        allow, or (hold=True) once `resume` asks for it."""
+        if not self.host.can_hold(len(seq.block_table)):
+            raise RuntimeError(f"host KV tier is full: cannot suspend {seq.seq_id}")
+        self.host.park(seq.seq_id, self.kv.read_blocks(seq.block_table, self.host.pin_memory))
+        self.blocks.release(seq.block_table)
+        seq.block_table = []
+        self.running.remove(seq)
+        if hold:
+            self.held[seq.seq_id] = seq
+        else:
+            self.suspended.append(seq)
+        seq.send(Event.SUSPENDED)
+
+    def resume(self, seq: Sequence) -> None:
+        """Release a held sequence: it swaps in first, as soon as blocks allow."""
+        self.suspended.appendleft(self.held.pop(seq.seq_id))
+
+    def swap_in(self, seq: Sequence) -> None:
+        data = self.host.take(seq.seq_id)
+        seq.block_table = self.blocks.allocate(data.shape[2])
+        self.kv.write_blocks(seq.block_table, data)
+        self.running.append(seq)
+        seq.send(Event.RESUMED)
+
+    def evict(self, seq: Sequence) -> None:
+        """Drop seq's KV and keep its tokens; it recomputes them when admitted again."""
+        self.remove(seq)
+        seq.block_hashes = []
+        seq.send(Event.EVICTED)
+        self.waiting.insert(0, seq)  # first in line when space returns

@@ -1,0 +1,200 @@
+"""A sequence as an event-driven coroutine.
+
+The runtime owns every sequence and advances it only by sending it an event; the sequence
+applies the event to its own state and yields its status back. Illegal transitions (a token
+for a suspended sequence, say) raise at once instead of corrupting state.
+
+    WAITING -> PREFILLING -> DECODING <-> SUSPENDED      (PREFILLING <-> SUSPENDED too)
+    PREFILLING/DECODING/SUSPENDED -> WAITING             (evicted: KV dropped, recomputed)
+    any live state -> FINISHED | MIGRATED                (MIGRATED: continues in another engine)
+"""
+
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Callable
+
+import torch
+
+from runtime.sampling import SampledToken, SamplingParams
+
+
+class Status(Enum):
+    WAITING = auto()
+    PREFILLING = auto()
+    DECODING = auto()
+    SUSPENDED = auto()
+    FINISHED = auto()
+    MIGRATED = auto()
+
+
+class Event(Enum):
+    ADMITTED = auto()
+    PREFILLED = auto()  # payload: tokens whose KV a non-final prefill chunk computed
+    TOKEN = auto()  # payload: SampledToken; every pending token's KV is now computed
+    PAGE_BOUNDARY = auto()  # payload: the new block count
+    SUSPENDED = auto()
+    RESUMED = auto()
+    EVICTED = auto()
+    MIGRATED = auto()
+    FINISHED = auto()  # payload: (finish_reason, error message or None)
+
+
+_LIVE = {Status.PREFILLING, Status.DECODING}
+_ALLOWED = {
+    Event.ADMITTED: {Status.WAITING},
+    Event.PREFILLED: {Status.PREFILLING},
+    Event.TOKEN: _LIVE,
+    Event.PAGE_BOUNDARY: _LIVE,
+    Event.SUSPENDED: _LIVE,
+    Event.RESUMED: {Status.SUSPENDED},
+    Event.EVICTED: _LIVE | {Status.SUSPENDED},
+    Event.MIGRATED: _LIVE | {Status.WAITING, Status.SUSPENDED},
+    Event.FINISHED: _LIVE | {Status.WAITING, Status.SUSPENDED},
+}
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """Engine-wide facts a sequence needs to decide when it is done."""
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    detokenize: Callable[[list[int]], str] | None
+
+
+class Sequence:
+    def __init__(self, seq_id: str, request_id: str, sample_index: int, token_ids: list[int],
+                 num_prompt_tokens: int, params: SamplingParams, generator: torch.Generator,
+                 stop_rule: StopRule):
+        self.seq_id, self.request_id, self.sample_index = seq_id, request_id, sample_index
+        self.token_ids = token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+        self.params = params
+        self.generator = generator
+        self.stop_rule = stop_rule
+        self.status = Status.WAITING
+        self.num_computed = 0  # tokens whose KV is in the cache
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # of the full blocks, in order
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []
+        self.text: str | None = None  # set when a stop string cut it, else at finish
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.counters = dict.fromkeys(("preemptions", "suspends", "evictions", "migrations"), 0)
+        self.forked = sample_index > 0  # only sample 0 of an n > 1 request forks the others
+        self._status_before_suspend = Status.PREFILLING
+        self._coroutine = self._lifecycle()
+        next(self._coroutine)
+
+    # ---- the coroutine -------------------------------------------------------------------
+    def send(self, event: Event, payload=None) -> Status:
+        if self.status not in _ALLOWED[event]:
+            raise RuntimeError(f"sequence {self.seq_id}: event {event.name} in status {self.status.name}")
+        return self._coroutine.send((event, payload))
+
+    def _lifecycle(self):
+        event, payload = yield self.status
+        while True:
+            if event is Event.ADMITTED:
+                self.status = Status.PREFILLING
+            elif event is Event.PREFILLED:
+                self.num_computed += payload
+            elif event is Event.TOKEN:
+                self.status = Status.DECODING
+                self._append(payload)
+            elif event is Event.SUSPENDED:
+                self._status_before_suspend = self.status
+                self.status = Status.SUSPENDED
+                self.counters["suspends"] += 1
+            elif event is Event.RESUMED:
+                self.status = self._status_before_suspend
+            elif event is Event.EVICTED:
+                self.status = Status.WAITING
+                self.num_computed = 0
+                self.counters["evictions"] += 1
+            elif event is Event.MIGRATED:
+                self.status = Status.MIGRATED
+                self.counters["migrations"] += 1
+            elif event is Event.FINISHED:
+                self.finish_reason, self.error = payload
+                self.status = Status.FINISHED
+            # PAGE_BOUNDARY changes nothing here: the scheduler decides at page boundaries.
+            if self.status in (Status.FINISHED, Status.MIGRATED):
+                yield self.status  # terminal: park here, any further event is rejected above
+                return
+            event, payload = yield self.status
+
+    def _append(self, sampled: SampledToken) -> None:
+        self.num_computed = len(self.token_ids)
+        self.token_ids.append(sampled.token_id)
+        if self.params.logprobs is not None:
+            self.logprobs.append(sampled.logprob)
+            if self.params.logprobs:
+                self.top_logprobs.append(sampled.top_logprobs)
+        reason = self._stop_reason(sampled.token_id)
+        if reason is not None:
+            self.finish_reason = reason
+            self.status = Status.FINISHED
+
+    def _stop_reason(self, token: int) -> str | None:
+        p, rule = self.params, self.stop_rule
+        if token in p.stop_token_ids or (not p.ignore_eos and token in rule.eos_token_ids):
+            return "stop"
+        if p.stop and self._hit_stop_string():
+            return "stop"
+        if self.num_generated >= p.max_tokens or len(self.token_ids) >= rule.max_model_len:
+            return "length"
+        return None
+
+    def _hit_stop_string(self) -> bool:
+        # Decode the whole completion: tokenizers merge bytes across token boundaries, so a
+        # tail window could miss a stop string; cost is paid only by sequences with stops.
+        text = self.stop_rule.detokenize(self.generated_ids)
+        cut = min((i for i in (text.find(s) for s in self.params.stop) if i >= 0), default=-1)
+        if cut < 0:
+            return False
+        self.text = text[:cut]
+        return True
+
+    # ---- views ---------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    # ---- migration -----------------------------------------------------------------------
+    def export_state(self) -> dict:
+        """Everything another engine needs to continue this sequence exactly (picklable)."""
+        return {
+            "seq_id": self.seq_id, "request_id": self.request_id, "sample_index": self.sample_index,
+            "token_ids": list(self.token_ids), "num_prompt_tokens": self.num_prompt_tokens,
+            "params": self.params, "rng_state": self.generator.get_state(),
+            "logprobs": list(self.logprobs), "top_logprobs": list(self.top_logprobs),
+            "counters": dict(self.counters), "forked": self.forked,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict, stop_rule: StopRule) -> "Sequence":
+        generator = torch.Generator()
+        generator.set_state(state["rng_state"])
+        seq = cls(state["seq_id"], state["request_id"], state["sample_index"],
+                  list(state["token_ids"]), state["num_prompt_tokens"], state["params"],
+                  generator, stop_rule)
+        seq.logprobs, seq.top_logprobs = list(state["logprobs"]), list(state["top_logprobs"])
+        seq.counters, seq.forked = dict(state["counters"]), state["forked"]
+        return seq

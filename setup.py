@@ -1,0 +1,27 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="batchgen-beam",
+    version="0.1.0",
+    description="High-throughput LLM batch generation for Apache Beam (sequence coroutine engine)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["batchgen_beam*", "runtime*", "kernels*", "pipelines*", "benchmarks*"]),
+    include_package_data=True,
+    install_requires=[
+        # Never leave torch unpinned: an open range pulls a multi-GB CUDA build on CPU boxes.
+        "torch>=2.6,<2.14",
+        "transformers>=5.20,<5.25",
+        "safetensors>=0.6,<0.9",
+        "tokenizers>=0.22,<0.24",
+        # GGUF de-quantisation of the default model (transformers' loader needs both).
+        "gguf>=0.17,<0.20",
+        "accelerate>=1.10,<1.16",
+        "numpy>=1.26,<3",
+        "tqdm>=4.66,<5",
+    ],
+    extras_require={
+        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3"],
+    },
+)

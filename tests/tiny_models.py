@@ -1,0 +1,47 @@
+"""Tiny random-initialised models of each family, saved as HF safetensors directories, and
+transformers as the oracle on the same weights."""
+
+from pathlib import Path
+
+import torch
+import transformers
+
+_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1)
+
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+              dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 64})),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                dict(sliding_window=24)),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),
+    "smollm": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+               dict(tie_word_embeddings=True, num_key_value_heads=1)),
+}
+
+
+def make_tiny_model(family: str, directory: Path, seed: int = 0, **overrides) -> Path:
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = config_cls(**{**_COMMON, **extra, **overrides})
+    torch.manual_seed(seed)
+    model_cls(config).eval().save_pretrained(directory)
+    return directory
+
+
+def hf_model(directory: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation and the log-softmax of each chosen token."""
+    out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    logprobs = [torch.log_softmax(step_logits[0].float(), -1)[t].item()
+                for step_logits, t in zip(out.logits, tokens)]
+    return tokens, logprobs
