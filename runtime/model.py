@@ -24,12 +24,18 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Consecutive decode rows of similar context length, attended to as one padded batch."""
+    token_start: int
+    block_tables: torch.Tensor  # [rows, max_blocks of the group]
+    context_lens: torch.Tensor  # [rows]
+
+
+@dataclass
 class AttentionBatch:
     """Where each token's KV goes and what each query attends to."""
     slot_mapping: torch.Tensor  # [tokens] flat cache slot per token
-    num_decode: int  # the first num_decode tokens are single decode tokens
-    decode_block_tables: torch.Tensor  # [num_decode, max_blocks]
-    decode_context_lens: torch.Tensor  # [num_decode]
+    decodes: list[DecodeGroup]  # single-token decode rows come first in the batch
     prefills: list[PrefillChunk]
 
 
@@ -67,10 +73,10 @@ class Attention(nn.Module):
         write_kv(k_cache, v_cache, batch.slot_mapping, k, v)
 
         out = torch.empty_like(q)
-        nd = batch.num_decode
-        if nd:
-            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, batch.decode_block_tables,
-                                              batch.decode_context_lens, self.scale, self.sliding_window)
+        for group in batch.decodes:
+            rows = slice(group.token_start, group.token_start + len(group.context_lens))
+            out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, group.block_tables,
+                                               group.context_lens, self.scale, self.sliding_window)
         for chunk in batch.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = paged_prefill_attention(q[rows], k_cache, v_cache, chunk.block_table,

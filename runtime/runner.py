@@ -4,9 +4,30 @@ that sample (decodes, and prefill chunks that finish their sequence's pending to
 import torch
 
 from runtime.kv_cache import KVCache
-from runtime.model import AttentionBatch, CausalLM, PrefillChunk
+from runtime.model import AttentionBatch, CausalLM, DecodeGroup, PrefillChunk
 from runtime.scheduler import ScheduledBatch
 from runtime.sequence import Sequence
+
+# Decode attention pads each group to its longest context; start a new group rather than
+# waste more than this fraction of a group's gathered KV on padding.
+MAX_DECODE_PADDING = 0.25
+
+
+def group_by_length(lengths: list[int]) -> list[int]:
+    """Split lengths (sorted descending) into runs whose padding to the run's first (longest)
+    stays under MAX_DECODE_PADDING; returns each run's size."""
+    sizes, width, total, count = [], 0, 0, 0
+    for length in lengths:
+        if count and (width * (count + 1) - total - length) > MAX_DECODE_PADDING * width * (count + 1):
+            sizes.append(count)
+            count = 0
+        if count == 0:
+            width, total = length, 0
+        total += length
+        count += 1
+    if count:
+        sizes.append(count)
+    return sizes
 
 
 class ModelRunner:
@@ -14,41 +35,39 @@ class ModelRunner:
         self.model, self.kv, self.device = model, kv, device
         self.block_size = kv.block_size
 
-    def _slots(self, table: list[int], start: int, count: int) -> list[int]:
-        bs = self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, start + count)]
+    def _tensor(self, data) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Returns logits [sampling rows, vocab] and the sequence of each row."""
         self.kv.copy_blocks(batch.block_copies)
-        input_ids, positions, slots = [], [], []
-        for seq in batch.decodes:
-            pos = seq.num_tokens - 1
-            input_ids.append(seq.token_ids[-1])
-            positions.append(pos)
-            slots.append(seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size)
-        sampling_rows, samplers = list(range(len(batch.decodes))), list(batch.decodes)
+        bs = self.block_size
+        decodes = sorted(batch.decodes, key=lambda s: s.num_tokens, reverse=True)
+        input_ids = [s.token_ids[-1] for s in decodes]
+        positions = [s.num_tokens - 1 for s in decodes]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(decodes, positions)]
+        groups, start = [], 0
+        for size in group_by_length([len(s.block_table) for s in decodes]):
+            members = decodes[start:start + size]
+            width = len(members[0].block_table)
+            groups.append(DecodeGroup(
+                start, self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in members]),
+                self._tensor([s.num_tokens for s in members])))
+            start += size
+
+        sampling_rows, samplers = list(range(len(decodes))), list(decodes)
         chunks = []
         for seq, num in batch.prefills:
-            start = seq.num_computed
-            chunks.append(PrefillChunk(len(input_ids), num, start,
-                                       torch.tensor(seq.block_table, device=self.device)))
-            input_ids.extend(seq.token_ids[start:start + num])
-            positions.extend(range(start, start + num))
-            slots.extend(self._slots(seq.block_table, start, num))
+            first = seq.num_computed
+            chunks.append(PrefillChunk(len(input_ids), num, first, self._tensor(seq.block_table)))
+            input_ids.extend(seq.token_ids[first:first + num])
+            positions.extend(range(first, first + num))
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(first, first + num))
             if num == seq.num_uncomputed:
                 sampling_rows.append(len(input_ids) - 1)
                 samplers.append(seq)
 
-        max_blocks = max((len(s.block_table) for s in batch.decodes), default=0)
-        tensor = lambda data: torch.tensor(data, dtype=torch.long, device=self.device)  # noqa: E731
-        attention = AttentionBatch(
-            slot_mapping=tensor(slots),
-            num_decode=len(batch.decodes),
-            decode_block_tables=tensor([s.block_table + [0] * (max_blocks - len(s.block_table))
-                                        for s in batch.decodes]),
-            decode_context_lens=tensor([s.num_tokens for s in batch.decodes]),
-            prefills=chunks,
-        )
-        hidden = self.model(tensor(input_ids), tensor(positions), attention, self.kv.layers)
-        return self.model.compute_logits(hidden[tensor(sampling_rows)]), samplers
+        attention = AttentionBatch(self._tensor(slots), groups, chunks)
+        hidden = self.model(self._tensor(input_ids), self._tensor(positions), attention, self.kv.layers)
+        return self.model.compute_logits(hidden[self._tensor(sampling_rows)]), samplers
