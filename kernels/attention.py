@@ -52,13 +52,19 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """
     chunk = q.shape[0]
     context = start_pos + chunk
-    k = _gather(k_cache, block_table[None])[0, :, :context]
-    v = _gather(v_cache, block_table[None])[0, :, :context]
-    query_pos = torch.arange(start_pos, context, device=q.device)[:, None]
-    key_pos = torch.arange(context, device=q.device)[None, :]
-    mask = key_pos <= query_pos
-    if sliding_window is not None:
-        mask &= key_pos > query_pos - sliding_window
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale,
-                                         enable_gqa=k.shape[0] != q.shape[1])
-    return out.transpose(0, 1)
+    k = _gather(k_cache, block_table[None])[:, :, :context]
+    v = _gather(v_cache, block_table[None])[:, :, :context]
+    gqa = k.shape[1] != q.shape[1]
+    q = q.transpose(0, 1)[None]
+    if start_pos == 0 and sliding_window is None:  # plain causal: the fused kernel's fast path
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        query_pos = torch.arange(start_pos, context, device=q.device)[:, None]
+        key_pos = torch.arange(context, device=q.device)[None, :]
+        mask = key_pos <= query_pos
+        if sliding_window is not None:
+            mask &= key_pos > query_pos - sliding_window
+        # A 4-d mask keeps SDPA on its fused CPU kernel (a 2-d one falls back to the slow path).
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=scale,
+                                             enable_gqa=gqa)
+    return out[0].transpose(0, 1)
