@@ -94,7 +94,8 @@ class Engine:
                                   self._detokenize if self.tokenizer is not None else None)
         self.stats = EngineStats()
 
-        self._lock = threading.RLock()  # engine state: scheduler, requests in flight
+        self._lock = threading.RLock()  # engine state: scheduler, sequences; held for a step
+        self._ids_lock = threading.Lock()  # request ids in flight; never held for long
         self._inbox: queue.SimpleQueue[_RequestState | dict] = queue.SimpleQueue()
         self._outbox: queue.Queue[Completion] = queue.Queue()
         self._requests: dict[str, _RequestState | None] = {}  # None: submitted, not yet drained
@@ -123,15 +124,12 @@ class Engine:
             raise TypeError(f"request {request.id!r}: params must be SamplingParams")
         if request.params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a model with a tokenizer")
-        with self._lock:
-            if request.id in self._requests:
-                raise ValueError(f"request id {request.id!r} is already in flight")
-            self._requests[request.id] = None
+        self._reserve_id(request.id)
         timings = Timings(submitted=time.perf_counter())
         try:
             prompt_ids = self._prompt_token_ids(request)
         except InvalidPrompt as bad:
-            with self._lock:
+            with self._ids_lock:
                 del self._requests[request.id]
             self._deliver(Completion(request.id, [SampleOutput(0, [], "", "error")], 0, timings,
                                      error=str(bad)))
@@ -140,6 +138,12 @@ class Engine:
         state.seqs.append(self._new_sequence(request.id, 0, prompt_ids, request.params))
         self._inbox.put(state)
         self._wake.set()
+
+    def _reserve_id(self, request_id: str) -> None:
+        with self._ids_lock:
+            if request_id in self._requests:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            self._requests[request_id] = None
 
     def _prompt_token_ids(self, request: Request) -> list[int]:
         given = [x for x in (request.prompt, request.messages, request.prompt_token_ids) if x is not None]
@@ -276,7 +280,8 @@ class Engine:
             seq.top_logprobs if seq.params.logprobs else None)
         if len(state.outputs) == state.n:
             state.timings.finished = time.perf_counter()
-            del self._requests[seq.request_id]
+            with self._ids_lock:
+                del self._requests[seq.request_id]
             outputs = [state.outputs[i] for i in range(state.n)]
             self._deliver(Completion(state.request_id, outputs, state.prompt_tokens, state.timings))
 
@@ -317,12 +322,13 @@ class Engine:
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Submit all, wait for all; results in request order."""
+        if not requests:
+            return []
         waiter = _Waiter([r.id for r in requests])
         if len(waiter.pending) != len(requests):
             raise ValueError("request ids must be unique")
-        with self._lock:
-            for request_id in waiter.pending:
-                self._waiters[request_id] = waiter
+        for request_id in waiter.pending:
+            self._waiters[request_id] = waiter
         try:
             for request in requests:
                 self.submit(request)
@@ -332,10 +338,9 @@ class Engine:
                 else:
                     waiter.done.wait(0.1)
                     self._raise_failure()
-        finally:
-            with self._lock:
-                for request_id in waiter.pending:
-                    self._waiters.pop(request_id, None)
+        finally:  # after a failure, stop routing the rest to this waiter
+            for request_id in list(waiter.pending):
+                self._waiters.pop(request_id, None)
         return [waiter.results[r.id] for r in requests]
 
     def _step_or_stall(self) -> None:
@@ -418,7 +423,8 @@ class Engine:
         engine (same model) continues exactly where it stopped."""
         with self._lock:
             live = self._live_sequences(request_id)
-            state = self._requests.pop(request_id)
+            with self._ids_lock:
+                state = self._requests.pop(request_id)
             for seq in live:
                 self.scheduler.remove(seq)
                 seq.send(Event.MIGRATED)
@@ -428,13 +434,9 @@ class Engine:
 
     def migrate_in(self, migrated: dict) -> None:
         request_id = migrated["request_id"]
-        with self._lock:
-            if request_id in self._requests:
-                raise ValueError(f"request id {request_id!r} is already in flight")
-            state = _RequestState(request_id, migrated["prompt_tokens"], migrated["n"],
-                                  Timings(submitted=time.perf_counter()),
-                                  outputs=dict(migrated["outputs"]))
-            state.seqs = [Sequence.from_state(s, self.stop_rule) for s in migrated["sequences"]]
-            self._requests[request_id] = None
+        state = _RequestState(request_id, migrated["prompt_tokens"], migrated["n"],
+                              Timings(submitted=time.perf_counter()), outputs=dict(migrated["outputs"]))
+        state.seqs = [Sequence.from_state(s, self.stop_rule) for s in migrated["sequences"]]
+        self._reserve_id(request_id)
         self._inbox.put(state)
         self._wake.set()
