@@ -3,6 +3,7 @@ over sequence coroutines. Callers submit from any thread and collect completions
 the sequence primitives (suspend, resume, evict, migrate; fork happens for n > 1) are public."""
 
 import json
+import operator
 import queue
 import secrets
 import threading
@@ -25,6 +26,16 @@ from runtime.tokenizer import load_tokenizer
 
 class InvalidPrompt(ValueError):
     """A request the engine answers with an error completion instead of running."""
+
+
+def _token_ids(value) -> list[int] | None:
+    """A list of ints from a list/tuple of integer-likes (numpy ints too); None if it is not."""
+    if not isinstance(value, (list, tuple)) or any(isinstance(t, bool) for t in value):
+        return None
+    try:
+        return [operator.index(t) for t in value]
+    except TypeError:
+        return None
 
 
 @dataclass
@@ -129,11 +140,13 @@ class Engine:
         try:
             prompt_ids = self._prompt_token_ids(request)
         except InvalidPrompt as bad:
+            self._complete(Completion(request.id, [SampleOutput(0, [], "", "error")], 0, timings,
+                                      error=str(bad)))
+            return
+        except BaseException:
             with self._ids_lock:
                 del self._requests[request.id]
-            self._deliver(Completion(request.id, [SampleOutput(0, [], "", "error")], 0, timings,
-                                     error=str(bad)))
-            return
+            raise
         state = _RequestState(request.id, len(prompt_ids), request.params.n, timings)
         state.seqs.append(self._new_sequence(request.id, 0, prompt_ids, request.params))
         self._inbox.put(state)
@@ -150,10 +163,9 @@ class Engine:
         if len(given) != 1:
             raise InvalidPrompt("give exactly one of prompt, messages, prompt_token_ids")
         if request.prompt_token_ids is not None:
-            ids = list(request.prompt_token_ids)
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.spec.vocab_size
-                       for t in ids):
-                raise InvalidPrompt(f"prompt_token_ids must be integers in [0, {self.spec.vocab_size})")
+            ids = _token_ids(request.prompt_token_ids)
+            if ids is None or not all(0 <= t < self.spec.vocab_size for t in ids):
+                raise InvalidPrompt(f"prompt_token_ids must be a list of integers in [0, {self.spec.vocab_size})")
         elif self.tokenizer is None:
             raise InvalidPrompt("this model has no tokenizer: give prompt_token_ids")
         elif request.messages is not None:
@@ -280,10 +292,14 @@ class Engine:
             seq.top_logprobs if seq.params.logprobs else None)
         if len(state.outputs) == state.n:
             state.timings.finished = time.perf_counter()
-            with self._ids_lock:
-                del self._requests[seq.request_id]
             outputs = [state.outputs[i] for i in range(state.n)]
-            self._deliver(Completion(state.request_id, outputs, state.prompt_tokens, state.timings))
+            self._complete(Completion(state.request_id, outputs, state.prompt_tokens, state.timings))
+
+    def _complete(self, completion: Completion) -> None:
+        """Deliver and stop tracking, as one step: a collector never sees neither."""
+        with self._ids_lock:
+            del self._requests[completion.id]
+            self._deliver(completion)
 
     def _deliver(self, completion: Completion) -> None:
         waiter = self._waiters.pop(completion.id, None)
@@ -295,6 +311,10 @@ class Engine:
     # ---- collecting ----------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    def _anything_left(self) -> bool:
+        with self._ids_lock:
+            return bool(self._requests) or not self._outbox.empty()
 
     def poll(self, timeout: float | None = None) -> list[Completion]:
         """Completions finished so far (at least one unless nothing is left or the timeout
@@ -317,7 +337,7 @@ class Engine:
 
     def completions(self):
         """Iterate completions as they finish until nothing is in flight."""
-        while self.has_unfinished() or not self._outbox.empty():
+        while self._anything_left():
             yield from self.poll(timeout=0.1)
 
     def generate(self, requests: list[Request]) -> list[Completion]:
@@ -327,6 +347,10 @@ class Engine:
         waiter = _Waiter([r.id for r in requests])
         if len(waiter.pending) != len(requests):
             raise ValueError("request ids must be unique")
+        with self._ids_lock:
+            clash = [i for i in waiter.pending if i in self._requests or i in self._waiters]
+        if clash:
+            raise ValueError(f"request ids already in flight: {clash[:5]}")
         for request_id in waiter.pending:
             self._waiters[request_id] = waiter
         try:

@@ -41,7 +41,6 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Returns logits [sampling rows, vocab] and the sequence of each row."""
-        self.kv.copy_blocks(batch.block_copies)
         bs = self.block_size
         decodes = sorted(batch.decodes, key=lambda s: s.num_tokens, reverse=True)
         input_ids = [s.token_ids[-1] for s in decodes]

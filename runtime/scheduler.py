@@ -29,7 +29,6 @@ class ScheduledBatch:
     Decodes (one token each) come first, then prefill chunks."""
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +46,8 @@ class Scheduler:
             raise ValueError(f"admission must be one of {sorted(ADMISSION_ORDERS)}, got {admission!r}")
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.blocks, self.kv, self.host = blocks, kv, host
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -87,7 +88,7 @@ class Scheduler:
                 break
             if id(seq) not in scheduled and seq in self.running:
                 num = min(seq.num_uncomputed, budget)
-                if self._reserve(seq, num, batch, scheduled):
+                if self._reserve(seq, num, scheduled):
                     scheduled.add(id(seq))
                     self._place(seq, num, batch)
                     budget -= num
@@ -98,7 +99,7 @@ class Scheduler:
             self.suspended.popleft()
             self.swap_in(seq)
             num = min(seq.num_uncomputed, budget)
-            if not self._reserve(seq, num, batch, scheduled):
+            if not self._reserve(seq, num, scheduled):
                 break
             scheduled.add(id(seq))
             self._place(seq, num, batch)
@@ -119,7 +120,7 @@ class Scheduler:
             if cached:
                 seq.send(Event.PREFILLED, len(cached) * self.blocks.block_size)
             self.running.append(seq)
-            self._reserve(seq, num, batch, scheduled)
+            self._reserve(seq, num, scheduled)
             scheduled.add(id(seq))
             self._place(seq, num, batch)
             budget -= num
@@ -134,23 +135,25 @@ class Scheduler:
         else:
             batch.prefills.append((seq, num))
 
-    def _reserve(self, seq: Sequence, num: int, batch: ScheduledBatch, scheduled: set[int]) -> bool:
+    def _reserve(self, seq: Sequence, num: int, scheduled: set[int]) -> bool:
         """Make seq's block table cover `num` more tokens, preempting others (never ones already
         scheduled this step) if blocks run short. False if seq itself had to be preempted."""
         first_block = seq.num_computed // self.blocks.block_size
-        need = self.blocks.blocks_needed(seq.num_computed + num) - len(seq.block_table)
-        cow = first_block < len(seq.block_table) and self.blocks.is_shared(seq.block_table[first_block])
-        while need + cow > self.blocks.num_free:
+        while True:  # preempting a victim may also unshare seq's blocks: re-evaluate each time
+            need = self.blocks.blocks_needed(seq.num_computed + num) - len(seq.block_table)
+            cow = first_block < len(seq.block_table) and self.blocks.is_shared(seq.block_table[first_block])
+            if need + cow <= self.blocks.num_free:
+                break
             victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
             if victim is None:
                 raise RuntimeError("KV cache too small for the sequences already scheduled")
             self.preempt(victim)
             if victim is seq:
                 return False
-        if cow:  # never write into a block another sequence still reads
+        if cow:  # never write into a block another sequence still reads: copy it now
             shared = seq.block_table[first_block]
             (copy,) = self.blocks.allocate(1)
-            batch.block_copies.append((shared, copy))
+            self.kv.copy_blocks([(shared, copy)])
             self.blocks.release([shared])
             seq.block_table[first_block] = copy
         if need > 0:

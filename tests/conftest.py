@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny models of each family (built once per session) and transformers as the
+oracle on the same weights (each greedy continuation computed once per session).
+
+`pytest` alone runs the fast suite: tests marked `slow` are skipped unless a `-m` expression is
+given (`pytest -m slow`, `pytest -m "slow or not slow"`), as README.md describes."""
+
+import pytest
+import torch
+
+from tiny_models import FAMILIES, hf_greedy, hf_model, make_tiny_model
+
+# The machine is shared: one thread keeps each test process to one core.
+torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("markexpr"):
+        return
+    skip_slow = pytest.mark.skip(reason="slow: run with -m slow (or -m 'slow or not slow')")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip_slow)
+
+
+class TinyModels:
+    """Lazily builds tiny model directories; each (family, overrides) once per session."""
+
+    def __init__(self, tmp_path_factory):
+        self._factory = tmp_path_factory
+        self._dirs = {}
+        self._hf = {}
+        self._greedy = {}
+
+    def dir(self, family: str, **overrides):
+        assert family in FAMILIES, family
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in self._dirs:
+            name = "-".join([family] + [f"{k}{v}" for k, v in sorted(overrides.items())])
+            self._dirs[key] = make_tiny_model(family, self._factory.mktemp(name), **overrides)
+        return self._dirs[key]
+
+    def hf(self, family: str, **overrides):
+        directory = self.dir(family, **overrides)
+        if directory not in self._hf:
+            self._hf[directory] = hf_model(directory)
+        return self._hf[directory]
+
+    def greedy(self, family: str, prompt_ids, max_new_tokens: int, **overrides):
+        """transformers' greedy (tokens, logprobs) for this prompt, memoised."""
+        key = (self.dir(family, **overrides), tuple(prompt_ids), max_new_tokens)
+        if key not in self._greedy:
+            self._greedy[key] = hf_greedy(self.hf(family, **overrides), list(prompt_ids), max_new_tokens)
+        return self._greedy[key]
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> TinyModels:
+    return TinyModels(tmp_path_factory)

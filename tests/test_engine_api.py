@@ -1,0 +1,358 @@
+"""The engine's caller-facing API: bad prompts become error completions, submit from many
+threads with the background loop, poll / completions() / generate, timings, admission orders,
+engine-level argument checks, and a failing loop surfacing to callers."""
+
+import random
+import threading
+import time
+
+import pytest
+
+from helpers import (assert_idle_and_clean, assert_matches, greedy_requests, make_engine,
+                     random_prompt, random_prompts)
+from runtime import Engine, Request, SamplingParams
+
+FAMILY = "qwen2"
+MAX_TOKENS = 12
+
+
+def reference(tiny, prompt, max_tokens=MAX_TOKENS, **overrides):
+    return tiny.greedy(FAMILY, prompt, max_tokens, **overrides)
+
+
+# ---- bad input -----------------------------------------------------------------------------
+
+BAD = {
+    "empty": dict(prompt_token_ids=[]),
+    "context-length": dict(prompt_token_ids=list(range(3, 67))),  # 64 tokens, context 64
+    "far-too-long": dict(prompt_token_ids=[5] * 500),
+    "out-of-vocab": dict(prompt_token_ids=[5, 256, 7]),
+    "way-out-of-vocab": dict(prompt_token_ids=[10**12]),
+    "negative": dict(prompt_token_ids=[5, -1]),
+    "float": dict(prompt_token_ids=[5, 6.0]),
+    "string": dict(prompt_token_ids=[5, "6"]),
+    "bool": dict(prompt_token_ids=[5, True]),
+    "none-id": dict(prompt_token_ids=[None]),
+    "nested": dict(prompt_token_ids=[[5, 6]]),
+    "prompt-and-ids": dict(prompt="hello", prompt_token_ids=[5, 6]),
+    "nothing": dict(),
+    "text-without-tokenizer": dict(prompt="Once upon a time"),
+    "chat-without-tokenizer": dict(messages=[{"role": "user", "content": "hi"}]),
+}
+MESSAGE_WORDS = {
+    "empty": "empty", "context-length": "64", "far-too-long": "500", "out-of-vocab": "256",
+    "way-out-of-vocab": "256", "negative": "integers", "float": "integers", "string": "integers",
+    "bool": "integers", "none-id": "integers", "nested": "integers", "prompt-and-ids": "exactly one",
+    "nothing": "exactly one", "text-without-tokenizer": "tokenizer", "chat-without-tokenizer": "tokenizer",
+}
+
+
+def test_bad_prompts_become_error_completions_and_the_rest_run(tiny):
+    directory = tiny.dir(FAMILY, max_position_embeddings=64)
+    engine = make_engine(directory)
+    assert engine.max_model_len == 64
+    good = random_prompts([10, 63, 30], seed=1)  # 63 tokens: the longest prompt that fits
+    requests = []
+    for i, (name, fields) in enumerate(BAD.items()):
+        requests.append(Request(name, params=SamplingParams(max_tokens=MAX_TOKENS), **fields))
+        if i % 5 == 0:
+            requests.append(Request(f"g{i // 5}", prompt_token_ids=good[i // 5],
+                                    params=SamplingParams(max_tokens=MAX_TOKENS, logprobs=0)))
+    results = engine.generate(requests)
+    assert [c.id for c in results] == [r.id for r in requests]
+    for completion in results:
+        if completion.id.startswith("g"):
+            prompt = good[int(completion.id[1:])]
+            # The context (64) ends generation: one token for the 63-token prompt.
+            budget = min(MAX_TOKENS, 64 - len(prompt))
+            tokens, logprobs = reference(tiny, prompt, budget, max_position_embeddings=64)
+            assert_matches(completion, tokens, logprobs)
+            if len(prompt) == 63:
+                assert len(tokens) == 1 and completion.finish_reason == "length"
+            continue
+        assert completion.finish_reason == "error", completion.id
+        assert completion.error and MESSAGE_WORDS[completion.id] in completion.error, \
+            (completion.id, completion.error)
+        assert completion.token_ids == [] and completion.completion_tokens == 0
+        assert completion.text == ""
+    assert_idle_and_clean(engine)
+    # The engine is still healthy afterwards, and the ids can be used again.
+    [again] = engine.generate([Request("empty", prompt_token_ids=good[0],
+                                       params=SamplingParams(max_tokens=MAX_TOKENS))])
+    assert again.token_ids == reference(tiny, good[0], max_position_embeddings=64)[0]
+
+
+def test_non_list_prompt_token_ids_is_an_error_completion(tiny):
+    engine = make_engine(tiny.dir(FAMILY))
+    good = random_prompts([10], seed=2)[0]
+    bad, ok = engine.generate([Request("bad", prompt_token_ids=7),
+                               Request("ok", prompt_token_ids=good, params=SamplingParams(max_tokens=4))])
+    assert bad.finish_reason == "error" and bad.error
+    assert ok.token_ids == reference(tiny, good, 4)[0]
+    assert_idle_and_clean(engine)
+
+
+def test_kv_cache_bounds_the_context(tiny):
+    engine = make_engine(tiny.dir(FAMILY), num_blocks=4)
+    assert engine.max_model_len == 64
+    ok, too_long = engine.generate([
+        Request("ok", prompt_token_ids=random_prompts([60], seed=3)[0],
+                params=SamplingParams(max_tokens=50, ignore_eos=True)),
+        Request("long", prompt_token_ids=random_prompts([64], seed=3)[0])])
+    assert ok.finish_reason == "length" and len(ok.token_ids) == 4
+    assert too_long.finish_reason == "error" and "64" in too_long.error
+
+
+def test_max_model_len_bounds_the_context(tiny):
+    engine = make_engine(tiny.dir(FAMILY), max_model_len=32)
+    assert engine.max_model_len == 32
+    fits, too_long = engine.generate([
+        Request("fits", prompt_token_ids=random_prompts([31], seed=13)[0],
+                params=SamplingParams(max_tokens=10, ignore_eos=True)),
+        Request("long", prompt_token_ids=random_prompts([32], seed=13)[0])])
+    assert fits.finish_reason == "length" and len(fits.token_ids) == 1
+    assert too_long.finish_reason == "error" and "32" in too_long.error
+
+
+def test_duplicate_in_flight_id_raises(tiny):
+    engine = make_engine(tiny.dir(FAMILY))
+    prompt = random_prompts([8], seed=4)[0]
+    request = Request("a", prompt_token_ids=prompt, params=SamplingParams(max_tokens=MAX_TOKENS))
+    engine.submit(request)
+    with pytest.raises(ValueError, match="in flight"):
+        engine.submit(request)
+    with pytest.raises(ValueError, match="in flight"):
+        engine.generate([request])
+    with pytest.raises(ValueError, match="unique"):
+        engine.generate([Request("b", prompt_token_ids=prompt), Request("b", prompt_token_ids=prompt)])
+    done = []
+    while engine.has_unfinished():
+        done += engine.poll()
+    assert [c.id for c in done] == ["a"]  # exactly once, and "b" was never submitted
+    assert done[0].token_ids == reference(tiny, prompt)[0]
+    [again] = engine.generate([request])  # finished: the id is free again
+    assert again.token_ids == done[0].token_ids
+    assert_idle_and_clean(engine)
+
+
+def test_engine_argument_checks(tiny):
+    directory = tiny.dir(FAMILY)
+    with pytest.raises(ValueError, match="admission"):
+        make_engine(directory, admission="random")
+    with pytest.raises(ValueError, match="preemption"):
+        make_engine(directory, preemption="drop")
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        Engine(directory, kv_cache_bytes=1000)
+    engine = make_engine(directory)
+    with pytest.raises(ValueError, match="stop"):  # stop strings need a tokenizer
+        engine.submit(Request("s", prompt_token_ids=[5, 6], params=SamplingParams(stop=["x"])))
+    with pytest.raises(TypeError, match="SamplingParams"):
+        engine.submit(Request("p", prompt_token_ids=[5, 6], params={"max_tokens": 3}))
+    assert not engine.has_unfinished()
+
+
+# ---- collecting ----------------------------------------------------------------------------
+
+def test_concurrent_submit_with_background_loop_completes_each_request_once(tiny):
+    rng = random.Random(5)
+    per_thread = [[Request(f"t{t}-{i}", prompt_token_ids=random_prompt(rng.randint(1, 40), rng),
+                           params=SamplingParams(max_tokens=rng.randint(1, 10), logprobs=0))
+                   for i in range(25)] for t in range(4)]
+    per_thread[2][7] = Request("t2-7", prompt_token_ids=[])  # an error completion among them
+    everything = {r.id: r for requests in per_thread for r in requests}
+
+    engine = make_engine(tiny.dir(FAMILY), max_num_seqs=16).start()
+    try:
+        barrier = threading.Barrier(4)
+        errors = []
+
+        def submitter(requests):
+            try:
+                barrier.wait()
+                for request in requests:
+                    engine.submit(request)
+                    time.sleep(0.001)
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+
+        threads = [threading.Thread(target=submitter, args=(r,)) for r in per_thread]
+        for thread in threads:
+            thread.start()
+        collected = []
+        deadline = time.monotonic() + 60
+        while len(collected) < len(everything) and time.monotonic() < deadline:
+            collected += engine.poll(timeout=0.2)
+        for thread in threads:
+            thread.join()
+        assert not errors
+        time.sleep(0.1)
+        collected += engine.poll(timeout=0.1)  # nothing more may arrive
+    finally:
+        engine.stop()
+    ids = [c.id for c in collected]
+    assert len(ids) == len(set(ids)), "a request completed twice"
+    assert set(ids) == set(everything)
+    for completion in collected:
+        request = everything[completion.id]
+        if completion.id == "t2-7":
+            assert completion.finish_reason == "error"
+            continue
+        tokens, logprobs = reference(tiny, request.prompt_token_ids, request.params.max_tokens)
+        assert_matches(completion, tokens, logprobs, max_tokens=request.params.max_tokens)
+    assert_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["caller-drives", "background-loop"])
+def test_completions_iterator_yields_each_once(tiny, background):
+    prompts = random_prompts([3, 17, 40, 5], seed=6)
+    engine = make_engine(tiny.dir(FAMILY), max_num_batched_tokens=16)
+    if background:
+        engine.start()
+    try:
+        for request in greedy_requests(prompts, MAX_TOKENS):
+            engine.submit(request)
+        engine.submit(Request("bad", prompt_token_ids=[999]))
+        done = {}
+        for completion in engine.completions():
+            assert completion.id not in done
+            done[completion.id] = completion
+    finally:
+        engine.stop()
+    assert sorted(done) == ["bad", "r0", "r1", "r2", "r3"]
+    assert done["bad"].finish_reason == "error"
+    for i, prompt in enumerate(prompts):
+        assert_matches(done[f"r{i}"], *reference(tiny, prompt), max_tokens=MAX_TOKENS)
+    assert list(engine.completions()) == []
+    assert engine.poll() == []
+
+
+def test_poll_without_background_loop_runs_steps_until_something_finishes(tiny):
+    engine = make_engine(tiny.dir(FAMILY))
+    prompts = random_prompts([4, 4], seed=7)
+    for name, prompt, max_tokens in (("short", prompts[0], 2), ("long", prompts[1], 20)):
+        engine.submit(Request(name, prompt_token_ids=prompt,
+                              params=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    first = engine.poll()
+    assert [c.id for c in first] == ["short"]
+    assert engine.stats.steps == 2 and engine.has_unfinished()
+    second = engine.poll()
+    assert [c.id for c in second] == ["long"] and len(second[0].token_ids) == 20
+    assert not engine.has_unfinished()
+
+
+def test_generate_with_the_background_loop_running_and_from_two_threads(tiny):
+    prompts = random_prompts([6, 25, 50, 12], seed=8)
+    with make_engine(tiny.dir(FAMILY)) as engine:
+        assert engine._thread is not None and engine._thread.is_alive()
+        results = {}
+
+        def call(name, subset):
+            results[name] = engine.generate(greedy_requests(subset, MAX_TOKENS, prefix=name))
+
+        threads = [threading.Thread(target=call, args=(name, prompts[k::2]))
+                   for k, name in enumerate(("a", "b"))]
+        for thread in threads:
+            thread.start()
+        own = engine.generate(greedy_requests(prompts, MAX_TOKENS, prefix="c"))
+        for thread in threads:
+            thread.join()
+    assert engine._thread is None  # stopped on exit
+    assert [c.id for c in own] == ["c0", "c1", "c2", "c3"]
+    for i, completion in enumerate(own):
+        assert_matches(completion, *reference(tiny, prompts[i]), max_tokens=MAX_TOKENS)
+    for k, name in enumerate(("a", "b")):
+        assert [c.id for c in results[name]] == [f"{name}0", f"{name}1"]
+        for completion, prompt in zip(results[name], prompts[k::2]):
+            assert completion.token_ids == reference(tiny, prompt)[0]
+    assert_idle_and_clean(engine)
+
+
+def test_timings_are_ordered(tiny):
+    prompts = random_prompts([5, 60, 100, 20], seed=9)
+    engine = make_engine(tiny.dir(FAMILY), max_num_batched_tokens=32, max_num_seqs=2)
+    results = engine.generate(greedy_requests(prompts, MAX_TOKENS))
+    for completion in results:
+        t = completion.timings
+        assert None not in (t.first_scheduled, t.first_token, t.finished)
+        assert t.submitted <= t.first_scheduled <= t.first_token <= t.finished
+    long = results[2].timings  # 100 tokens at 32 per step: its first token comes steps later
+    assert long.first_scheduled < long.first_token
+    last = results[3].timings  # admitted only once a slot frees up
+    assert last.first_scheduled > results[0].timings.first_token
+
+
+def test_a_failing_loop_is_raised_to_callers_not_hung_on(tiny):
+    engine = make_engine(tiny.dir(FAMILY))
+
+    def broken(batch):
+        raise RuntimeError("kernel exploded")
+
+    engine.runner.run = broken
+    engine.start()
+    try:
+        with pytest.raises(RuntimeError, match="engine loop failed") as info:
+            engine.generate(greedy_requests(random_prompts([5], seed=10)))
+        assert "kernel exploded" in str(info.value.__cause__)
+    finally:
+        engine.stop()
+
+
+# ---- admission order ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("admission,order", [("fifo", ["a", "b", "c"]),
+                                             ("longest_first", ["b", "c", "a"]),
+                                             ("shortest_first", ["a", "c", "b"])])
+def test_admission_order(tiny, admission, order):
+    engine = make_engine(tiny.dir(FAMILY), max_num_seqs=1, admission=admission)
+    prompts = random_prompts([10, 30, 20], seed=11)
+    requests = [Request(name, prompt_token_ids=p, params=SamplingParams(max_tokens=5, ignore_eos=True))
+                for name, p in zip("abc", prompts)]
+    results = engine.generate(requests)
+    by_start = sorted(results, key=lambda c: c.timings.first_scheduled)
+    assert [c.id for c in by_start] == order
+    for completion, prompt in zip(results, prompts):
+        assert len(completion.token_ids) == 5
+
+
+def test_completions_iterator_does_not_end_before_the_last_delivery(tiny):
+    """The background loop may be descheduled between finishing a request and queueing its
+    completion; completions() must still yield it (widened here by a slow delivery)."""
+    engine = make_engine(tiny.dir(FAMILY))
+    deliver = engine._deliver
+
+    def slow_deliver(completion):
+        time.sleep(0.05)
+        deliver(completion)
+
+    engine._deliver = slow_deliver
+    engine.start()
+    try:
+        for request in greedy_requests(random_prompts([5, 10, 15], seed=12), 4, ignore_eos=True):
+            engine.submit(request)
+        ids = sorted(c.id for c in engine.completions())
+    finally:
+        engine.stop()
+    assert ids == ["r0", "r1", "r2"]
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["caller-drives", "background-loop"])
+def test_generate_of_no_requests_returns_an_empty_list(tiny, background):
+    engine = make_engine(tiny.dir(FAMILY))
+    if background:
+        engine.start()
+    outcome = []
+
+    def call():
+        try:
+            outcome.append(engine.generate([]))
+        except BaseException as error:  # noqa: BLE001 - asserted below
+            outcome.append(error)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(timeout=1.5)
+    hung = caller.is_alive()
+    engine.stop()  # also releases a hung caller (it then drives the loop itself and fails)
+    caller.join(timeout=3)
+    assert not hung, "generate([]) did not return"
+    assert outcome == [[]]

@@ -1,0 +1,242 @@
+"""Greedy output of the engine is token-exact with transformers (and logprobs within 1e-4) on
+tiny models of every supported family, also when prompts are prefilled in chunks, share cached
+prefix blocks, or are preempted (suspended to the host tier or evicted and recomputed)."""
+
+import pytest
+
+from helpers import (EOS, BatchSpy, CallCounter, assert_idle_and_clean, assert_matches,
+                     greedy_requests, make_engine, random_prompts)
+from runtime import Request, SamplingParams
+from tiny_models import FAMILIES
+
+MAX_TOKENS = 24
+# Lengths straddle block boundaries (block_size 16) and Mistral's sliding window (24).
+LENGTHS = (1, 5, 16, 17, 33, 64, 100)
+PROMPTS = random_prompts(LENGTHS, seed=0)
+
+
+def expected(tiny, family, prompt, max_tokens=MAX_TOKENS):
+    return tiny.greedy(family, prompt, max_tokens)
+
+
+def check_all(tiny, family, prompts, completions, max_tokens=MAX_TOKENS):
+    assert [c.id for c in completions] == [f"r{i}" for i in range(len(prompts))]
+    for prompt, completion in zip(prompts, completions):
+        tokens, logprobs = expected(tiny, family, prompt, max_tokens)
+        assert completion.prompt_tokens == len(prompt)
+        assert completion.completion_tokens == len(tokens)
+        assert_matches(completion, tokens, logprobs, max_tokens=max_tokens)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_matches_transformers(tiny, family):
+    engine = make_engine(tiny.dir(family))
+    completions = engine.generate(greedy_requests(PROMPTS, MAX_TOKENS))
+    check_all(tiny, family, PROMPTS, completions)
+    assert engine.stats.prefill_tokens == sum(LENGTHS)  # nothing cached in a fresh engine
+    assert engine.stats.decode_tokens == sum(c.completion_tokens - 1 for c in completions)
+    assert_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_top_logprobs_are_the_models_distribution(tiny, family):
+    prompt = PROMPTS[4]
+    engine = make_engine(tiny.dir(family))
+    [completion] = engine.generate([Request("r", prompt_token_ids=prompt,
+                                            params=SamplingParams(max_tokens=MAX_TOKENS, logprobs=3))])
+    tokens, logprobs = expected(tiny, family, prompt)
+    assert_matches(completion, tokens, logprobs)
+    top = completion.outputs[0].top_logprobs
+    assert len(top) == len(tokens)
+    for token, logprob, step_top in zip(tokens, completion.logprobs, top):
+        assert len(step_top) == 3
+        values = list(step_top.values())
+        assert values == sorted(values, reverse=True)
+        # Greedy: the chosen token is the most likely one.
+        assert next(iter(step_top)) == token
+        assert step_top[token] == pytest.approx(logprob, abs=1e-6)
+
+
+def test_logprobs_off_by_default(tiny):
+    engine = make_engine(tiny.dir("qwen2"))
+    [completion] = engine.generate([Request("r", prompt_token_ids=PROMPTS[2],
+                                            params=SamplingParams(max_tokens=5))])
+    assert completion.logprobs is None and completion.outputs[0].top_logprobs is None
+    assert completion.token_ids == expected(tiny, "qwen2", PROMPTS[2], 5)[0]
+
+
+# ---- chunked prefill -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_chunked_prefill_matches_transformers(tiny, family):
+    budget = 8
+    engine = make_engine(tiny.dir(family), max_num_batched_tokens=budget)
+    spy = BatchSpy(engine)
+    completions = engine.generate(greedy_requests(PROMPTS, MAX_TOKENS))
+    check_all(tiny, family, PROMPTS, completions)
+    assert max(step["num_tokens"] for step in spy.steps) <= budget
+    for i, length in enumerate(LENGTHS):
+        chunks = spy.prefill_chunks(f"r{i}")
+        # The chunks tile the prompt in order, each within the budget.
+        assert [start for start, _ in chunks] == [sum(n for _, n in chunks[:j]) for j in range(len(chunks))]
+        assert sum(n for _, n in chunks) == length
+        assert len(chunks) >= -(-length // budget)
+    assert_idle_and_clean(engine)
+
+
+def test_long_prompt_needs_several_steps_before_its_first_token(tiny):
+    prompt = random_prompts([40], seed=5)[0]
+    engine = make_engine(tiny.dir("mistral"), max_num_batched_tokens=8)
+    engine.submit(Request("r0", prompt_token_ids=prompt,
+                          params=SamplingParams(max_tokens=MAX_TOKENS, logprobs=0)))
+    spy = BatchSpy(engine)
+    steps = 0
+    while not spy.steps or not spy.steps[-1]["prefills"] or spy.prefill_chunks("r0")[-1][0] + 8 < 40:
+        assert engine.step()
+        steps += 1
+    assert steps == 5
+    assert engine.stats.prefill_tokens == 40 and engine.stats.decode_tokens == 0
+    assert engine.stats.steps == 5
+    done = {c.id: c for c in engine.completions()}
+    assert_matches(done["r0"], *expected(tiny, "mistral", prompt), max_tokens=MAX_TOKENS)
+    assert spy.prefill_chunks("r0") == [(0, 8), (8, 8), (16, 8), (24, 8), (32, 8)]
+
+
+# ---- prefix caching ------------------------------------------------------------------------
+
+SHARED = random_prompts([48], seed=11)[0]  # three full blocks
+SUFFIXES = random_prompts([7, 0, 16, 30], seed=12)
+PREFIXED = [SHARED + s for s in SUFFIXES]
+
+
+def cached_tokens(prompt, shared_len=48, block_size=16):
+    """Tokens of `prompt` a prefix cache holding `shared_len` tokens can serve (whole blocks,
+    always leaving one token to compute)."""
+    return min(shared_len, (len(prompt) - 1) // block_size * block_size)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "smollm"])
+def test_prefix_cache_reuses_blocks_of_a_finished_request(tiny, family):
+    engine = make_engine(tiny.dir(family))
+    match = CallCounter(engine.scheduler.blocks, "match_prefix")
+    [first] = engine.generate(greedy_requests(PREFIXED[:1], MAX_TOKENS))
+    check_all(tiny, family, PREFIXED[:1], [first])
+    before = engine.stats.prefill_tokens
+    assert before == len(PREFIXED[0])
+
+    rest = PREFIXED[1:]
+    completions = engine.generate(greedy_requests(rest, MAX_TOKENS))
+    check_all(tiny, family, rest, completions)
+    # Only the uncached tokens were computed.
+    assert engine.stats.prefill_tokens - before == sum(len(p) - cached_tokens(p) for p in rest)
+    assert len(match) == len(PREFIXED)
+    assert_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_prefix_blocks_shared_with_a_running_request(tiny, family):
+    engine = make_engine(tiny.dir(family))
+    requests = greedy_requests(PREFIXED, MAX_TOKENS)
+    engine.submit(requests[0])
+    assert engine.step()  # r0 prefilled: its three prefix blocks are now registered
+    [r0] = engine.scheduler.running
+    prefix_blocks = r0.block_table[:3]
+    for request in requests[1:]:
+        engine.submit(request)
+    assert engine.step()
+    blocks = engine.scheduler.blocks
+    others = [s for s in engine.scheduler.running if s.request_id != "r0"]
+    assert len(others) == 3
+    for seq in others:
+        n = cached_tokens(seq.token_ids[:seq.num_prompt_tokens]) // 16
+        assert seq.block_table[:n] == prefix_blocks[:n]
+    assert [blocks.ref_counts[b] for b in prefix_blocks] == [4, 4, 3]  # r1 (48 tokens) reuses 2
+    assert engine.stats.prefill_tokens == len(PREFIXED[0]) + sum(
+        len(p) - cached_tokens(p) for p in PREFIXED[1:])
+    done = {c.id: c for c in engine.completions()}
+    check_all(tiny, family, PREFIXED, [done[f"r{i}"] for i in range(len(PREFIXED))])
+    assert_idle_and_clean(engine)
+
+
+def test_prefix_caching_disabled_recomputes_everything(tiny):
+    engine = make_engine(tiny.dir("qwen2"), enable_prefix_caching=False)
+    engine.generate(greedy_requests(PREFIXED[:1], MAX_TOKENS))
+    completions = engine.generate(greedy_requests(PREFIXED[1:], MAX_TOKENS))
+    check_all(tiny, "qwen2", PREFIXED[1:], completions)
+    assert engine.stats.prefill_tokens == sum(len(p) for p in PREFIXED)
+    assert not engine.scheduler.blocks.by_hash
+
+
+# ---- preemption ----------------------------------------------------------------------------
+
+PRESSURE = random_prompts((10, 15, 20, 15, 30, 12, 14, 40, 100), seed=21)
+PRESSURE_TOKENS = 40
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("mode", ["suspend", "evict"])
+def test_preemption_under_a_tiny_kv_budget_matches_transformers(tiny, family, mode):
+    directory = tiny.dir(family)
+    # 10 blocks (160 tokens): the nine sequences need 30 blocks together.
+    engine = make_engine(directory, num_blocks=10, preemption=mode)
+    assert engine.kv.num_blocks == 10
+    preempt = CallCounter(engine.scheduler, "preempt")
+    suspend = CallCounter(engine.scheduler, "suspend")
+    evict = CallCounter(engine.scheduler, "evict")
+    completions = engine.generate(greedy_requests(PRESSURE, PRESSURE_TOKENS))
+    check_all(tiny, family, PRESSURE, completions, PRESSURE_TOKENS)
+    assert len(preempt) >= 4
+    if mode == "suspend":
+        assert len(suspend) == len(preempt) and len(evict) == 0
+    else:
+        assert len(evict) == len(preempt) and len(suspend) == 0
+    assert_idle_and_clean(engine)
+
+
+def test_suspend_preemption_falls_back_to_evict_when_the_host_tier_is_full(tiny):
+    directory = tiny.dir("qwen2")
+    engine = make_engine(directory, num_blocks=10, host_kv_bytes=0,
+                    preemption="suspend")
+    preempt = CallCounter(engine.scheduler, "preempt")
+    suspend = CallCounter(engine.scheduler, "suspend")
+    completions = engine.generate(greedy_requests(PRESSURE, PRESSURE_TOKENS))
+    check_all(tiny, "qwen2", PRESSURE, completions, PRESSURE_TOKENS)
+    assert len(preempt) >= 4 and len(suspend) == 0
+    assert_idle_and_clean(engine)
+
+
+def test_preemption_combined_with_chunked_prefill_and_prefix_sharing(tiny):
+    directory = tiny.dir("mistral")
+    prompts = PREFIXED + PRESSURE[:3]
+    engine = make_engine(directory, num_blocks=10,
+                    max_num_batched_tokens=20, preemption="suspend")
+    preempt = CallCounter(engine.scheduler, "preempt")
+    completions = engine.generate(greedy_requests(prompts, MAX_TOKENS))
+    check_all(tiny, "mistral", prompts, completions)
+    assert len(preempt) >= 1
+    assert_idle_and_clean(engine)
+
+
+def test_max_num_seqs_bounds_the_running_set(tiny):
+    engine = make_engine(tiny.dir("qwen2"), max_num_seqs=2)
+    spy = BatchSpy(engine)
+    completions = engine.generate(greedy_requests(PROMPTS, MAX_TOKENS))
+    check_all(tiny, "qwen2", PROMPTS, completions)
+    assert max(len(s["decodes"]) + len(s["prefills"]) for s in spy.steps) == 2
+    assert EOS not in PROMPTS[0]
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_other_block_sizes_with_chunks_prefix_sharing_and_preemption(tiny, block_size):
+    family = "llama"
+    prompts = PREFIXED + PROMPTS[4:]
+    engine = make_engine(tiny.dir(family), num_blocks=160 // block_size, block_size=block_size,
+                         max_num_batched_tokens=24)
+    assert engine.kv.block_size == block_size and engine.max_model_len == 160
+    preempt = CallCounter(engine.scheduler, "preempt")
+    completions = engine.generate(greedy_requests(prompts, MAX_TOKENS))
+    check_all(tiny, family, prompts, completions)
+    assert len(preempt) >= 1
+    # Preempted sequences were suspended (nothing recomputed) and cached prefix blocks reused.
+    assert engine.stats.prefill_tokens < sum(len(p) for p in prompts)
+    assert_idle_and_clean(engine)

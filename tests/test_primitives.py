@@ -1,0 +1,393 @@
+"""The sequence primitives applied mid-generation — suspend/resume, evict, migrate to another
+engine, fork (n > 1, copy-on-write) — leave every output exactly as an uninterrupted run."""
+
+import pickle
+
+import pytest
+
+from helpers import (BatchSpy, CallCounter, assert_idle_and_clean, assert_matches, collect,
+                     greedy_requests, live_sequences, make_engine, random_prompts,
+                     teacher_forced_logprobs)
+from runtime import Request, SamplingParams
+from runtime.sequence import Status
+
+MAX_TOKENS = 24
+PROMPTS = random_prompts((9, 23, 40, 70), seed=3)
+
+
+def reference(tiny, family, prompt, max_tokens=MAX_TOKENS):
+    return tiny.greedy(family, prompt, max_tokens)
+
+
+def check_greedy(tiny, family, done, prompts=PROMPTS, ids=None, max_tokens=MAX_TOKENS):
+    ids = ids if ids is not None else [f"r{i}" for i in range(len(prompts))]
+    assert sorted(done) == sorted(ids)
+    for request_id in ids:
+        prompt = prompts[int(request_id[1:])]
+        assert done[request_id].prompt_tokens == len(prompt)
+        assert_matches(done[request_id], *reference(tiny, family, prompt, max_tokens), max_tokens=max_tokens)
+
+
+def start(engine, prompts=PROMPTS, steps=6, max_tokens=MAX_TOKENS):
+    """Submit greedy requests and run a few steps: every request is decoding by then."""
+    for request in greedy_requests(prompts, max_tokens):
+        engine.submit(request)
+    for _ in range(steps):
+        assert engine.step()
+    for i in range(len(prompts)):
+        [seq] = live_sequences(engine, f"r{i}")
+        assert seq.status is Status.DECODING and 0 < seq.num_generated < max_tokens
+
+
+# ---- suspend / resume ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_suspend_holds_a_request_while_others_run_then_resume_is_exact(tiny, family):
+    engine = make_engine(tiny.dir(family))
+    start(engine)
+    suspends = CallCounter(engine.scheduler, "suspend")
+    assert engine.suspend("r2") == 1
+    assert len(suspends) == 1 and suspends.calls[0][1] == {"hold": True}
+    seq = engine.scheduler.held["r2"]
+    assert seq.status is Status.SUSPENDED and seq.block_table == []
+    assert seq.seq_id in engine.scheduler.host
+    assert engine.scheduler.host.used_blocks == 3  # 40 + 5 computed tokens
+    assert engine.suspend("r2") == 0  # already held
+    generated = seq.num_generated
+
+    spy = BatchSpy(engine)
+    decoded = engine.stats.decode_tokens
+    for _ in range(5):
+        assert engine.step()  # the others keep going
+    assert seq.num_generated == generated
+    assert all("r2" not in step["decodes"] and not step["prefills"] for step in spy.steps)
+    assert engine.stats.decode_tokens - decoded == 3 * 5
+
+    assert engine.resume("r2") == 1
+    assert engine.resume("r2") == 0
+    assert "r2" not in engine.scheduler.held
+    done = collect(engine)
+    check_greedy(tiny, family, done)
+    assert seq.counters["suspends"] == 1 and seq.counters["evictions"] == 0
+    assert_idle_and_clean(engine)
+
+
+def test_waiting_request_is_not_suspended_and_unknown_ids_raise(tiny):
+    engine = make_engine(tiny.dir("qwen2"))
+    engine.submit(greedy_requests(PROMPTS[:1])[0])
+    assert engine.suspend("r0") == 0  # not admitted yet: nothing to suspend
+    for primitive in (engine.suspend, engine.resume, engine.evict, engine.migrate_out):
+        with pytest.raises(KeyError):
+            primitive("nope")
+    done = collect(engine)
+    check_greedy(tiny, "qwen2", done, ids=["r0"])
+
+
+def test_only_held_requests_left_is_reported_not_spun_on(tiny):
+    engine = make_engine(tiny.dir("qwen2"))
+    start(engine, PROMPTS[:2], steps=3)
+    engine.suspend("r0")
+    engine.suspend("r1")
+    with pytest.raises(RuntimeError, match="resume"):
+        engine.poll()
+    engine.resume("r1")
+    engine.resume("r0")
+    check_greedy(tiny, "qwen2", collect(engine), ids=["r0", "r1"])
+    assert_idle_and_clean(engine)
+
+
+def test_suspend_during_chunked_prefill_is_exact(tiny):
+    engine = make_engine(tiny.dir("llama"), max_num_batched_tokens=16)
+    prompt = PROMPTS[3]  # 70 tokens: five chunks
+    engine.submit(greedy_requests([prompt])[0])
+    assert engine.step() and engine.step()
+    [seq] = live_sequences(engine, "r0")
+    assert seq.status is Status.PREFILLING and seq.num_computed == 32
+    assert engine.suspend("r0") == 1
+    assert engine.resume("r0") == 1
+    spy = BatchSpy(engine)
+    done = collect(engine)
+    assert spy.prefill_chunks("r0")[0] == (32, 16)  # resumed where it stopped, nothing recomputed
+    assert_matches(done["r0"], *reference(tiny, "llama", prompt), max_tokens=MAX_TOKENS)
+    assert_idle_and_clean(engine)
+
+
+def test_suspend_fails_cleanly_when_the_host_tier_is_full(tiny):
+    engine = make_engine(tiny.dir("qwen2"), host_kv_bytes=0)
+    start(engine, PROMPTS[:2], steps=2)
+    with pytest.raises(RuntimeError, match="host"):
+        engine.suspend("r1")
+    check_greedy(tiny, "qwen2", collect(engine), ids=["r0", "r1"])
+    assert_idle_and_clean(engine)
+
+
+# ---- evict ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_evict_mid_generation_recomputes_and_is_exact(tiny, family):
+    engine = make_engine(tiny.dir(family), enable_prefix_caching=False)
+    start(engine)
+    [seq] = live_sequences(engine, "r2")
+    tokens = len(seq.token_ids)
+    free = engine.scheduler.blocks.num_free
+    assert engine.evict("r2") == 1
+    assert seq.status is Status.WAITING and seq.num_computed == 0 and seq.block_table == []
+    assert engine.scheduler.blocks.num_free == free + 3  # 40 + 5 computed tokens: 3 blocks
+    assert seq in engine.scheduler.waiting
+    spy = BatchSpy(engine)
+    done = collect(engine)
+    # Recomputed from scratch: prompt and the tokens generated so far, in one chunk.
+    assert spy.prefill_chunks("r2") == [(0, tokens)]
+    check_greedy(tiny, family, done)
+    assert seq.counters["evictions"] == 1
+    assert_idle_and_clean(engine)
+
+
+def test_evict_a_held_request_then_finish_is_exact(tiny):
+    engine = make_engine(tiny.dir("qwen3"))
+    start(engine)
+    assert engine.suspend("r1") == 1
+    assert engine.evict("r1") == 1
+    assert "r1" not in engine.scheduler.held and engine.scheduler.host.used_blocks == 0
+    check_greedy(tiny, "qwen3", collect(engine))
+    assert_idle_and_clean(engine)
+
+
+def test_evict_during_chunked_prefill_is_exact(tiny):
+    engine = make_engine(tiny.dir("smollm"), max_num_batched_tokens=16)
+    prompts = PROMPTS[2:]
+    for request in greedy_requests(prompts):
+        engine.submit(request)
+    assert engine.step() and engine.step()
+    [seq] = live_sequences(engine, "r0")
+    assert seq.status is Status.PREFILLING
+    assert engine.evict("r0") == 1
+    done = collect(engine)
+    check_greedy(tiny, "smollm", done, prompts=prompts, ids=["r0", "r1"])
+    assert_idle_and_clean(engine)
+
+
+# ---- migrate -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_migrate_mid_generation_to_another_engine_is_exact(tiny, family):
+    source, target = make_engine(tiny.dir(family)), make_engine(tiny.dir(family))
+    start(source)
+    [seq] = live_sequences(source, "r2")
+    generated = list(seq.generated_ids)
+    state = pickle.loads(pickle.dumps(source.migrate_out("r2")))
+    assert state["request_id"] == "r2" and state["prompt_tokens"] == len(PROMPTS[2])
+    [exported] = state["sequences"]
+    assert exported["token_ids"] == PROMPTS[2] + generated and generated
+    assert seq.status is Status.MIGRATED
+    with pytest.raises(KeyError):
+        source.suspend("r2")
+
+    target.migrate_in(state)
+    with pytest.raises(ValueError, match="in flight"):
+        target.migrate_in(state)
+    moved = collect(target)
+    assert list(moved) == ["r2"]
+    assert moved["r2"].prompt_tokens == len(PROMPTS[2])
+    assert_matches(moved["r2"], *reference(tiny, family, PROMPTS[2]), max_tokens=MAX_TOKENS)
+
+    stayed = collect(source)
+    check_greedy(tiny, family, stayed, ids=["r0", "r1", "r3"])
+    assert_idle_and_clean(source)
+    assert_idle_and_clean(target)
+
+
+def test_migrate_a_held_request_and_one_still_prefilling(tiny):
+    source = make_engine(tiny.dir("mistral"), max_num_batched_tokens=32)
+    target = make_engine(tiny.dir("mistral"))
+    for request in greedy_requests(PROMPTS):
+        source.submit(request)
+    for _ in range(3):
+        assert source.step()
+    [r3] = live_sequences(source, "r3")
+    assert r3.status is Status.PREFILLING  # 70 tokens behind the others at 32 per step
+    assert source.suspend("r0") == 1
+    for request_id in ("r0", "r3"):
+        target.migrate_in(pickle.loads(pickle.dumps(source.migrate_out(request_id))))
+    assert source.scheduler.host.used_blocks == 0
+    check_greedy(tiny, "mistral", collect(target), ids=["r0", "r3"])
+    check_greedy(tiny, "mistral", collect(source), ids=["r1", "r2"])
+    assert_idle_and_clean(source)
+    assert_idle_and_clean(target)
+
+
+SAMPLED = SamplingParams(max_tokens=20, temperature=1.0, seed=7, n=2, logprobs=0)
+
+
+@pytest.mark.parametrize("migrate_after_steps", [1, 4, 9], ids=["while-prefilling", "after-fork", "later"])
+def test_migrate_keeps_each_samples_rng_stream(tiny, migrate_after_steps):
+    family = "qwen2"
+    prompt = PROMPTS[3]
+    others = greedy_requests(PROMPTS[:2], prefix="g")
+
+    plain = make_engine(tiny.dir(family), max_num_batched_tokens=48)
+    uninterrupted = plain.generate([Request("s", prompt_token_ids=prompt, params=SAMPLED)] + others)[0]
+    assert len(uninterrupted.outputs) == 2
+    assert uninterrupted.outputs[0].token_ids != uninterrupted.outputs[1].token_ids
+
+    source = make_engine(tiny.dir(family), max_num_batched_tokens=48)
+    target = make_engine(tiny.dir(family))
+    for request in [Request("s", prompt_token_ids=prompt, params=SAMPLED)] + others:
+        source.submit(request)
+    for _ in range(migrate_after_steps):
+        assert source.step()
+    state = pickle.loads(pickle.dumps(source.migrate_out("s")))
+    # 70 tokens at 48 per step: still one sequence after one step, forked after the second.
+    assert len(state["sequences"]) == (1 if migrate_after_steps == 1 else 2)
+    target.migrate_in(state)
+    moved = collect(target)["s"]
+    assert [o.index for o in moved.outputs] == [0, 1]
+    for got, want in zip(moved.outputs, uninterrupted.outputs):
+        assert got.token_ids == want.token_ids
+        assert got.finish_reason == want.finish_reason
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    collect(source)
+    assert_idle_and_clean(source)
+    assert_idle_and_clean(target)
+
+
+# ---- fork (n > 1) --------------------------------------------------------------------------
+
+def test_sampled_n3_gives_three_seeded_reproducible_samples(tiny):
+    engine = make_engine(tiny.dir("llama"))
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=42, n=3, ignore_eos=True)
+    [first] = engine.generate([Request("a", prompt_token_ids=PROMPTS[1], params=params)])
+    assert [o.index for o in first.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 16 and o.finish_reason == "length" for o in first.outputs)
+    assert first.completion_tokens == 48
+    assert len({tuple(o.token_ids) for o in first.outputs}) == 3
+    [again] = engine.generate([Request("a", prompt_token_ids=PROMPTS[1], params=params)])
+    fresh = make_engine(tiny.dir("llama")).generate([
+        Request("x", prompt_token_ids=PROMPTS[0], params=SamplingParams(max_tokens=5)),
+        Request("a", prompt_token_ids=PROMPTS[1], params=params)])[1]
+    for run in (again, fresh):
+        assert [o.token_ids for o in run.outputs] == [o.token_ids for o in first.outputs]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "smollm"])
+def test_greedy_n2_both_samples_equal_transformers(tiny, family):
+    engine = make_engine(tiny.dir(family))
+    [completion] = engine.generate([Request("r", prompt_token_ids=PROMPTS[2],
+                                            params=SamplingParams(max_tokens=MAX_TOKENS, n=2, logprobs=0))])
+    tokens, logprobs = reference(tiny, family, PROMPTS[2])
+    assert len(completion.outputs) == 2
+    for output in completion.outputs:
+        assert output.token_ids == tokens
+        assert output.logprobs == pytest.approx(logprobs, abs=1e-4)
+    assert_idle_and_clean(engine)
+
+
+def test_fork_shares_prompt_blocks_copy_on_write(tiny):
+    engine = make_engine(tiny.dir("qwen2"), num_blocks=64)
+    blocks = engine.scheduler.blocks
+    prompt = PROMPTS[2]  # 40 tokens: two full blocks and a partial one
+    engine.submit(Request("r", prompt_token_ids=prompt,
+                          params=SamplingParams(max_tokens=MAX_TOKENS, n=3, logprobs=0)))
+    assert engine.step()  # prefill, fork, first token of each sample
+    seqs = live_sequences(engine, "r")
+    assert [s.sample_index for s in seqs] == [0, 1, 2]
+    tables = [s.block_table for s in seqs]
+    assert tables[0] == tables[1] == tables[2] and len(tables[0]) == 3
+    assert [blocks.ref_counts[b] for b in tables[0]] == [3, 3, 3]
+    assert blocks.num_free == 64 - 3
+
+    assert engine.step()  # each sample writes position 40 into the shared partial block: copies
+    tables = [s.block_table for s in seqs]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]
+    assert [blocks.ref_counts[b] for b in tables[0][:2]] == [3, 3]
+    last = [t[2] for t in tables]
+    assert len(set(last)) == 3 and all(blocks.ref_counts[b] == 1 for b in last)
+    assert blocks.num_free == 64 - 5
+    for k_cache, v_cache in engine.kv.layers:  # the copies carry the prompt's 8 tokens of KV
+        for cache in (k_cache, v_cache):
+            assert cache[last[0], :9].equal(cache[last[1], :9])
+            assert cache[last[0], :9].equal(cache[last[2], :9])
+
+    done = collect(engine)
+    tokens, logprobs = reference(tiny, "qwen2", prompt)
+    assert [o.token_ids for o in done["r"].outputs] == [tokens] * 3
+    assert_idle_and_clean(engine)
+
+
+def test_fork_on_a_full_block_boundary_needs_no_copy(tiny):
+    engine = make_engine(tiny.dir("qwen2"), num_blocks=64)
+    prompt = random_prompts([32], seed=9)[0]
+    engine.submit(Request("r", prompt_token_ids=prompt, params=SamplingParams(max_tokens=8, n=2)))
+    engine.step()
+    engine.step()
+    a, b = live_sequences(engine, "r")
+    assert a.block_table[:2] == b.block_table[:2] and a.block_table[2] != b.block_table[2]
+    assert engine.scheduler.blocks.num_free == 64 - 4
+    done = collect(engine)
+    assert [o.token_ids for o in done["r"].outputs] == [reference(tiny, "qwen2", prompt, 8)[0]] * 2
+
+
+def test_forked_samples_under_kv_pressure_stay_exact(tiny):
+    engine = make_engine(tiny.dir("qwen2"), num_blocks=8)
+    prompts = random_prompts([20, 30], seed=13)
+    completions = engine.generate([
+        Request(f"r{i}", prompt_token_ids=p, params=SamplingParams(max_tokens=40, n=3, logprobs=0))
+        for i, p in enumerate(prompts)])
+    for prompt, completion in zip(prompts, completions):
+        tokens, logprobs = reference(tiny, "qwen2", prompt, 40)
+        for output in completion.outputs:
+            assert output.token_ids == tokens
+            assert output.logprobs == pytest.approx(logprobs, abs=1e-4)
+    assert_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("primitive", ["suspend", "evict", "migrate"])
+def test_primitives_on_a_forked_request_apply_to_every_sample(tiny, primitive):
+    family = "mistral"
+    engine = make_engine(tiny.dir(family))
+    prompt = PROMPTS[2]
+    engine.submit(Request("r", prompt_token_ids=prompt,
+                          params=SamplingParams(max_tokens=MAX_TOKENS, n=3, logprobs=0)))
+    engine.submit(greedy_requests(PROMPTS[:1])[0])
+    for _ in range(4):
+        assert engine.step()
+    assert len(live_sequences(engine, "r")) == 3
+    if primitive == "suspend":
+        assert engine.suspend("r") == 3
+        assert engine.step()  # r0 alone
+        assert engine.resume("r") == 3
+        done = collect(engine)
+    elif primitive == "evict":
+        assert engine.evict("r") == 3
+        done = collect(engine)
+    else:
+        state = pickle.loads(pickle.dumps(engine.migrate_out("r")))
+        assert len(state["sequences"]) == 3
+        target = make_engine(tiny.dir(family))
+        target.migrate_in(state)
+        done = {**collect(engine), **collect(target)}
+        assert_idle_and_clean(target)
+    tokens, logprobs = reference(tiny, family, prompt)
+    assert [o.index for o in done["r"].outputs] == [0, 1, 2]
+    for output in done["r"].outputs:
+        assert output.token_ids == tokens
+        assert output.logprobs == pytest.approx(logprobs, abs=1e-4)
+    assert_matches(done["r0"], *reference(tiny, family, PROMPTS[0]), max_tokens=MAX_TOKENS)
+    assert_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_divergent_forked_samples_are_each_consistent_with_the_model(tiny, family):
+    """Samples that share the prompt's partial block diverge from their first token: each must
+    see only its own KV (copy-on-write), so each one's logprobs equal transformers' on its own
+    text."""
+    engine = make_engine(tiny.dir(family))
+    prompt = PROMPTS[2]  # 40 tokens: the third block is shared while partly filled
+    [completion] = engine.generate([Request("r", prompt_token_ids=prompt, params=SamplingParams(
+        max_tokens=20, temperature=1.0, seed=11, n=4, logprobs=0, ignore_eos=True))])
+    samples = [o.token_ids for o in completion.outputs]
+    assert len({tuple(s) for s in samples}) == 4
+    for output in completion.outputs:
+        expected = teacher_forced_logprobs(tiny.hf(family), prompt, output.token_ids)
+        assert output.logprobs == pytest.approx(expected, abs=1e-4)
+    assert_idle_and_clean(engine)

@@ -1,0 +1,301 @@
+"""Sampling: per-sequence seeds independent of the batch, top-k / top-p / temperature as
+transformers applies them, stop conditions, ignore_eos, and validation of every parameter."""
+
+import math
+import random
+
+import pytest
+import torch
+from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
+
+from helpers import (EOS, CallCounter, assert_idle_and_clean, assert_matches, make_engine, random_prompt,
+                     random_prompts, teacher_forced_logprobs)
+from runtime import Request, SamplingParams
+from runtime.sampling import SampleRow, sample
+
+FAMILY = "llama"
+RECORD = random_prompts([37], seed=100)[0]
+RECORD_PARAMS = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=123)
+
+
+def other_requests(count: int = 31) -> list[Request]:
+    """Requests of all kinds: greedy, sampled with other seeds and settings, n = 2, stops."""
+    rng = random.Random(7)
+    requests = []
+    for i in range(count):
+        kind = i % 4
+        if kind == 0:
+            params = SamplingParams(max_tokens=rng.randint(3, 30))
+        elif kind == 1:
+            params = SamplingParams(max_tokens=rng.randint(3, 30), temperature=rng.choice([0.5, 1.0, 1.3]),
+                                    seed=rng.randrange(10_000), top_k=rng.choice([0, 5, 40]))
+        elif kind == 2:
+            params = SamplingParams(max_tokens=rng.randint(3, 30), temperature=1.0, top_p=0.7,
+                                    seed=rng.randrange(10_000), n=2)
+        else:
+            params = SamplingParams(max_tokens=rng.randint(3, 30), temperature=0.9, seed=123,
+                                    stop_token_ids=(rng.randrange(3, 256),))
+        requests.append(Request(f"o{i}", prompt_token_ids=random_prompt(rng.randint(1, 100), rng),
+                                params=params))
+    return requests
+
+
+def test_seeded_record_is_the_same_alone_or_in_a_busy_batch(tiny):
+    directory = tiny.dir(FAMILY)
+    [alone] = make_engine(directory).generate([Request("x", prompt_token_ids=RECORD, params=RECORD_PARAMS)])
+    assert len(alone.token_ids) == 20 or alone.finish_reason == "stop"
+    greedy = tiny.greedy(FAMILY, RECORD, 20)[0]
+    assert alone.token_ids != greedy  # it really sampled
+
+    others = other_requests()
+    busy = make_engine(directory, max_num_batched_tokens=96)
+    results = busy.generate(others[:16] + [Request("x", prompt_token_ids=RECORD, params=RECORD_PARAMS)]
+                            + others[16:])
+    assert results[16].id == "x"
+    assert results[16].token_ids == alone.token_ids
+    assert_idle_and_clean(busy)
+
+    # Every other seeded request too: the same as when it runs alone.
+    solo = make_engine(directory)
+    for request, in_batch in zip(others, results[:16] + results[17:]):
+        if request.params.seed is None:
+            continue
+        [by_itself] = solo.generate([request])
+        assert [o.token_ids for o in by_itself.outputs] == [o.token_ids for o in in_batch.outputs], request.id
+
+
+@pytest.mark.parametrize("mode", ["suspend", "evict"])
+def test_seeded_samples_are_unchanged_by_preemption(tiny, mode):
+    directory = tiny.dir(FAMILY)
+    rng = random.Random(8)
+    requests = [Request(f"p{i}", prompt_token_ids=random_prompt(rng.randint(5, 40), rng),
+                        params=SamplingParams(max_tokens=40, temperature=1.0, top_p=0.95, seed=i,
+                                              n=1 + i % 2, ignore_eos=True, logprobs=0)) for i in range(8)]
+    roomy = make_engine(directory).generate(requests)
+    tight = make_engine(directory, num_blocks=10, preemption=mode)
+    preempt = CallCounter(tight.scheduler, "preempt")
+    squeezed = tight.generate(requests)
+    assert len(preempt) >= 3
+    # Every sample is consistent with the model (its KV was right) ...
+    for request, completion in zip(requests, squeezed):
+        for output in completion.outputs:
+            expected = teacher_forced_logprobs(tiny.hf(FAMILY), request.prompt_token_ids, output.token_ids)
+            assert output.logprobs == pytest.approx(expected, abs=1e-4), (completion.id, output.index)
+    # ... and the same as without preemption (its RNG stream was kept).
+    for a, b in zip(roomy, squeezed):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs], a.id
+    assert_idle_and_clean(tight)
+
+
+def test_different_seeds_give_different_samples(tiny):
+    engine = make_engine(tiny.dir(FAMILY))
+    params = dict(max_tokens=20, temperature=1.5, ignore_eos=True)
+    results = engine.generate([Request(f"s{seed}", prompt_token_ids=RECORD,
+                                       params=SamplingParams(seed=seed, **params)) for seed in range(5)])
+    assert len({tuple(c.token_ids) for c in results}) == 5
+    again = engine.generate([Request("s3", prompt_token_ids=RECORD, params=SamplingParams(seed=3, **params))])
+    assert again[0].token_ids == results[3].token_ids
+    # No seed: a fresh random stream each time.
+    unseeded = engine.generate([Request(f"u{i}", prompt_token_ids=RECORD, params=SamplingParams(**params))
+                                for i in range(2)])
+    assert unseeded[0].token_ids != unseeded[1].token_ids
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0, top_k=1, seed=1),
+                                    dict(temperature=2.0, top_p=1e-6, seed=2)],
+                         ids=["top_k=1", "tiny-top_p"])
+def test_sampling_restricted_to_one_token_equals_greedy(tiny, params):
+    prompts = random_prompts([5, 33], seed=101)
+    engine = make_engine(tiny.dir(FAMILY))
+    results = engine.generate([Request(f"r{i}", prompt_token_ids=p,
+                                       params=SamplingParams(max_tokens=24, logprobs=0, **params))
+                               for i, p in enumerate(prompts)])
+    for prompt, completion in zip(prompts, results):
+        assert_matches(completion, *tiny.greedy(FAMILY, prompt, 24), max_tokens=24)
+
+
+# ---- the sampler's distribution -------------------------------------------------------------
+
+def sampled_distribution(logits: torch.Tensor, params: SamplingParams, monkeypatch) -> torch.Tensor:
+    """The probabilities the sampler draws from (captured at torch.multinomial)."""
+    seen = []
+    real = torch.multinomial
+
+    def capture(probs, num_samples, *args, **kwargs):
+        seen.append(probs.detach().clone())
+        return real(probs, num_samples, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "multinomial", capture)
+    sample(logits[None], [SampleRow(params, torch.Generator().manual_seed(0))])
+    monkeypatch.setattr(torch, "multinomial", real)
+    [probs] = seen
+    return probs
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 20, 1.0),
+                                                     (1.0, 0, 0.6), (0.8, 50, 0.9), (1.5, 5, 0.3)])
+def test_filtered_distribution_matches_transformers_warpers(monkeypatch, temperature, top_k, top_p):
+    logits = torch.randn(256, generator=torch.Generator().manual_seed(3)) * 3
+    probs = sampled_distribution(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+                                 monkeypatch)
+    scores = TemperatureLogitsWarper(temperature)(None, logits[None].clone())
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    expected = scores.softmax(-1)[0]
+    assert torch.equal(probs > 0, expected > 0)
+    assert torch.allclose(probs, expected, atol=1e-6)
+    if top_k:
+        assert int((probs > 0).sum()) <= top_k
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    counts = torch.zeros(4)
+    generator = torch.Generator().manual_seed(0)
+    for top_p, allowed in ((0.5, {0}), (0.79, {0, 1}), (0.81, {0, 1, 2}), (1.0, {0, 1, 2, 3})):
+        params = SamplingParams(temperature=1.0, top_p=top_p)
+        draws = [sample(logits[None], [SampleRow(params, generator)])[0].token_id for _ in range(400)]
+        assert set(draws) == allowed, top_p
+        if top_p == 1.0:
+            counts += torch.bincount(torch.tensor(draws), minlength=4)
+    frequencies = counts / counts.sum()
+    assert torch.allclose(frequencies, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.07)
+
+
+def test_sampled_logprobs_are_of_the_unprocessed_distribution():
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=0.5, top_k=3, seed=0, logprobs=2)
+    rows = [SampleRow(params, torch.Generator().manual_seed(i)) for i in range(2)]
+    for row, token in enumerate(sample(logits, rows)):
+        expected = torch.log_softmax(logits[row], -1)
+        assert token.token_id in logits[row].topk(3).indices.tolist()
+        assert token.logprob == pytest.approx(expected[token.token_id].item(), abs=1e-6)
+        top = expected.topk(2)
+        assert token.top_logprobs == pytest.approx(dict(zip(top.indices.tolist(), top.values.tolist())))
+
+
+# ---- stop conditions ------------------------------------------------------------------------
+
+def no_eos_prompt(tiny, max_tokens, seed=200):
+    """A prompt whose greedy continuation does not emit eos within max_tokens."""
+    rng = random.Random(seed)
+    for _ in range(20):
+        prompt = random_prompt(rng.randint(5, 40), rng)
+        tokens, _ = tiny.greedy(FAMILY, prompt, max_tokens)
+        if len(tokens) == max_tokens and EOS not in tokens:
+            return prompt, tokens
+    pytest.fail("no prompt without eos found")
+
+
+def test_stop_token_ids_end_generation_on_that_token(tiny):
+    prompt, tokens = no_eos_prompt(tiny, 24)
+    index = next(i for i in range(4, 24) if tokens[i] not in tokens[:i])
+    later = next(i for i in range(index + 1, 24) if tokens[i] not in tokens[:i])
+    engine = make_engine(tiny.dir(FAMILY))
+    first, both, sampled = engine.generate([
+        Request("a", prompt_token_ids=prompt,
+                params=SamplingParams(max_tokens=24, stop_token_ids=[tokens[index]])),
+        Request("b", prompt_token_ids=prompt,
+                params=SamplingParams(max_tokens=24, stop_token_ids=(tokens[later], tokens[index]))),
+        Request("c", prompt_token_ids=prompt, params=SamplingParams(max_tokens=24, temperature=1.0, top_k=1,
+                                                                   seed=4, stop_token_ids=[tokens[index]]))])
+    for completion in (first, both, sampled):
+        assert completion.finish_reason == "stop"
+        assert completion.token_ids == tokens[:index + 1]
+        assert completion.token_ids[-1] == tokens[index]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 7, 30])
+def test_max_tokens_gives_exactly_that_many_and_length(tiny, max_tokens):
+    prompt, tokens = no_eos_prompt(tiny, 30)
+    engine = make_engine(tiny.dir(FAMILY))
+    greedy, sampled = engine.generate([
+        Request("g", prompt_token_ids=prompt, params=SamplingParams(max_tokens=max_tokens)),
+        Request("s", prompt_token_ids=prompt, params=SamplingParams(max_tokens=max_tokens, temperature=1.0,
+                                                                   seed=1, ignore_eos=True))])
+    assert greedy.token_ids == tokens[:max_tokens] and greedy.finish_reason == "length"
+    assert len(sampled.token_ids) == max_tokens and sampled.finish_reason == "length"
+    assert greedy.completion_tokens == max_tokens
+
+
+def test_context_length_ends_generation(tiny):
+    directory = tiny.dir("qwen2", max_position_embeddings=64)
+    engine = make_engine(directory)
+    assert engine.max_model_len == 64
+    prompts = random_prompts([50, 63], seed=300)
+    a, b = engine.generate([Request(f"r{i}", prompt_token_ids=p,
+                                    params=SamplingParams(max_tokens=100, ignore_eos=True))
+                            for i, p in enumerate(prompts)])
+    assert len(a.token_ids) == 14 and a.finish_reason == "length"
+    assert len(b.token_ids) == 1 and b.finish_reason == "length"
+
+
+def eos_prompt(tiny, family="qwen3", max_tokens=24):
+    """A prompt whose greedy continuation emits eos well before max_tokens."""
+    rng = random.Random(400)
+    for _ in range(40):
+        prompt = random_prompt(rng.randint(1, 40), rng)
+        tokens, _ = tiny.greedy(family, prompt, max_tokens)
+        if len(tokens) <= max_tokens - 4:
+            return prompt, tokens
+    pytest.fail("no prompt whose greedy continuation stops early found")
+
+
+@torch.inference_mode()
+def hf_greedy_ignoring_eos(model, prompt, max_new_tokens):
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                         eos_token_id=[], pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+def test_ignore_eos_keeps_generating_past_eos(tiny):
+    family = "qwen3"
+    prompt, tokens = eos_prompt(tiny, family)
+    assert tokens[-1] == EOS
+    engine = make_engine(tiny.dir(family))
+    stops, ignores = engine.generate([
+        Request("stop", prompt_token_ids=prompt, params=SamplingParams(max_tokens=24, logprobs=0)),
+        Request("go", prompt_token_ids=prompt,
+                params=SamplingParams(max_tokens=24, ignore_eos=True, logprobs=0))])
+    assert stops.token_ids == tokens and stops.finish_reason == "stop"
+    assert ignores.finish_reason == "length" and len(ignores.token_ids) == 24
+    assert ignores.token_ids[:len(tokens)] == tokens
+    assert_matches(ignores, *hf_greedy_ignoring_eos(tiny.hf(family), prompt, 24))
+
+
+# ---- validation -----------------------------------------------------------------------------
+
+INVALID = [
+    ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", True), ("max_tokens", None),
+    ("max_tokens", "8"),
+    ("temperature", -1), ("temperature", math.nan), ("temperature", math.inf), ("temperature", "hot"),
+    ("temperature", None), ("temperature", True),
+    ("top_p", 0), ("top_p", 1.5), ("top_p", -0.1), ("top_p", math.nan), ("top_p", "all"),
+    ("top_k", -1), ("top_k", 2.5), ("top_k", True),
+    ("seed", -1), ("seed", 1.5), ("seed", "7"),
+    ("n", 0), ("n", -2), ("n", 2.0),
+    ("logprobs", -1), ("logprobs", 1.5), ("logprobs", True),
+    ("stop", [""]), ("stop", ""), ("stop", [3]), ("stop", ["ok", None]),
+    ("stop_token_ids", [-1]), ("stop_token_ids", [1.5]), ("stop_token_ids", ["2"]),
+    ("ignore_eos", "yes"), ("ignore_eos", 1),
+]
+
+
+@pytest.mark.parametrize("field,value", INVALID, ids=[f"{f}={v!r}" for f, v in INVALID])
+def test_invalid_sampling_values_raise_value_error_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_valid_edge_values_are_accepted_and_normalised():
+    params = SamplingParams(max_tokens=1, temperature=0, top_p=1, top_k=0, seed=0, n=1, logprobs=0,
+                            stop="END", stop_token_ids=[5, 6])
+    assert params.stop == ("END",) and params.stop_token_ids == (5, 6)
+    assert params.greedy
+    assert not SamplingParams(temperature=1e-3).greedy
+    hash(SamplingParams(stop=["a", "b"]))  # lists normalised: hashable
