@@ -45,3 +45,34 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     logprobs = [torch.log_softmax(step_logits[0].float(), -1)[t].item()
                 for step_logits, t in zip(out.logits, tokens)]
     return tokens, logprobs
+
+
+def make_tiny_tokenizer(directory: Path, vocab_size: int = 384):
+    """A byte-level BPE trained on the bundled prompts, with a ChatML template like SmolLM2's:
+    enough for text prompts, chat messages and stop strings on tiny models, with no download."""
+    import json as _json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    prompts_file = Path(__file__).resolve().parent.parent / "batchgen_beam" / "data" / "prompts.jsonl"
+    texts = [_json.loads(line)["prompt"] for line in prompts_file.read_text(encoding="utf-8").splitlines()]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                          "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast.save_pretrained(directory)
+    return fast
+
+
+def make_tiny_chat_model(family: str, directory: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny model with a real tokenizer and chat template (ids: pad 0, bos 1, eos 2)."""
+    tokenizer = make_tiny_tokenizer(directory)
+    return make_tiny_model(family, directory, seed=seed, vocab_size=len(tokenizer), **overrides)

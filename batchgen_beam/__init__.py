@@ -1,0 +1,1 @@
+"""The Beam face of batchgen: records in, generation through the engine, output rows out."""

@@ -1,0 +1,405 @@
+"""Input records → engine requests, and completions → output rows (DESIGN.md §5).
+
+Pure Python: no Beam, no model math. A problem with a record never raises: it becomes a
+`Rejected` (then an error row) whose message starts with the field at fault, e.g.
+"temperature: must be a finite number, got 'hot'". A mistake of the caller (bad transform-wide
+defaults) raises ValueError instead, since it would reject every record.
+
+`parse_record` accepts:
+- a mapping in our format: `id`, `prompt` or `messages`, optional sampling fields
+  (`SAMPLING_FIELDS`); every other key passes through to the output row untouched;
+- a mapping in the OpenAI Batch API format (`custom_id`, `method`, `url`, `body`);
+- a JSON line (str, or bytes in UTF-8) holding either of those;
+- with `fallback_id`: a bare prompt (str or bytes), as from a text file, which has no ids.
+
+Choices:
+- An integer id (BigQuery / Parquet keys often are) becomes str(id); bools, floats and empty or
+  blank strings are rejected.
+- A field that is None counts as absent, so a column that is null in some rows means "use the
+  default" there. The flip side: a record cannot switch a default seed or logprobs back off.
+- OpenAI body keys: harmless ones (`model`, `user`, ...) are ignored; keys that would change the
+  output (`tools`, `response_format`, penalties, ...) are accepted only at their no-op value;
+  any other key is rejected, naming it, rather than silently not honoured.
+- Passthrough values that JSON cannot hold (dates, decimals from Parquet or BigQuery) are
+  written as their str() in output rows rather than failing the pipeline.
+"""
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from runtime.request import Completion, Request, Timings
+from runtime.sampling import SamplingParams
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                   "n", "logprobs", "ignore_eos")
+ROLES = ("system", "user", "assistant")
+RAW_PREVIEW_CHARS = 200
+
+_NATIVE_KEYS = {"id", "prompt", "messages", *SAMPLING_FIELDS}
+_OPENAI_KEYS = {"custom_id", "method", "url", "body"}
+# Per endpoint: the body key holding the input, and the endpoint-specific keys we understand.
+_OPENAI_URLS = {
+    "/v1/chat/completions": ("messages", {"messages", "max_tokens", "max_completion_tokens",
+                                          "logprobs", "top_logprobs"}),
+    "/v1/completions": ("prompt", {"prompt", "max_tokens", "logprobs"}),
+}
+# Body keys that map one to one onto ours; top_k, stop_token_ids and ignore_eos are vLLM's
+# extensions of the API, so files written for vLLM work too.
+_OPENAI_SAMPLING = {"temperature", "top_p", "seed", "stop", "n", "top_k", "stop_token_ids",
+                    "ignore_eos"}
+# Body keys that do not affect the generated text.
+_OPENAI_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
+                   "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
+# Body keys we cannot honour, accepted only at the value that makes them a no-op.
+_OPENAI_NO_OP = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "echo": False,
+                 "best_of": 1, "suffix": "", "stream": False, "tools": [], "tool_choice": "none",
+                 "response_format": {"type": "text"}, "modalities": ["text"]}
+
+
+@dataclass
+class Parsed:
+    """A valid record, ready for the engine."""
+    id: str
+    prompt: str | None
+    messages: list[dict] | None
+    params: SamplingParams
+    passthrough: dict = field(default_factory=dict)
+
+    def to_request(self) -> Request:
+        return Request(self.id, prompt=self.prompt, messages=self.messages, params=self.params)
+
+
+@dataclass
+class Rejected:
+    """A record that cannot run; it becomes an error row. `id` is None when none was found."""
+    id: str | None
+    error: str
+    passthrough: dict = field(default_factory=dict)
+
+
+class _Invalid(Exception):
+    """One record's problem; the message starts with the field at fault."""
+
+
+# ---- Input ----
+
+def parse_record(raw: Any, defaults: Mapping[str, Any] | None = None,
+                 fallback_id: str | None = None) -> Parsed | Rejected:
+    """Validate and normalise one input record. `defaults` are transform-wide sampling fields that
+    the record's own fields override. `fallback_id` is the id of a bare-string prompt: when it is
+    given, a str or bytes `raw` is the prompt itself, not a JSON line (mappings ignore it)."""
+    base = check_defaults(defaults)
+    try:
+        record = _to_mapping(raw, fallback_id)
+    except _Invalid as bad:
+        return Rejected(None, str(bad), {"raw": _preview(raw)})
+    return _parse_mapping(record, base)
+
+
+def check_defaults(defaults: Mapping[str, Any] | None) -> dict:
+    """The sampling fields `defaults` sets (None = not set), checked. Raises ValueError: a bad
+    default is the caller's mistake. Transforms call this at construction to fail early."""
+    defaults = dict(defaults or {})
+    unknown = sorted(set(defaults) - set(SAMPLING_FIELDS))
+    if unknown:
+        raise ValueError(f"defaults: unknown sampling fields {unknown}; "
+                         f"known: {', '.join(SAMPLING_FIELDS)}")
+    try:
+        given = _sampling_fields(defaults)
+        SamplingParams(**given)
+    except (_Invalid, ValueError) as exc:
+        raise ValueError(f"defaults: {_field_message(exc)}") from None
+    return given
+
+
+def _to_mapping(raw: Any, fallback_id: str | None) -> Mapping:
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _Invalid(f"record: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    if isinstance(raw, str):
+        if fallback_id is not None:
+            return {"id": fallback_id, "prompt": raw}
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise _Invalid(f"record: invalid JSON ({exc})") from None
+    if not isinstance(raw, Mapping):
+        raise _Invalid(f"record: must be an object with an id and a prompt or messages, "
+                       f"got {_type_name(raw)}")
+    return raw
+
+
+def _preview(raw: Any) -> str:
+    if isinstance(raw, bytes):
+        return raw[:RAW_PREVIEW_CHARS].decode("utf-8", "backslashreplace")
+    return (raw if isinstance(raw, str) else repr(raw))[:RAW_PREVIEW_CHARS]
+
+
+def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
+    # A record of ours must have an id, which OpenAI lines never have at the top level; checking
+    # for it lets our records carry a passthrough field named "body".
+    openai = "custom_id" in record or ("body" in record and "id" not in record)
+    id_key, consumed = ("custom_id", _OPENAI_KEYS) if openai else ("id", _NATIVE_KEYS)
+    passthrough = {k: v for k, v in record.items() if k not in consumed}
+    record_id = None
+    try:
+        record_id = _check_id(record.get(id_key), id_key)
+        fields = _openai_fields(record) if openai else record
+        prompt, messages = _check_prompt(fields)
+        params = _params(fields, base)
+    except _Invalid as bad:
+        return Rejected(record_id, str(bad), passthrough)
+    return Parsed(record_id, prompt, messages, params, passthrough)
+
+
+def _check_id(value: Any, key: str) -> str:
+    if value is None:
+        raise _Invalid(f"{key}: missing (every record needs a unique id)")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str):
+        raise _Invalid(f"{key}: must be a string, got {_type_name(value)}")
+    if not value.strip():
+        raise _Invalid(f"{key}: must not be empty")
+    return value
+
+
+def _check_prompt(fields: Mapping) -> tuple[str | None, list[dict] | None]:
+    prompt, messages = fields.get("prompt"), fields.get("messages")
+    if prompt is None and messages is None:
+        raise _Invalid("prompt: missing (give prompt, a string, or messages, a chat list)")
+    if prompt is not None and messages is not None:
+        raise _Invalid("prompt, messages: give one of them, not both")
+    if messages is not None:
+        return None, _check_messages(messages)
+    if not isinstance(prompt, str):
+        raise _Invalid(f"prompt: must be a string, got {_type_name(prompt)}")
+    if not prompt.strip():
+        raise _Invalid("prompt: must not be empty or only whitespace")
+    return prompt, None
+
+
+def _check_messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, (list, tuple)):
+        raise _Invalid(f"messages: must be a list of {{role, content}} objects, "
+                       f"got {_type_name(messages)}")
+    if not messages:
+        raise _Invalid("messages: must not be empty")
+    return [_check_message(f"messages[{i}]", m) for i, m in enumerate(messages)]
+
+
+def _check_message(where: str, message: Any) -> dict:
+    if not isinstance(message, Mapping):
+        raise _Invalid(f"{where}: must be an object with role and content, "
+                       f"got {_type_name(message)}")
+    role, content = message.get("role"), message.get("content")
+    if role is None:
+        raise _Invalid(f"{where}.role: missing")
+    if role not in ROLES:
+        raise _Invalid(f"{where}.role: must be one of {', '.join(ROLES)}, got {_show(role)}")
+    if content is None:
+        raise _Invalid(f"{where}.content: missing")
+    if not isinstance(content, str):
+        raise _Invalid(f"{where}.content: must be a string, got {_type_name(content)}")
+    # Keys like "name" or "tool_calls" mean something we would silently drop.
+    extra = [k for k, v in message.items() if k not in ("role", "content") and v is not None]
+    if extra:
+        raise _Invalid(f"{where}.{extra[0]}: not supported (a message has only role and content)")
+    return {"role": role, "content": content}
+
+
+def _params(fields: Mapping, base: dict) -> SamplingParams:
+    try:
+        return SamplingParams(**{**base, **_sampling_fields(fields)})
+    except ValueError as exc:
+        raise _Invalid(_field_message(exc)) from None
+
+
+def _sampling_fields(fields: Mapping) -> dict:
+    """The sampling fields that `fields` sets; None means not set."""
+    given = {k: fields[k] for k in SAMPLING_FIELDS if fields.get(k) is not None}
+    # SamplingParams would iterate any iterable here: a dict's keys, a string's characters.
+    if not isinstance(given.get("stop", ""), (str, list, tuple)):
+        raise _Invalid(f"stop: must be a string or a list of strings, "
+                       f"got {_type_name(given['stop'])}")
+    if not isinstance(given.get("stop_token_ids", []), (list, tuple)):
+        raise _Invalid(f"stop_token_ids: must be a list of integers, "
+                       f"got {_type_name(given['stop_token_ids'])}")
+    return given
+
+
+def _field_message(exc: Exception) -> str:
+    """SamplingParams says "top_p must be ..."; make it "top_p: must be ..." like ours."""
+    name, sep, rest = str(exc).partition(" must ")
+    return f"{name}: must {rest}" if sep and name in SAMPLING_FIELDS else str(exc)
+
+
+def _openai_fields(record: Mapping) -> dict:
+    """An OpenAI Batch API line's request, as the fields of one of our records."""
+    if record.get("method") != "POST":
+        raise _Invalid(f"method: must be \"POST\", got {_show(record.get('method'))}")
+    url = record.get("url")
+    if not isinstance(url, str) or url not in _OPENAI_URLS:
+        raise _Invalid(f"url: must be one of {', '.join(_OPENAI_URLS)}, got {_show(url)}")
+    body = record.get("body")
+    if not isinstance(body, Mapping):
+        raise _Invalid(f"body: must be an object, got {_type_name(body)}")
+    input_key, endpoint_keys = _OPENAI_URLS[url]
+    if body.get(input_key) is None:
+        raise _Invalid(f"body.{input_key}: missing (required by {url})")
+    given = {k: v for k, v in body.items() if v is not None and k not in _OPENAI_IGNORED}
+    for key, value in given.items():
+        if key in _OPENAI_NO_OP:
+            if value != _OPENAI_NO_OP[key]:
+                raise _Invalid(f"body.{key}: not supported (only {_OPENAI_NO_OP[key]!r} is), "
+                               f"got {_show(value)}")
+        elif key not in endpoint_keys and key not in _OPENAI_SAMPLING:
+            raise _Invalid(f"body.{key}: not supported for {url}")
+    fields = {k: v for k, v in given.items() if k in _OPENAI_SAMPLING}
+    fields[input_key] = given[input_key]
+    fields["max_tokens"] = _openai_max_tokens(given)
+    fields["logprobs"] = _chat_logprobs(given) if input_key == "messages" else given.get("logprobs")
+    return fields
+
+
+def _openai_max_tokens(body: dict) -> Any:
+    # Chat has both names (max_tokens is the deprecated one); tools often write both, equal.
+    values = [body[k] for k in ("max_completion_tokens", "max_tokens") if k in body]
+    if len(values) == 2 and values[0] != values[1]:
+        raise _Invalid(f"body.max_completion_tokens, body.max_tokens: differ "
+                       f"({_show(values[0])} and {_show(values[1])}); give one")
+    return values[0] if values else None
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's logprobs=true (+ top_logprobs=k) is our logprobs=k (0 without top_logprobs)."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise _Invalid(f"body.logprobs: must be true or false for chat, got {_show(wanted)}")
+    if top is not None and not wanted:
+        raise _Invalid("body.top_logprobs: needs logprobs: true")
+    if not wanted:
+        return None
+    return 0 if top is None else top
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """A value quoted in a message, cut short: it may be a whole tool schema or document."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# ---- Output ----
+
+def completion_row(parsed: Parsed, completion: Completion) -> dict:
+    """The output row of a record the engine answered (an engine error included)."""
+    if completion.error is not None or completion.finish_reason == "error":
+        return _row(parsed.id, parsed.passthrough, prompt_tokens=completion.prompt_tokens,
+                    error=completion.error or "the engine failed without a message",
+                    timings=completion.timings)
+    first = completion.outputs[0]
+    samples = None
+    if parsed.params.n > 1:
+        samples = [{"text": o.text, "token_ids": list(o.token_ids),
+                    "finish_reason": o.finish_reason} for o in completion.outputs[1:]]
+    return _row(parsed.id, parsed.passthrough, text=first.text, token_ids=first.token_ids,
+                finish_reason=first.finish_reason, prompt_tokens=completion.prompt_tokens,
+                completion_tokens=completion.completion_tokens, samples=samples,
+                logprobs=None if first.logprobs is None else list(first.logprobs),
+                timings=completion.timings)
+
+
+def error_row(rejected_or_id: Rejected | str | None, message: str | None = None,
+              passthrough: Mapping | None = None) -> dict:
+    """The output row of a record that did not run: from a Rejected (whose message and
+    passthrough the arguments may replace), or from an id and a message."""
+    if isinstance(rejected_or_id, Rejected):
+        rejected = rejected_or_id
+        return _row(rejected.id, rejected.passthrough if passthrough is None else passthrough,
+                    error=message or rejected.error)
+    if message is None:
+        raise TypeError("error_row: a message is required unless a Rejected is given")
+    return _row(rejected_or_id, passthrough, error=message)
+
+
+def _row(id: str | None, passthrough: Mapping | None, *, text: str | None = None,
+         token_ids: Sequence[int] = (), finish_reason: str = "error", prompt_tokens: int = 0,
+         completion_tokens: int = 0, error: str | None = None, samples: list[dict] | None = None,
+         logprobs: list[float] | None = None, timings: Timings | None = None) -> dict:
+    return {"id": id, "text": text, "token_ids": list(token_ids), "finish_reason": finish_reason,
+            "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "error": error, "samples": samples, "logprobs": logprobs, **_durations(timings),
+            "passthrough": dict(passthrough or {})}
+
+
+def _durations(timings: Timings | None) -> dict:
+    """Seconds from submission to first scheduling, to the first token and to the end."""
+    if timings is None:
+        return {"queue_s": None, "first_token_s": None, "total_s": None}
+
+    def since_submitted(moment: float | None) -> float | None:
+        return None if moment is None else moment - timings.submitted
+
+    return {"queue_s": since_submitted(timings.first_scheduled),
+            "first_token_s": since_submitted(timings.first_token),
+            "total_s": since_submitted(timings.finished)}
+
+
+_SAMPLE = pa.struct([("text", pa.string()), ("token_ids", pa.list_(pa.int32())),
+                     ("finish_reason", pa.string())])
+OUTPUT_SCHEMA = pa.schema([
+    pa.field("id", pa.string()),
+    pa.field("text", pa.string()),
+    pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("finish_reason", pa.string(), nullable=False),
+    pa.field("prompt_tokens", pa.int64(), nullable=False),
+    pa.field("completion_tokens", pa.int64(), nullable=False),
+    pa.field("error", pa.string()),
+    pa.field("samples", pa.list_(_SAMPLE)),
+    pa.field("logprobs", pa.list_(pa.float64())),
+    pa.field("queue_s", pa.float64()),
+    pa.field("first_token_s", pa.float64()),
+    pa.field("total_s", pa.float64()),
+    # JSON text: passthrough fields differ from record to record, a column type cannot.
+    pa.field("passthrough", pa.string(), nullable=False),
+])
+
+
+def row_to_arrow_dict(row: dict) -> dict:
+    """A row as OUTPUT_SCHEMA holds it (what Parquet writers take one record at a time)."""
+    return {**row, "passthrough": _dumps(row["passthrough"])}
+
+
+def row_from_arrow_dict(record: dict) -> dict:
+    return {**record, "passthrough": json.loads(record["passthrough"])}
+
+
+def rows_to_arrow(rows: list[dict]) -> pa.Table:
+    return pa.Table.from_pylist([row_to_arrow_dict(r) for r in rows], schema=OUTPUT_SCHEMA)
+
+
+def arrow_to_rows(table: pa.Table) -> list[dict]:
+    return [row_from_arrow_dict(r) for r in table.to_pylist()]
+
+
+def row_to_json(row: dict) -> str:
+    """One JSONL line; passthrough stays a nested object."""
+    return _dumps(row)
+
+
+def row_from_json(line: str | bytes) -> dict:
+    return json.loads(line)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, default=str)

@@ -1,0 +1,415 @@
+"""Records: every kind of bad record becomes a Rejected that names the problem, defaults and
+per-record fields combine as documented, OpenAI Batch API lines map onto our fields, and output
+rows survive Parquet and JSONL round trips unchanged."""
+
+import datetime
+import json
+import math
+
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen_beam.records import (OUTPUT_SCHEMA, Parsed, Rejected, arrow_to_rows, check_defaults,
+                                   completion_row, error_row, parse_record, row_from_json,
+                                   row_to_json, rows_to_arrow)
+from runtime.request import Completion, Request, SampleOutput, Timings
+from runtime.sampling import SamplingParams
+
+ROW_KEYS = ["id", "text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens",
+            "error", "samples", "logprobs", "queue_s", "first_token_s", "total_s", "passthrough"]
+
+
+def rec(**fields):
+    return {"id": "r1", "prompt": "Hello", **fields}
+
+
+def chat_line(body=None, **top):
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Hi"}],
+            **(body or {})}
+    return {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions", "body": body,
+            **top}
+
+
+def completions_line(**body):
+    return {"custom_id": "c2", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "m", "prompt": "Once", **body}}
+
+
+# (raw input, the Rejected's id, fragments its message must contain)
+BAD_RECORDS = {
+    # Lines that are not records at all.
+    "undecodable bytes": (b'{"id": "a", "prompt": "caf\xe9"}', None, ["not valid UTF-8"]),
+    "invalid JSON": ('{"id": "a", "prompt": ', None, ["invalid JSON"]),
+    "empty line": ("", None, ["invalid JSON"]),
+    "JSON array": ('[{"id": "a"}]', None, ["must be an object", "got list"]),
+    "JSON null": ("null", None, ["must be an object", "got null"]),
+    "not a mapping": (42, None, ["must be an object", "got int"]),
+    # Ids.
+    "missing id": ({"prompt": "Hi"}, None, ["id: missing"]),
+    "null id": ({"id": None, "prompt": "Hi"}, None, ["id: missing"]),
+    "float id": (rec(id=1.5), None, ["id: must be a string", "got float"]),
+    "bool id": (rec(id=True), None, ["id: must be a string", "got bool"]),
+    "list id": (rec(id=["a"]), None, ["id: must be a string", "got list"]),
+    "empty id": (rec(id=""), None, ["id: must not be empty"]),
+    "blank id": (rec(id="  "), None, ["id: must not be empty"]),
+    # Prompts.
+    "no prompt or messages": ({"id": "r1"}, "r1", ["prompt: missing", "messages"]),
+    "prompt and messages": (rec(messages=[{"role": "user", "content": "Hi"}]), "r1",
+                            ["prompt, messages", "not both"]),
+    "empty prompt": (rec(prompt=""), "r1", ["prompt: must not be empty"]),
+    "whitespace prompt": (rec(prompt=" \n\t"), "r1", ["prompt: must not be empty"]),
+    "int prompt": (rec(prompt=7), "r1", ["prompt: must be a string", "got int"]),
+    "list prompt": (rec(prompt=["a", "b"]), "r1", ["prompt: must be a string", "got list"]),
+    # Messages.
+    "messages a string": ({"id": "r1", "messages": "Hi"}, "r1",
+                          ["messages: must be a list", "got str"]),
+    "messages empty": ({"id": "r1", "messages": []}, "r1", ["messages: must not be empty"]),
+    "message not an object": ({"id": "r1", "messages": ["Hi"]}, "r1",
+                              ["messages[0]: must be an object", "got str"]),
+    "message without role": ({"id": "r1", "messages": [{"content": "Hi"}]}, "r1",
+                             ["messages[0].role: missing"]),
+    "message unknown role": ({"id": "r1", "messages": [{"role": "user", "content": "Hi"},
+                                                       {"role": "robot", "content": "Beep"}]},
+                             "r1", ["messages[1].role: must be one of", "'robot'"]),
+    "message without content": ({"id": "r1", "messages": [{"role": "user"}]}, "r1",
+                                ["messages[0].content: missing"]),
+    "message content parts": ({"id": "r1", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}, "r1",
+        ["messages[0].content: must be a string", "got list"]),
+    "message extra key": ({"id": "r1", "messages": [
+        {"role": "user", "content": "Hi", "name": "bob"}]}, "r1",
+        ["messages[0].name: not supported"]),
+    # Sampling fields: wrong types.
+    "bool max_tokens": (rec(max_tokens=True), "r1", ["max_tokens: must be an integer", "True"]),
+    "float max_tokens": (rec(max_tokens=3.0), "r1", ["max_tokens: must be an integer", "3.0"]),
+    "string max_tokens": (rec(max_tokens="32"), "r1", ["max_tokens: must be an integer", "'32'"]),
+    "string temperature": (rec(temperature="hot"), "r1",
+                           ["temperature: must be a finite number, got 'hot'"]),
+    "numeric-string top_p": (rec(top_p="0.9"), "r1", ["top_p: must be a finite number"]),
+    "NaN temperature": (rec(temperature=math.nan), "r1", ["temperature: must be a finite number"]),
+    "inf top_p": (rec(top_p=math.inf), "r1", ["top_p: must be a finite number"]),
+    "NaN from a JSON line": ('{"id": "r1", "prompt": "Hi", "temperature": NaN}', "r1",
+                             ["temperature: must be a finite number"]),
+    "float seed": (rec(seed=1.5), "r1", ["seed: must be an integer"]),
+    "bool top_k": (rec(top_k=False), "r1", ["top_k: must be an integer"]),
+    "string n": (rec(n="2"), "r1", ["n: must be an integer"]),
+    "bool logprobs": (rec(logprobs=True), "r1", ["logprobs: must be an integer"]),
+    "int stop": (rec(stop=5), "r1", ["stop: must be a string or a list", "got int"]),
+    "dict stop": (rec(stop={"a": 1}), "r1", ["stop: must be a string or a list", "got dict"]),
+    "non-string stop item": (rec(stop=["a", 3]), "r1", ["stop: must be non-empty strings"]),
+    "empty stop string": (rec(stop=""), "r1", ["stop: must be non-empty strings"]),
+    "string stop_token_ids": (rec(stop_token_ids="12"), "r1",
+                              ["stop_token_ids: must be a list of integers", "got str"]),
+    "non-int stop token": (rec(stop_token_ids=[1, "2"]), "r1",
+                           ["stop_token_ids: must be an integer", "'2'"]),
+    "string ignore_eos": (rec(ignore_eos="yes"), "r1", ["ignore_eos: must be a bool"]),
+    # Sampling fields: out of range.
+    "zero max_tokens": (rec(max_tokens=0), "r1", ["max_tokens: must be >= 1, got 0"]),
+    "negative temperature": (rec(temperature=-0.5), "r1", ["temperature: must be >= 0"]),
+    "top_p above 1": (rec(top_p=1.5), "r1", ["top_p: must be in (0, 1]"]),
+    "zero top_p": (rec(top_p=0), "r1", ["top_p: must be in (0, 1]"]),
+    "negative top_k": (rec(top_k=-1), "r1", ["top_k: must be >= 0"]),
+    "negative seed": (rec(seed=-3), "r1", ["seed: must be >= 0"]),
+    "zero n": (rec(n=0), "r1", ["n: must be >= 1"]),
+    "negative logprobs": (rec(logprobs=-1), "r1", ["logprobs: must be >= 0"]),
+    # OpenAI Batch API lines.
+    "openai without custom_id": ({"method": "POST", "url": "/v1/completions",
+                                  "body": {"prompt": "Hi"}}, None, ["custom_id: missing"]),
+    "openai GET": (chat_line(method="GET"), "c1", ['method: must be "POST"', "'GET'"]),
+    "openai no method": ({k: v for k, v in chat_line().items() if k != "method"}, "c1",
+                         ["method: must be"]),
+    "openai embeddings url": (chat_line(url="/v1/embeddings"), "c1",
+                              ["url: must be one of", "/v1/embeddings"]),
+    "openai list url": (chat_line(url=["/v1/completions"]), "c1", ["url: must be one of"]),
+    "openai body a string": (chat_line() | {"body": "{}"}, "c1",
+                             ["body: must be an object", "got str"]),
+    "openai chat without messages": (chat_line({"messages": None}), "c1",
+                                     ["body.messages: missing", "/v1/chat/completions"]),
+    "openai completions without prompt": (completions_line(prompt=None), "c2",
+                                          ["body.prompt: missing"]),
+    "openai prompt on chat": (chat_line({"prompt": "Hi"}), "c1",
+                              ["body.prompt: not supported for /v1/chat/completions"]),
+    "openai tools": (chat_line({"tools": [{"type": "function"}]}), "c1",
+                     ["body.tools: not supported"]),
+    "openai response_format": (chat_line({"response_format": {"type": "json_object"}}), "c1",
+                               ["body.response_format: not supported"]),
+    "openai frequency_penalty": (chat_line({"frequency_penalty": 0.5}), "c1",
+                                 ["body.frequency_penalty: not supported", "0.5"]),
+    "openai unknown key": (chat_line({"reasoning_effort": "high"}), "c1",
+                           ["body.reasoning_effort: not supported"]),
+    "openai chat logprobs int": (chat_line({"logprobs": 3}), "c1",
+                                 ["body.logprobs: must be true or false"]),
+    "openai top_logprobs alone": (chat_line({"top_logprobs": 3}), "c1",
+                                  ["body.top_logprobs: needs logprobs: true"]),
+    "openai max tokens differ": (chat_line({"max_tokens": 10, "max_completion_tokens": 20}),
+                                 "c1", ["max_completion_tokens", "max_tokens", "differ"]),
+    "openai prompt list": (completions_line(prompt=["a", "b"]), "c2",
+                           ["prompt: must be a string", "got list"]),
+    "openai bad temperature": (chat_line({"temperature": "warm"}), "c1",
+                               ["temperature: must be a finite number, got 'warm'"]),
+    "openai bad message": (chat_line({"messages": [{"role": "user"}]}), "c1",
+                           ["messages[0].content: missing"]),
+}
+
+
+@pytest.mark.parametrize("raw, want_id, fragments", BAD_RECORDS.values(), ids=BAD_RECORDS.keys())
+def test_bad_record_is_rejected_with_a_message_naming_the_problem(raw, want_id, fragments):
+    got = parse_record(raw)
+    assert isinstance(got, Rejected), got
+    assert got.id == want_id
+    for fragment in fragments:
+        assert fragment in got.error, (fragment, got.error)
+    row = error_row(got)
+    assert (row["finish_reason"], row["error"], row["text"]) == ("error", got.error, None)
+
+
+def test_unparseable_lines_keep_a_preview_of_the_raw_input():
+    assert parse_record("{oops" + "x" * 500).passthrough == {"raw": "{oops" + "x" * 195}
+    undecodable = parse_record(b"\xff" + b"y" * 300)
+    assert undecodable.passthrough["raw"].startswith("\\xffyyy")
+    assert parse_record("[1, 2]").passthrough == {"raw": "[1, 2]"}
+
+
+def test_a_rejected_record_keeps_its_passthrough():
+    got = parse_record(rec(temperature="hot", source={"file": "a.jsonl", "line": 3}))
+    assert got == Rejected("r1", "temperature: must be a finite number, got 'hot'",
+                           {"source": {"file": "a.jsonl", "line": 3}})
+
+
+def test_valid_record_keeps_other_fields_untouched():
+    nested = {"tags": ["x", {"deep": [1, 2.5, None, True]}], "note": "ünïcødé ✓"}
+    got = parse_record({"id": "r1", "prompt": "Hi", "max_tokens": 8, "meta": nested, "k": None})
+    assert isinstance(got, Parsed)
+    assert (got.id, got.prompt, got.messages) == ("r1", "Hi", None)
+    assert got.passthrough == {"meta": nested, "k": None}
+    assert got.params == SamplingParams(max_tokens=8)
+
+
+def test_integer_ids_become_strings():
+    assert parse_record({"id": 17, "prompt": "Hi"}).id == "17"
+
+
+def test_messages_are_normalised_copies():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ""},
+                {"role": "assistant", "content": "Ok", "tool_calls": None}]
+    got = parse_record({"id": "m", "messages": messages})
+    assert got.messages == [{"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": ""},
+                            {"role": "assistant", "content": "Ok"}]
+    assert got.prompt is None
+    assert got.to_request() == Request("m", messages=got.messages, params=SamplingParams())
+
+
+def test_every_sampling_field_reaches_the_params():
+    got = parse_record(rec(max_tokens=5, temperature=0.7, top_p=0.9, top_k=40, seed=3,
+                           stop=["\n", "END"], stop_token_ids=[2, 7], n=3, logprobs=2,
+                           ignore_eos=True))
+    assert got.params == SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=40,
+                                        seed=3, stop=("\n", "END"), stop_token_ids=(2, 7), n=3,
+                                        logprobs=2, ignore_eos=True)
+    assert parse_record(rec(stop="###")).params.stop == ("###",)
+    assert got.passthrough == {}
+
+
+def test_record_fields_override_defaults_and_none_means_use_the_default():
+    defaults = {"max_tokens": 64, "temperature": 0.5, "seed": 9, "stop": ["\n"]}
+    got = parse_record(rec(temperature=0.0, max_tokens=None, top_k=5), defaults)
+    assert got.params == SamplingParams(max_tokens=64, temperature=0.0, seed=9, stop=("\n",),
+                                        top_k=5)
+    assert parse_record(rec(), defaults).params == SamplingParams(max_tokens=64, temperature=0.5,
+                                                                  seed=9, stop=("\n",))
+    assert parse_record(rec()).params == SamplingParams()
+    assert defaults == {"max_tokens": 64, "temperature": 0.5, "seed": 9, "stop": ["\n"]}
+
+
+def test_a_record_bad_field_is_its_own_fault_even_with_defaults():
+    got = parse_record(rec(top_p=2), {"top_p": 0.9})
+    assert isinstance(got, Rejected) and got.error.startswith("top_p: must be in (0, 1]")
+
+
+@pytest.mark.parametrize("defaults, fragment", [
+    ({"temprature": 0.5}, "unknown sampling fields ['temprature']"),
+    ({"temperature": "hot"}, "defaults: temperature: must be a finite number"),
+    ({"max_tokens": 0}, "defaults: max_tokens: must be >= 1"),
+    ({"stop": 3}, "defaults: stop: must be a string or a list"),
+])
+def test_bad_defaults_raise_because_they_are_the_callers_mistake(defaults, fragment):
+    with pytest.raises(ValueError) as info:
+        parse_record(rec(), defaults)
+    assert fragment in str(info.value)
+    with pytest.raises(ValueError):
+        check_defaults(defaults)
+
+
+def test_check_defaults_returns_the_fields_set():
+    assert check_defaults(None) == {}
+    assert check_defaults({"seed": None, "n": 2}) == {"n": 2}
+
+
+def test_json_lines_as_str_and_bytes():
+    line = '{"id": "j1", "prompt": "Grüße 🌍", "temperature": 0.3, "extra": [1, {"a": null}]}'
+    for raw in (line, line.encode("utf-8")):
+        got = parse_record(raw)
+        assert (got.id, got.prompt, got.params.temperature) == ("j1", "Grüße 🌍", 0.3)
+        assert got.passthrough == {"extra": [1, {"a": None}]}
+
+
+def test_bare_prompts_take_the_fallback_id():
+    for raw in ('{"looks": "like json"}', '{"looks": "like json"}'.encode()):
+        got = parse_record(raw, {"max_tokens": 4}, fallback_id="file.txt:12")
+        assert got == Parsed("file.txt:12", '{"looks": "like json"}', None,
+                             SamplingParams(max_tokens=4), {})
+    assert parse_record({"id": "own", "prompt": "Hi"}, fallback_id="unused").id == "own"
+    assert parse_record("Hi", fallback_id=" ") == Rejected(None, "id: must not be empty", {})
+    assert parse_record("  ", fallback_id="f1") == Rejected(
+        "f1", "prompt: must not be empty or only whitespace", {})
+
+
+def test_openai_chat_line():
+    line = chat_line({"max_completion_tokens": 50, "temperature": 0.2, "top_p": 0.8, "seed": 4,
+                      "stop": "\n\n", "n": 2, "logprobs": True, "top_logprobs": 3,
+                      "user": "u-1", "store": False, "frequency_penalty": 0,
+                      "presence_penalty": 0.0, "response_format": {"type": "text"},
+                      "stream": False, "tools": None},
+                     batch="b7")
+    got = parse_record(json.dumps(line))
+    assert isinstance(got, Parsed), got
+    assert (got.id, got.prompt, got.messages) == ("c1", None, [{"role": "user", "content": "Hi"}])
+    assert got.params == SamplingParams(max_tokens=50, temperature=0.2, top_p=0.8, seed=4,
+                                        stop=("\n\n",), n=2, logprobs=3)
+    assert got.passthrough == {"batch": "b7"}
+
+
+def test_openai_chat_logprobs_mapping():
+    assert parse_record(chat_line({"logprobs": True})).params.logprobs == 0
+    assert parse_record(chat_line({"logprobs": False})).params.logprobs is None
+    assert parse_record(chat_line({"logprobs": True, "top_logprobs": 5})).params.logprobs == 5
+    both = chat_line({"max_tokens": 9, "max_completion_tokens": 9})
+    assert parse_record(both).params.max_tokens == 9
+
+
+def test_openai_completions_line_with_vllm_extras():
+    got = parse_record(completions_line(max_tokens=12, logprobs=2, echo=False, best_of=1,
+                                        top_k=20, ignore_eos=True, stop_token_ids=[5]),
+                       {"temperature": 0.6})
+    assert (got.id, got.prompt, got.messages) == ("c2", "Once", None)
+    assert got.params == SamplingParams(max_tokens=12, temperature=0.6, logprobs=2, top_k=20,
+                                        ignore_eos=True, stop_token_ids=(5,))
+
+
+def test_a_record_of_ours_may_carry_a_field_named_body():
+    got = parse_record(rec(body={"text": "an email"}))
+    assert isinstance(got, Parsed) and got.passthrough == {"body": {"text": "an email"}}
+
+
+# ---- Output rows ----
+
+TIMINGS = Timings(submitted=100.0, first_scheduled=100.25, first_token=100.75, finished=103.5)
+
+
+def test_completion_row_n1():
+    parsed = parse_record(rec(logprobs=0, meta={"k": [1]}))
+    completion = Completion("r1", [SampleOutput(0, [5, 6, 7], "abc", "stop", [-0.5, -1.25, -0.0])],
+                            prompt_tokens=4, timings=TIMINGS)
+    row = completion_row(parsed, completion)
+    assert list(row) == ROW_KEYS
+    assert row == {"id": "r1", "text": "abc", "token_ids": [5, 6, 7], "finish_reason": "stop",
+                   "prompt_tokens": 4, "completion_tokens": 3, "error": None, "samples": None,
+                   "logprobs": [-0.5, -1.25, -0.0], "queue_s": 0.25, "first_token_s": 0.75,
+                   "total_s": 3.5, "passthrough": {"meta": {"k": [1]}}}
+
+
+def test_completion_row_n3_lists_the_other_samples():
+    parsed = parse_record(rec(n=3, temperature=1.0, seed=1))
+    outputs = [SampleOutput(0, [1, 2], "ab", "length"), SampleOutput(1, [3], "c", "stop"),
+               SampleOutput(2, [4, 5], "de", "length")]
+    row = completion_row(parsed, Completion("r1", outputs, 2, TIMINGS))
+    assert (row["text"], row["token_ids"], row["finish_reason"]) == ("ab", [1, 2], "length")
+    assert row["completion_tokens"] == 5
+    assert row["samples"] == [{"text": "c", "token_ids": [3], "finish_reason": "stop"},
+                              {"text": "de", "token_ids": [4, 5], "finish_reason": "length"}]
+    assert row["logprobs"] is None
+
+
+def test_engine_error_completion_becomes_an_error_row():
+    parsed = parse_record(rec(src="x"))
+    completion = Completion("r1", [SampleOutput(0, [], "", "error")], 0,
+                            Timings(submitted=5.0, finished=5.5),
+                            error="prompt too long: 9000 tokens")
+    row = completion_row(parsed, completion)
+    assert row == {"id": "r1", "text": None, "token_ids": [], "finish_reason": "error",
+                   "prompt_tokens": 0, "completion_tokens": 0,
+                   "error": "prompt too long: 9000 tokens", "samples": None, "logprobs": None,
+                   "queue_s": None, "first_token_s": None, "total_s": 0.5,
+                   "passthrough": {"src": "x"}}
+
+
+def test_error_row_from_an_id_or_a_rejected():
+    row = error_row("r9", "engine crashed", {"a": 1})
+    assert list(row) == ROW_KEYS
+    assert (row["id"], row["error"], row["passthrough"], row["token_ids"]) == \
+        ("r9", "engine crashed", {"a": 1}, [])
+    rejected = Rejected(None, "record: invalid JSON", {"raw": "{"})
+    assert error_row(rejected)["passthrough"] == {"raw": "{"}
+    assert error_row(rejected, "replaced", {})["error"] == "replaced"
+    assert error_row(rejected, "replaced", {})["passthrough"] == {}
+    with pytest.raises(TypeError):
+        error_row("r9")
+
+
+def sample_rows():
+    """Rows of every shape: n = 1 with logprobs, n = 3, engine error, rejected without an id,
+    unicode, empty and nested passthrough, missing timings."""
+    with_logprobs = completion_row(
+        parse_record(rec(id="ü-1", logprobs=1, meta={"nested": {"list": [1, "two", None, 3.5]},
+                                                     "flag": False})),
+        Completion("ü-1", [SampleOutput(0, [11, 2**31 - 1], "日本語 — ok 🚀", "length",
+                                        [-0.1234567890123, -7.5])], 6, TIMINGS))
+    n3 = completion_row(
+        parse_record(rec(id="n3", n=3)),
+        Completion("n3", [SampleOutput(0, [1], "a", "stop"), SampleOutput(1, [], "", "stop"),
+                          SampleOutput(2, [2, 3], "ç\n\"q\"", "length")], 1,
+                   Timings(submitted=1.0, first_scheduled=1.5)))
+    engine_error = completion_row(
+        parse_record(rec(id="e")),
+        Completion("e", [SampleOutput(0, [], "", "error")], 0, Timings(0.0), error="bad prompt"))
+    rejected = error_row(parse_record(b"\xff{"))
+    return [with_logprobs, n3, engine_error, rejected]
+
+
+def test_rows_round_trip_through_parquet(tmp_path):
+    rows = sample_rows()
+    path = tmp_path / "out.parquet"
+    pq.write_table(rows_to_arrow(rows), path)
+    table = pq.read_table(path)
+    assert table.schema.equals(OUTPUT_SCHEMA)
+    back = arrow_to_rows(table)
+    assert back == rows
+    for got, want in zip(back, rows):
+        assert list(got) == ROW_KEYS
+        assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in want.items()}
+
+
+def test_rows_round_trip_through_jsonl(tmp_path):
+    rows = sample_rows()
+    path = tmp_path / "out.jsonl"
+    path.write_text("".join(row_to_json(r) + "\n" for r in rows), encoding="utf-8")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == len(rows)
+    assert "日本語" in lines[0] and '"nested": {' in lines[0]
+    back = [row_from_json(line) for line in lines]
+    assert back == rows
+    for got, want in zip(back, rows):
+        assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in want.items()}
+
+
+def test_empty_table_has_the_schema():
+    table = rows_to_arrow([])
+    assert table.num_rows == 0 and table.schema.equals(OUTPUT_SCHEMA)
+    assert arrow_to_rows(table) == []
+
+
+def test_passthrough_values_json_cannot_hold_are_written_as_text():
+    row = error_row("d", "x", {"day": datetime.date(2024, 5, 1)})
+    assert row_from_json(row_to_json(row))["passthrough"] == {"day": "2024-05-01"}
+    assert arrow_to_rows(rows_to_arrow([row]))[0]["passthrough"] == {"day": "2024-05-01"}
