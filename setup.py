@@ -20,8 +20,15 @@ setup(
         "accelerate>=1.10,<1.16",
         "numpy>=1.26,<3",
         "tqdm>=4.66,<5",
+        # The Beam face.
+        "apache-beam>=2.77,<2.78",
+        "pyarrow>=14,<26",
+        "google-cloud-storage>=2.18.2,<4",
+        "google-crc32c>=1.5,<2",
+        # Without it Beam's gs:// I/O silently ignores real credentials (anonymous access only).
+        "google-auth-httplib2>=0.1.0,<0.3.0",
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3"],
+        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "gcp-storage-emulator>=2026.7.18,<2027"],
     },
 )

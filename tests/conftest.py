@@ -7,7 +7,9 @@ given (`pytest -m slow`, `pytest -m "slow or not slow"`), as README.md describes
 import pytest
 import torch
 
-from tiny_models import FAMILIES, hf_greedy, hf_model, make_tiny_model
+pytest_plugins = ["gcs_emulator"]  # the `gcs_emulator` fixture (tests/gcs_emulator.py)
+
+from tiny_models import FAMILIES, hf_greedy, hf_model, make_tiny_chat_model, make_tiny_model
 
 # The machine is shared: one thread keeps each test process to one core.
 torch.set_num_threads(1)
@@ -56,3 +58,26 @@ class TinyModels:
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> TinyModels:
     return TinyModels(tmp_path_factory)
+
+
+class TinyChatModels:
+    """Lazily builds tiny models with a tokenizer and chat template (tiny_models.make_tiny_chat_model),
+    each (family, overrides) once per session, so test modules can share one model directory (and so
+    one engine process, which the directory and engine arguments identify)."""
+
+    def __init__(self, tmp_path_factory):
+        self._factory = tmp_path_factory
+        self._dirs = {}
+
+    def dir(self, family: str, **overrides):
+        assert family in FAMILIES, family
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in self._dirs:
+            name = "-".join(["chat", family] + [f"{k}{v}" for k, v in sorted(overrides.items())])
+            self._dirs[key] = make_tiny_chat_model(family, self._factory.mktemp(name), **overrides)
+        return self._dirs[key]
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(tmp_path_factory) -> TinyChatModels:
+    return TinyChatModels(tmp_path_factory)

@@ -1,0 +1,197 @@
+"""One engine per worker machine, fed by every SDK process and bundle thread.
+
+The engine lives in its own process (Beam's MultiProcessShared with spawn_process), wrapped in
+an `EngineService` whose calls are coarse (submit many, poll many) because every argument and
+result is pickled across the process boundary. Each SDK process holds one `EngineClient` per
+engine configuration; it remembers what it submitted until the result is taken, so when the
+engine process dies it starts a new one and resubmits what was resident.
+"""
+
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import defaultdict
+from typing import Any, Iterable
+
+from apache_beam.utils.multi_process_shared import MultiProcessShared
+
+from runtime.request import Completion, Request
+
+log = logging.getLogger(__name__)
+
+# Errors a proxy call raises when the engine process is gone.
+_ENGINE_GONE = (EOFError, ConnectionError, BrokenPipeError, OSError)
+_SEP = "\x1f"  # client id / request id separator inside the engine
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """What identifies an engine: the same config on one machine means the same engine."""
+    model: str | None = None  # local directory or gs://...; None = the default model
+    engine_args: tuple[tuple[str, Any], ...] = ()  # runtime.Engine keyword arguments
+
+    @classmethod
+    def of(cls, model: str | None = None, **engine_args) -> "EngineConfig":
+        return cls(model, tuple(sorted(engine_args.items())))
+
+    @property
+    def tag(self) -> str:
+        return "batchgen-engine-" + hashlib.sha1(repr(self).encode()).hexdigest()[:16]
+
+
+class EngineService:
+    """The engine process's face: routes completions back to the client that submitted them."""
+
+    def __init__(self, config: EngineConfig):
+        from batchgen_beam.model_sources import resolve_model  # the engine process resolves gs://
+        from runtime import Engine
+
+        kwargs = dict(config.engine_args)
+        kwargs.setdefault("num_threads", os.cpu_count())
+        self.engine = Engine(resolve_model(config.model), **kwargs).start()
+        self._outboxes: dict[str, list[Completion]] = defaultdict(list)
+        self._ready = threading.Condition()
+        self._finished = self._generated_tokens = 0  # completions routed, and their tokens
+        threading.Thread(target=self._route, name="batchgen-router", daemon=True).start()
+
+    def _route(self) -> None:
+        while True:
+            for completion in self.engine.poll(timeout=0.2):
+                client_id, request_id = completion.id.split(_SEP, 1)
+                completion.id = request_id
+                with self._ready:
+                    self._finished += 1
+                    self._generated_tokens += completion.completion_tokens
+                    self._outboxes[client_id].append(completion)
+                    self._ready.notify_all()
+
+    def submit(self, client_id: str, requests: list[Request]) -> None:
+        for request in requests:
+            self.engine.submit(dataclasses.replace(request, id=client_id + _SEP + request.id))
+
+    def poll(self, client_id: str, timeout: float) -> tuple[list[Completion], dict]:
+        """This client's finished completions (waiting up to timeout for one), and engine info."""
+        with self._ready:
+            self._ready.wait_for(lambda: self._outboxes[client_id], timeout)
+            return self._outboxes.pop(client_id, []), self.info()
+
+    def info(self) -> dict:
+        scheduler = self.engine.scheduler
+        return {"pid": os.getpid(), "steps": self.engine.stats.steps,
+                "decode_tokens": self.engine.stats.decode_tokens,
+                "prefill_tokens": self.engine.stats.prefill_tokens,
+                "waiting": len(scheduler.waiting), "running": len(scheduler.running),
+                "suspended": len(scheduler.suspended), "finished": self._finished,
+                "generated_tokens": self._generated_tokens}
+
+
+class EngineClient:
+    """This process's handle on the machine's engine. Thread-safe; get it with `shared()`."""
+
+    _instances: dict[EngineConfig, "EngineClient"] = {}
+    _instances_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls, config: EngineConfig) -> "EngineClient":
+        with cls._instances_lock:
+            if config not in cls._instances:
+                cls._instances[config] = cls(config)
+            return cls._instances[config]
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.client_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._lock = threading.RLock()
+        self._resident: dict[str, Request] = {}  # submitted, result not yet taken
+        self._done: dict[str, Completion] = {}
+        self.restarts = 0
+        self.last_info: dict | None = None  # the engine's counters as of the last poll
+        self._service = self._connect()
+
+    def _connect(self):
+        # The constructor travels to a spawned process: it must pickle (no lambdas).
+        return MultiProcessShared(functools.partial(EngineService, self.config), tag=self.config.tag,
+                                  always_proxy=True, spawn_process=True).acquire()
+
+    def _call(self, method: str, *args):
+        service = self._service
+        try:
+            return getattr(service, method)(*args)
+        except _ENGINE_GONE as gone:
+            self._restart(service, gone)
+            return getattr(self._service, method)(*args)
+
+    def _restart(self, failed_service, cause: BaseException) -> None:
+        with self._lock:
+            if self._service is not failed_service:  # another thread already restarted it
+                return
+            pending = [r for rid, r in self._resident.items() if rid not in self._done]
+            log.warning("batchgen engine process is gone (%r); starting a new one and resubmitting "
+                        "%d resident request(s)", cause, len(pending))
+            self._service = self._connect()
+            self.restarts += 1
+            if pending:
+                self._service.submit(self.client_id, pending)
+
+    # ---- the coarse API ------------------------------------------------------------------
+    def submit(self, requests: Iterable[Request]) -> None:
+        """Submit requests not already resident (a retried bundle resubmits nothing twice)."""
+        with self._lock:
+            fresh = [r for r in requests if r.id not in self._resident]
+            for request in fresh:
+                self._resident[request.id] = request
+        if fresh:
+            self._call("submit", self.client_id, fresh)
+
+    def knows(self, request_id: str) -> bool:
+        """Submitted by this process and its result not yet taken."""
+        return request_id in self._resident
+
+    def done_ids(self) -> set[str]:
+        """Ids whose completions are here, waiting to be taken (pulls what the engine has)."""
+        self._pull(0.0)
+        with self._lock:
+            return set(self._done)
+
+    def wait_for_capacity(self, max_in_flight: int) -> None:
+        """Backpressure: block while this process has max_in_flight requests still running."""
+        while len(self._resident) - len(self._done) >= max_in_flight:
+            self._pull(0.5)
+
+    def take(self, request_ids: Iterable[str], timeout: float = 0.0) -> dict[str, Completion]:
+        """Completions of these ids that are done, waiting up to `timeout` for the first."""
+        wanted = set(request_ids)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                found = {rid: self._done.pop(rid) for rid in wanted & self._done.keys()}
+                for rid in found:
+                    self._resident.pop(rid, None)
+            remaining = deadline - time.monotonic()
+            if found or remaining <= 0 or not wanted:
+                return found
+            self._pull(min(remaining, 0.5))
+
+    def wait_all(self, request_ids: Iterable[str]) -> dict[str, Completion]:
+        """Block until every id is done."""
+        pending, results = set(request_ids), {}
+        while pending:
+            got = self.take(pending, timeout=1.0)
+            results.update(got)
+            pending -= got.keys()
+        return results
+
+    def _pull(self, timeout: float) -> None:
+        completions, self.last_info = self._call("poll", self.client_id, timeout)
+        for completion in completions:
+            with self._lock:
+                if completion.id in self._resident:  # else: a result already taken
+                    self._done[completion.id] = completion
+
+    def info(self) -> dict:
+        return self._call("info")

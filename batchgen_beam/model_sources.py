@@ -1,0 +1,129 @@
+"""Where a model's weights come from: the default model, a local directory, or a gs:// prefix.
+
+A gs:// model is downloaded once per machine into the cache directory and reused from there, so
+every SDK process on a worker loads the same local copy.
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import hashlib
+import os
+import pathlib
+import tempfile
+
+# Written into the model directory before it is moved into place, so its presence means "complete".
+_COMPLETE_MARKER = ".complete"
+
+
+class ModelDownloadError(OSError):
+    """A downloaded file does not match the object it was downloaded from."""
+
+
+def resolve_model(model: str | os.PathLike | None = None) -> pathlib.Path:
+    """Return a local directory holding the model's config.json and *.safetensors weights.
+
+    ``None`` means the default model; ``gs://bucket/prefix`` is downloaded on first use.
+    """
+    if model is None:
+        # Imported here: the runtime package pulls in torch, which a gs:// cache hit does not need.
+        from runtime.default_model import default_model_dir
+        return default_model_dir()
+    model = os.fspath(model)
+    if model.startswith("gs://"):
+        return _from_gcs(model)
+    path = pathlib.Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    _check_model_dir(path, str(path))
+    return path
+
+
+def _check_model_dir(path: pathlib.Path, source: str) -> None:
+    if not path.is_dir():
+        raise ValueError(f"model {source} is not a directory")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model {source} has no config.json")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"model {source} has no *.safetensors weights")
+
+
+def _from_gcs(uri: str) -> pathlib.Path:
+    from runtime.default_model import cache_dir
+
+    bucket, _, prefix = uri[len("gs://"):].partition("/")
+    prefix = prefix.strip("/")
+    if not bucket or not prefix:
+        raise ValueError(f"expected gs://bucket/prefix (the folder holding the model), got {uri!r}")
+    uri = f"gs://{bucket}/{prefix}"
+    # The suffix keeps the copy of gs://b/models/x out of the copy of gs://b/models (which would
+    # otherwise be its parent directory).
+    digest = hashlib.sha256(uri.encode()).hexdigest()[:12]
+    target = cache_dir() / "gcs" / bucket / f"{prefix}-{digest}"
+    if (target / _COMPLETE_MARKER).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Several SDK processes per worker start at once: one downloads, the others wait and reuse it.
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / _COMPLETE_MARKER).is_file():
+            _download(uri, bucket, prefix, target)
+    return target
+
+
+def _storage_client():
+    from google.cloud import storage
+
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        from google.auth.credentials import AnonymousCredentials
+        # The emulator takes no credentials, and looking for real ones may probe the network.
+        return storage.Client(project="test", credentials=AnonymousCredentials())
+    return storage.Client()
+
+
+def _download(uri: str, bucket: str, prefix: str, target: pathlib.Path) -> None:
+    # The trailing "/" keeps gs://b/model from also matching gs://b/model-v2/...; names ending in
+    # "/" are folder placeholders that some tools create.
+    blobs = [b for b in _storage_client().list_blobs(bucket, prefix=prefix + "/")
+             if not b.name.endswith("/")]
+    if not blobs:
+        raise FileNotFoundError(f"no objects under {uri}/")
+    # Work next to the target so that the final os.replace is an atomic rename on one filesystem.
+    with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as work:
+        staging = pathlib.Path(work) / "model"
+        for blob in blobs:
+            relative = pathlib.PurePosixPath(blob.name[len(prefix) + 1:])
+            if ".." in relative.parts:
+                raise ValueError(f"refusing object name {blob.name!r}: it leaves the model directory")
+            dest = staging / relative
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            # A listed blob carries its generation, so each file is the version that was listed.
+            blob.download_to_filename(dest)
+            _verify(blob, dest)
+        _check_model_dir(staging, uri)
+        (staging / _COMPLETE_MARKER).touch()
+        if target.exists():
+            # Only a directory without the marker gets here: a leftover that cannot be trusted.
+            os.rename(target, pathlib.Path(work) / "stale")
+        os.replace(staging, target)
+
+
+def _verify(blob, path: pathlib.Path) -> None:
+    """Check the file on disk against the object's size and whichever hashes the server gave."""
+    import google_crc32c
+
+    size = path.stat().st_size
+    if size != blob.size:
+        raise ModelDownloadError(
+            f"gs://{blob.bucket.name}/{blob.name}: got {size} bytes, expected {blob.size}")
+    md5, crc32c = hashlib.md5(), google_crc32c.Checksum()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            md5.update(chunk)
+            crc32c.update(chunk)
+    # Composite objects have no md5; both hashes come base64-encoded, as the JSON API sends them.
+    for name, expected, digest in (("md5", blob.md5_hash, md5.digest()),
+                                   ("crc32c", blob.crc32c, crc32c.digest())):
+        if expected and base64.b64encode(digest).decode() != expected:
+            raise ModelDownloadError(f"gs://{blob.bucket.name}/{blob.name}: {name} mismatch")

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Launch the generate pipeline on a Flink cluster through Beam's Flink runner.
+#   FLINK_MASTER=localhost:8081 integration_tests/run_flink.sh --input ... --output ...
+# LOOPBACK runs the Python SDK workers in this process's machine (fine for a local cluster);
+# on a real cluster use --environment_type=DOCKER or PROCESS with this package installed.
+set -euo pipefail
+: "${FLINK_MASTER:?set FLINK_MASTER (host:port of the Flink REST endpoint)}"
+cd "$(dirname "$0")/.."
+python -m pipelines.generate \
+  --runner=FlinkRunner --flink_master="$FLINK_MASTER" \
+  --environment_type="${ENVIRONMENT_TYPE:-LOOPBACK}" --parallelism="${PARALLELISM:-2}" \
+  "$@"
