@@ -8,7 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["batchgen_beam*", "runtime*", "kernels*", "pipelines*", "benchmarks*"]),
-    include_package_data=True,
+    package_data={"batchgen_beam": ["data/*.jsonl"]},
     install_requires=[
         # Never leave torch unpinned: an open range pulls a multi-GB CUDA build on CPU boxes.
         "torch>=2.6,<2.14",
@@ -29,6 +29,6 @@ setup(
         "google-auth-httplib2>=0.1.0,<0.3.0",
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "gcp-storage-emulator>=2026.7.18,<2027"],
+        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "psutil>=5.9,<8", "gcp-storage-emulator>=2026.7.18,<2027"],
     },
 )

@@ -20,13 +20,12 @@ from typing import Any, Iterable
 
 from apache_beam.utils.multi_process_shared import MultiProcessShared
 
-from runtime.request import Completion, Request
+from runtime.request import Completion, Request, SampleOutput, Timings
 
 log = logging.getLogger(__name__)
 
 # Errors a proxy call raises when the engine process is gone.
 _ENGINE_GONE = (EOFError, ConnectionError, BrokenPipeError, OSError)
-_SEP = "\x1f"  # client id / request id separator inside the engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +44,11 @@ class EngineConfig:
 
 
 class EngineService:
-    """The engine process's face: routes completions back to the client that submitted them."""
+    """The engine process's face: routes each completion to the client that owns its request.
+
+    Request ids are global. A client that submits an id another client already has in flight
+    takes it over instead of running it twice: a Beam timer often fires in another SDK process
+    than the one whose `process` submitted the record."""
 
     def __init__(self, config: EngineConfig):
         from batchgen_beam.model_sources import resolve_model  # the engine process resolves gs://
@@ -54,31 +57,56 @@ class EngineService:
         kwargs = dict(config.engine_args)
         kwargs.setdefault("num_threads", os.cpu_count())
         self.engine = Engine(resolve_model(config.model), **kwargs).start()
-        self._outboxes: dict[str, list[Completion]] = defaultdict(list)
-        self._ready = threading.Condition()
+        self._ready = threading.Condition()  # guards everything below
+        self._owner: dict[str, str] = {}  # request id -> client, from submit until polled
+        self._outboxes: dict[str, dict[str, Completion]] = defaultdict(dict)
+        self._taken: dict[str, list[str]] = defaultdict(list)  # ids other clients took over
         self._finished = self._generated_tokens = 0  # completions routed, and their tokens
         threading.Thread(target=self._route, name="batchgen-router", daemon=True).start()
 
     def _route(self) -> None:
         while True:
             for completion in self.engine.poll(timeout=0.2):
-                client_id, request_id = completion.id.split(_SEP, 1)
-                completion.id = request_id
-                with self._ready:
-                    self._finished += 1
-                    self._generated_tokens += completion.completion_tokens
-                    self._outboxes[client_id].append(completion)
-                    self._ready.notify_all()
+                self._deliver(completion)
+
+    def _deliver(self, completion: Completion) -> None:
+        with self._ready:
+            self._finished += 1
+            self._generated_tokens += completion.completion_tokens
+            self._outboxes[self._owner[completion.id]][completion.id] = completion
+            self._ready.notify_all()
 
     def submit(self, client_id: str, requests: list[Request]) -> None:
-        for request in requests:
-            self.engine.submit(dataclasses.replace(request, id=client_id + _SEP + request.id))
-
-    def poll(self, client_id: str, timeout: float) -> tuple[list[Completion], dict]:
-        """This client's finished completions (waiting up to timeout for one), and engine info."""
+        fresh = []
         with self._ready:
-            self._ready.wait_for(lambda: self._outboxes[client_id], timeout)
-            return self._outboxes.pop(client_id, []), self.info()
+            for request in requests:
+                owner = self._owner.get(request.id)
+                if owner is None:
+                    self._owner[request.id] = client_id
+                    fresh.append(request)
+                elif owner != client_id:
+                    self._owner[request.id] = client_id
+                    self._taken[owner].append(request.id)
+                    finished = self._outboxes[owner].pop(request.id, None)
+                    if finished is not None:
+                        self._outboxes[client_id][request.id] = finished
+                    self._ready.notify_all()
+        for request in fresh:
+            try:
+                self.engine.submit(request)
+            except ValueError as bad:  # e.g. stop strings on a model without a tokenizer
+                self._deliver(Completion(request.id, [SampleOutput(0, [], "", "error")], 0,
+                                         Timings(submitted=time.perf_counter()), error=str(bad)))
+
+    def poll(self, client_id: str, timeout: float) -> tuple[list[Completion], list[str], dict]:
+        """This client's finished completions (waiting up to timeout for something), the ids
+        other clients took over from it, and the engine's counters."""
+        with self._ready:
+            self._ready.wait_for(lambda: self._outboxes[client_id] or self._taken[client_id], timeout)
+            finished = list(self._outboxes.pop(client_id, {}).values())
+            for completion in finished:
+                del self._owner[completion.id]
+            return finished, self._taken.pop(client_id, []), self.info()
 
     def info(self) -> dict:
         scheduler = self.engine.scheduler
@@ -124,6 +152,8 @@ class EngineClient:
             return getattr(service, method)(*args)
         except _ENGINE_GONE as gone:
             self._restart(service, gone)
+            if method == "submit":  # the restart resubmitted every resident request, these too
+                return None
             return getattr(self._service, method)(*args)
 
     def _restart(self, failed_service, cause: BaseException) -> None:
@@ -187,7 +217,10 @@ class EngineClient:
         return results
 
     def _pull(self, timeout: float) -> None:
-        completions, self.last_info = self._call("poll", self.client_id, timeout)
+        completions, taken, self.last_info = self._call("poll", self.client_id, timeout)
+        with self._lock:
+            for request_id in taken:  # another process collects these now
+                self._resident.pop(request_id, None)
         for completion in completions:
             with self._lock:
                 if completion.id in self._resident:  # else: a result already taken

@@ -14,6 +14,7 @@ import zlib
 from typing import Any
 
 import apache_beam as beam
+from apache_beam.typehints import KV
 from apache_beam.coders import PickleCoder
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.timeutil import TimeDomain
@@ -154,6 +155,6 @@ class Generate(beam.PTransform):
             return (shard_of(str(parsed.id), shards), parsed)
 
         return (records
-                | "Validate" >> beam.Map(keyed)
+                | "Validate" >> beam.Map(keyed).with_output_types(KV[int, Any])
                 | "Generate" >> beam.ParDo(_GenerateFn(self._config, shards, self._max_in_flight,
                                                        uuid.uuid4().hex[:8])))

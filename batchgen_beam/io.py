@@ -1,0 +1,146 @@
+"""Reading input records and writing output rows, local or gs:// (anything Beam's FileSystems
+opens).
+
+`ReadRecords(pattern, format=None)` yields what `Generate` takes:
+- ``jsonl`` (``.jsonl``, ``.json``, ``.ndjson``): each non-blank line as raw bytes. Decoding and
+  JSON parsing happen in `Generate`, so a line that is not UTF-8 or not JSON becomes an error
+  row instead of failing the pipeline. Files are split across workers as `ReadFromText` does.
+- ``parquet`` (``.parquet``, ``.pq``): each row as a dict of its columns.
+- ``text`` (``.txt``, ``.text``): one prompt per non-blank line, as
+  ``{"id": "<name>:<line>", "prompt": line}``. `<line>` is the 1-based line number in the file
+  (blank lines count, so it is the number an editor shows) and `<name>` is the file's path below
+  the pattern's fixed directory: the base name for a plain path or a ``dir/*.txt`` glob, and
+  ``a/p.txt`` / ``b/p.txt`` for ``dir/*/p.txt``, so ids are unique across the matched files and
+  stable from run to run. To know line numbers, each text file is read whole by one worker (a
+  byte-range split would not know how many lines came before it); files of prompts are small
+  next to the generation they feed. Content hashes were the alternative, but two equal lines
+  would share an id, and ids must be unique. A line that is not UTF-8 becomes an error row.
+Compressed files (``.gz``, ``.bz2``, ...) are read transparently and the format is inferred
+from the extension under the compression one; pass `format` for any other name.
+
+`WriteRows(prefix, format="parquet")` writes output rows as Parquet (`OUTPUT_SCHEMA`) or JSONL
+shards ``<prefix>-SSSSS-of-NNNNN.<format>`` and returns the PCollection of the written files'
+names.
+"""
+
+import os
+import posixpath
+import re
+
+import apache_beam as beam
+from apache_beam import coders
+from apache_beam.io import fileio
+from apache_beam.io.parquetio import ReadFromParquet, WriteToParquet
+from apache_beam.io.textio import ReadFromText, WriteToText
+
+from batchgen_beam.records import OUTPUT_SCHEMA, row_to_arrow_dict, row_to_json
+
+INPUT_FORMATS = ("jsonl", "parquet", "text")
+OUTPUT_FORMATS = ("parquet", "jsonl")
+
+_EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
+               ".parquet": "parquet", ".pq": "parquet",
+               ".txt": "text", ".text": "text"}
+# Compressions Beam's file readers detect from the name (CompressionTypes.AUTO).
+_COMPRESSION_EXTENSIONS = (".gz", ".bz2", ".deflate", ".zst", ".zstd", ".lzma", ".xz")
+_WILDCARD = re.compile(r"[*?\[{]")
+
+
+def infer_format(pattern: str) -> str:
+    """The input format that the pattern's extension names; ValueError when it names none."""
+    name = pattern.lower()
+    for compression in _COMPRESSION_EXTENSIONS:
+        if name.endswith(compression):
+            name = name[:-len(compression)]
+            break
+    for extension, fmt in _EXTENSIONS.items():
+        if name.endswith(extension):
+            return fmt
+    raise ValueError(f"cannot tell the format of {pattern!r} from its extension "
+                     f"({', '.join(_EXTENSIONS)}); give format= one of {', '.join(INPUT_FORMATS)}")
+
+
+def _check_format(fmt: str, known: tuple[str, ...]) -> str:
+    if fmt not in known:
+        raise ValueError(f"format must be one of {', '.join(known)}, got {fmt!r}")
+    return fmt
+
+
+class ReadRecords(beam.PTransform):
+    """Input records from files matching `pattern`: JSONL lines (bytes), Parquet rows (dicts) or
+    text lines (dicts with an id and a prompt); see the module docstring."""
+
+    def __init__(self, pattern: str, format: str | None = None):
+        super().__init__()
+        self.pattern = pattern
+        self.format = _check_format(format, INPUT_FORMATS) if format else infer_format(pattern)
+
+    def expand(self, pbegin):
+        if self.format == "jsonl":
+            return (pbegin
+                    | "ReadLines" >> ReadFromText(self.pattern, coder=coders.BytesCoder())
+                    | "SkipBlank" >> beam.Filter(lambda line: bool(line.strip())))
+        if self.format == "parquet":
+            return pbegin | "ReadParquet" >> ReadFromParquet(self.pattern)
+        return (pbegin
+                | "Match" >> fileio.MatchFiles(self.pattern)
+                | "Open" >> fileio.ReadMatches()
+                | "Lines" >> beam.FlatMap(_text_records, _fixed_dir(self.pattern)))
+
+
+def _fixed_dir(pattern: str) -> str:
+    """The directory part of the pattern before its first wildcard, with a trailing "/"."""
+    wildcard = _WILDCARD.search(pattern)
+    head = pattern[:wildcard.start()] if wildcard else pattern
+    cut = head.rfind("/")
+    return head[:cut + 1] if cut >= 0 else ""
+
+
+def _text_records(readable_file, fixed_dir: str):
+    path = readable_file.metadata.path
+    name = path[len(fixed_dir):] if fixed_dir and path.startswith(fixed_dir) else ""
+    name = name or posixpath.basename(path.replace(os.sep, "/"))
+    with readable_file.open() as f:
+        for number, line in enumerate(f, start=1):
+            line = line.rstrip(b"\r\n")
+            if not line.strip():
+                continue
+            try:
+                prompt = line.decode("utf-8")
+            except UnicodeDecodeError:
+                # Left as bytes: `Generate` rejects the record with an error row that carries
+                # the line's id ("prompt: must be a string, got bytes").
+                prompt = line
+            yield {"id": f"{name}:{number}", "prompt": prompt}
+
+
+class WriteRows(beam.PTransform):
+    """Output rows → ``<prefix>-SSSSS-of-NNNNN.parquet`` (`OUTPUT_SCHEMA`) or ``.jsonl`` files
+    (one JSON object per line). Returns the names of the files written."""
+
+    def __init__(self, prefix: str, format: str = "parquet", num_shards: int = 0):
+        super().__init__()
+        self.prefix = prefix
+        self.format = _check_format(format, OUTPUT_FORMATS)
+        self.num_shards = num_shards
+
+    @property
+    def suffix(self) -> str:
+        return "." + self.format
+
+    @property
+    def file_pattern(self) -> str:
+        """A glob matching the files this transform writes (and any older shards alike)."""
+        return f"{self.prefix}-*-of-*{self.suffix}"
+
+    def expand(self, rows):
+        if self.format == "parquet":
+            return (rows
+                    | "ToArrow" >> beam.Map(row_to_arrow_dict)
+                    | "WriteParquet" >> WriteToParquet(self.prefix, OUTPUT_SCHEMA,
+                                                       file_name_suffix=self.suffix,
+                                                       num_shards=self.num_shards))
+        return (rows
+                | "ToJson" >> beam.Map(row_to_json)
+                | "WriteJsonl" >> WriteToText(self.prefix, file_name_suffix=self.suffix,
+                                              num_shards=self.num_shards))

@@ -1,0 +1,1 @@
+"""Runnable pipelines: `python -m pipelines.generate --help`."""

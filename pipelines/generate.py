@@ -1,0 +1,390 @@
+"""Batch generation as a Beam pipeline: records in, one output row per record out.
+
+    python -m pipelines.generate                      # the bundled prompts on the default model
+    python -m pipelines.generate --input prompts.jsonl --output out/gen --format jsonl \\
+        --model gs://bucket/models/x --max_tokens 256 --temperature 0.7 --seed 1 [Beam options]
+
+Our flags are listed by --help; every other flag goes to Beam's PipelineOptions (--runner,
+--direct_num_workers, --project, ...). The runner defaults to the DirectRunner.
+
+On a local runner the engine is started here, in the launching process, before the pipeline
+runs (so its load time is reported on its own), and the pipeline's workers on this machine
+connect to that same engine (the same EngineConfig means the same engine). A progress bar then
+shows records done and tokens/s, polled from the engine's counters in a background thread. On a
+remote runner (Dataflow, ...) the workers start their own engines and there is no progress bar.
+
+`main(argv)` returns the run's summary (also printed): records, errors, prompt and completion
+tokens, tokens/s, the files written and the time taken, read from the pipeline's metrics.
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import apache_beam as beam
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.metrics import Metrics
+from apache_beam.metrics.metric import MetricsFilter
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+
+import batchgen_beam
+from batchgen_beam.engine_client import EngineClient, EngineConfig
+from batchgen_beam.generate import METRICS_NAMESPACE, Generate
+from batchgen_beam.io import INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, infer_format
+
+BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"
+DEFAULT_OUTPUT = "./output/generations"
+PIPELINE_NAMESPACE = "batchgen_pipeline"  # this pipeline's own metrics
+# Runners whose workers run on this machine, so they share an engine started here.
+LOCAL_RUNNERS = {"directrunner", "switchingdirectrunner", "bundlebaseddirectrunner",
+                 "fnapirunner", "prismrunner"}
+# Input larger than this is not counted up front (the bar then shows no total); Parquet row
+# counts come from the footers and are always cheap.
+COUNT_LIMIT_BYTES = 256 << 20
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless its help already says it or there is none to show."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipelines.generate", allow_abbrev=False,  # Beam's flags pass through
+        description="Generate a completion for every input record with a Beam pipeline. "
+                    "Flags not listed here go to Beam's PipelineOptions (default "
+                    "--runner=DirectRunner).",
+        formatter_class=_HelpFormatter)
+    io = parser.add_argument_group("input and output")
+    io.add_argument("--input", default=None,
+                    help="file or glob, local or gs://: JSONL (.jsonl/.json: our records or OpenAI "
+                         "Batch lines), Parquet (.parquet) or text (.txt, one prompt per line). "
+                         f"Default: the {_count_lines(BUNDLED_PROMPTS)} bundled prompts "
+                         "(batchgen_beam/data/prompts.jsonl), with the chat template applied")
+    io.add_argument("--input_format", choices=INPUT_FORMATS, default=None,
+                    help="input format, if the extension does not say")
+    io.add_argument("--output", default=DEFAULT_OUTPUT,
+                    help="output prefix, local or gs://; files are "
+                         "<output>-SSSSS-of-NNNNN.<format>")
+    io.add_argument("--format", choices=OUTPUT_FORMATS, default="parquet", help="output format")
+    io.add_argument("--output_shards", type=int, default=0,
+                    help="number of output files (0: the runner decides)")
+    io.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                    help="turn records with a `prompt` into one user message, so the model's chat "
+                         "template is applied (default: on for the bundled prompts, else off)")
+
+    sampling = parser.add_argument_group(
+        "sampling defaults (a record's own fields override them)")
+    sampling.add_argument("--max_tokens", type=int, default=64, help="tokens to generate at most")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    sampling.add_argument("--top_p", type=float, default=None, help="nucleus sampling (1: off)")
+    sampling.add_argument("--top_k", type=int, default=None, help="top-k sampling (0: off)")
+    sampling.add_argument("--seed", type=int, default=None,
+                          help="per-record sampling seed (the same record gives the same text)")
+    sampling.add_argument("--stop", action="append", default=None, metavar="STRING",
+                          help="stop string (repeat the flag for several)")
+    sampling.add_argument("--ignore_eos", action="store_true", default=None,
+                          help="generate max_tokens whatever the model says")
+    sampling.add_argument("--logprobs", type=int, default=None,
+                          help="return the log-probability of each generated token")
+
+    engine = parser.add_argument_group("model and engine")
+    engine.add_argument("--model", default=None,
+                        help="HF safetensors directory, local or gs://prefix (default: the default "
+                             "model, SmolLM2-135M-Instruct)")
+    engine.add_argument("--max_num_seqs", type=int, default=None,
+                        help="sequences decoded together (engine default if not given)")
+    engine.add_argument("--max_num_batched_tokens", type=int, default=None,
+                        help="tokens per engine step (engine default if not given)")
+    engine.add_argument("--kv_cache_mb", type=int, default=None,
+                        help="device KV cache size in MiB (engine default if not given)")
+    engine.add_argument("--num_threads", type=int, default=None,
+                        help="torch threads of the engine (default: all cores)")
+    engine.add_argument("--num_key_shards", type=int, default=16,
+                        help="keys that records are spread over in the Generate transform")
+    engine.add_argument("--max_in_flight", type=int, default=1024,
+                        help="requests one worker process keeps in the engine at once")
+    parser.add_argument("--no_progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    except OSError:
+        return 0
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    args, beam_args = build_parser().parse_known_args(argv)
+    if not any(a == "--runner" or a.startswith("--runner=") for a in beam_args):
+        beam_args = ["--runner=DirectRunner", *beam_args]
+    return args, beam_args
+
+
+def engine_args_of(args: argparse.Namespace) -> dict:
+    """runtime.Engine keywords for the flags given (none: the engine's defaults, so the run
+    shares an engine with any other user of the default configuration)."""
+    given = {"max_num_seqs": args.max_num_seqs,
+             "max_num_batched_tokens": args.max_num_batched_tokens,
+             "kv_cache_bytes": None if args.kv_cache_mb is None else args.kv_cache_mb << 20,
+             "num_threads": args.num_threads}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def sampling_defaults_of(args: argparse.Namespace) -> dict:
+    given = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+             "top_k": args.top_k, "seed": args.seed, "stop": args.stop,
+             "ignore_eos": args.ignore_eos, "logprobs": args.logprobs}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def model_of(args: argparse.Namespace) -> str | None:
+    if args.model is None or args.model.startswith("gs://"):
+        return args.model
+    return os.path.abspath(os.path.expanduser(args.model))  # the same engine from any cwd
+
+
+def as_chat(record):
+    """A record with a plain `prompt` as a one-message chat (the engine then applies the model's
+    chat template). Anything else, OpenAI Batch lines and records that will fail validation
+    included, passes unchanged so that `Generate` handles it as it would without this step."""
+    raw = record
+    if isinstance(record, (bytes, str)):
+        try:
+            record = json.loads(record)
+        except (ValueError, UnicodeDecodeError):
+            return raw
+    if not isinstance(record, dict) or "custom_id" in record or "messages" in record:
+        return raw
+    prompt = record.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        return raw
+    converted = {k: v for k, v in record.items() if k != "prompt"}
+    converted["messages"] = [{"role": "user", "content": prompt}]
+    return converted
+
+
+class _CountRows(beam.DoFn):
+    """Counts what Generate's own metrics do not: prompt tokens."""
+
+    def __init__(self):
+        self._prompt_tokens = Metrics.counter(PIPELINE_NAMESPACE, "prompt_tokens")
+
+    def process(self, row):
+        self._prompt_tokens.inc(row["prompt_tokens"])
+        yield row
+
+
+class _NoteFiles(beam.DoFn):
+    def __init__(self):
+        self._files = Metrics.string_set(PIPELINE_NAMESPACE, "output_files")
+
+    def process(self, name):
+        self._files.add(name)
+
+
+def count_records(pattern: str, fmt: str, limit_bytes: int = COUNT_LIMIT_BYTES) -> int | None:
+    """How many records the input holds, where that is cheap to find out; else None."""
+    import pyarrow.parquet as pq
+
+    files = FileSystems.match([pattern])[0].metadata_list
+    if fmt == "parquet":
+        total = 0
+        for meta in files:
+            with FileSystems.open(meta.path) as f:
+                total += pq.ParquetFile(f).metadata.num_rows
+        return total
+    if sum(meta.size_in_bytes for meta in files) > limit_bytes:
+        return None
+    total = 0
+    for meta in files:
+        with FileSystems.open(meta.path) as f:
+            total += sum(1 for line in f if line.strip())
+    return total
+
+
+class Progress:
+    """A tqdm bar of records done (of the input's count, when known) and generated tokens/s,
+    polled from the engine's counters by a background thread of this process."""
+
+    def __init__(self, client: EngineClient, count, interval: float = 0.5, enabled: bool = True):
+        from tqdm import tqdm
+
+        self._client, self._count, self._interval = client, count, interval
+        self._stop = threading.Event()
+        self._base = client.info()  # the engine may have served earlier runs
+        self.bar = tqdm(total=None, desc="generate", unit="rec", disable=not enabled,
+                        dynamic_ncols=True, file=sys.stderr)
+        self._thread = threading.Thread(target=self._run, name="batchgen-progress", daemon=True)
+
+    def __enter__(self):
+        self._start = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.bar.close()
+
+    def finish(self, records: int) -> None:
+        """Stop polling and show the final count (rejected records never reach the engine, so
+        the engine's count can fall short of it)."""
+        self._stop.set()
+        self._thread.join()
+        try:
+            self._show(self._client.info(), None)
+        except Exception:
+            pass
+        self.bar.total = max(self.bar.total or 0, records)
+        self.bar.n = records
+        self.bar.refresh()
+
+    def _run(self) -> None:
+        try:
+            total = self._count()
+        except Exception:  # a count is a nicety; the pipeline reports any real problem
+            total = None
+        if total is not None and not self._stop.is_set():
+            self.bar.total = total
+            self.bar.refresh()
+        while not self._stop.wait(self._interval):
+            try:
+                info = self._client.info()
+            except Exception:  # e.g. the engine is restarting; the client resubmits its work
+                continue
+            self._show(info, total)
+
+    def _show(self, info: dict, total: int | None) -> None:
+        done = info["finished"] - self._base["finished"]
+        tokens = info["generated_tokens"] - self._base["generated_tokens"]
+        if total is not None:
+            self.bar.n = min(done, total)
+        elif done > self.bar.n:
+            self.bar.n = done
+        elapsed = max(time.monotonic() - self._start, 1e-9)
+        self.bar.set_postfix_str(f"{tokens / elapsed:.1f} tok/s, {info['running']} running",
+                                 refresh=False)
+        self.bar.refresh()
+
+
+def _metrics(result) -> tuple[dict, dict]:
+    """(counter totals, string-set unions) by metric name over our two namespaces."""
+    counters, sets = {}, {}
+    for namespace in (METRICS_NAMESPACE, PIPELINE_NAMESPACE):
+        try:
+            found = result.metrics().query(MetricsFilter().with_namespace(namespace))
+        except Exception as exc:  # a runner without (some) metrics: the job itself succeeded
+            logging.warning("could not read the %s metrics: %r", namespace, exc)
+            continue
+        for metric in found["counters"]:
+            value = metric.committed if metric.committed is not None else metric.attempted
+            counters[metric.key.metric.name] = counters.get(metric.key.metric.name, 0) + value
+        for metric in found.get("string_sets", []):
+            value = metric.committed if metric.committed is not None else metric.attempted
+            sets.setdefault(metric.key.metric.name, set()).update(value or ())
+    return counters, sets
+
+
+def _is_local(runner: str | None) -> bool:
+    return str(runner).rsplit(".", 1)[-1].lower() in LOCAL_RUNNERS
+
+
+def main(argv: list[str] | None = None) -> dict:
+    started = time.perf_counter()
+    args, beam_args = parse_args(argv)
+    bundled = args.input is None
+    input_pattern = str(BUNDLED_PROMPTS) if bundled else args.input
+    input_format = args.input_format or infer_format(input_pattern)
+    chat = bundled if args.chat is None else args.chat
+    options = PipelineOptions(beam_args)
+    runner = options.view_as(StandardOptions).runner
+
+    model, engine_args = model_of(args), engine_args_of(args)
+    config = EngineConfig.of(model, **engine_args)
+    generate = Generate(model, num_shards=args.num_key_shards, max_in_flight=args.max_in_flight,
+                        engine_args=engine_args, **sampling_defaults_of(args))
+    # The launcher's progress client must talk to the engine the workers use.
+    assert generate._config == config, (generate._config, config)
+    write = WriteRows(args.output, args.format, num_shards=args.output_shards)
+
+    pipeline = beam.Pipeline(options=options)
+    records = pipeline | "Read" >> ReadRecords(input_pattern, input_format)
+    if chat:
+        records = records | "Chat" >> beam.Map(as_chat)
+    (records
+     | "Generate" >> generate
+     | "Count" >> beam.ParDo(_CountRows())
+     | "Write" >> write
+     | "NoteFiles" >> beam.ParDo(_NoteFiles()))
+
+    local = _is_local(runner)
+    engine_start_s = None
+    if local:
+        load_started = time.perf_counter()
+        client = EngineClient.shared(config)  # starts (or finds) this machine's engine
+        engine_start_s = time.perf_counter() - load_started
+    run_started = time.perf_counter()
+    if local:
+        with Progress(client, lambda: count_records(input_pattern, input_format),
+                      enabled=not args.no_progress) as progress:
+            result = pipeline.run()
+            result.wait_until_finish()
+            counters, sets = _metrics(result)
+            progress.finish(counters.get("sequences_finished", 0))
+    else:
+        result = pipeline.run()
+        result.wait_until_finish()
+        counters, sets = _metrics(result)
+    pipeline_s = time.perf_counter() - run_started
+
+    completion_tokens = counters.get("tokens_generated", 0)
+    summary = {
+        "input": "bundled prompts" if bundled else input_pattern,
+        "input_format": input_format,
+        "chat_template": chat,
+        "model": args.model or "default (SmolLM2-135M-Instruct)",
+        "runner": str(runner),
+        "state": str(result.state),
+        "records": counters.get("sequences_finished", 0),
+        "errors": counters.get("errors", 0),
+        "prompt_tokens": counters.get("prompt_tokens", 0),
+        "completion_tokens": completion_tokens,
+        "tokens_per_s": round(completion_tokens / pipeline_s, 2) if pipeline_s > 0 else None,
+        "engine_start_s": None if engine_start_s is None else round(engine_start_s, 2),
+        "pipeline_s": round(pipeline_s, 2),
+        "wall_s": round(time.perf_counter() - started, 2),
+        "output_files": sorted(sets.get("output_files", ())),
+        "format": args.format,
+    }
+    print(format_summary(summary))
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    engine = "" if s["engine_start_s"] is None else f"; engine start {s['engine_start_s']} s"
+    files = "\n".join(f"  {name}" for name in s["output_files"]) or "  (none reported)"
+    return (f"batchgen: {s['records']} records, {s['errors']} errors ({s['input']} -> "
+            f"{s['format']}, model {s['model']})\n"
+            f"  tokens: {s['prompt_tokens']} prompt, {s['completion_tokens']} completion; "
+            f"{s['tokens_per_s']} completion tokens/s over {s['pipeline_s']} s of pipeline"
+            f"{engine}; wall {s['wall_s']} s\n"
+            f"  files:\n{files}")
+
+
+if __name__ == "__main__":  # engine processes are spawned and re-import __main__
+    # Run the importable module's main, so that the functions and DoFns above pickle as
+    # pipelines.generate.* (which remote workers import) rather than as __main__.*.
+    from pipelines.generate import main as _main
+    _main()

@@ -1,0 +1,465 @@
+"""`Generate` on the DirectRunner: exactly one row per input record (good and bad records
+in one run), per-record sampling fields honoured, outputs equal to the bare engine's on the same
+model, passthrough fields and Beam metrics; with two SDK worker processes, one engine serves
+both; a record left in state by a dead worker is resubmitted by id and answered once."""
+
+import logging
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import apache_beam as beam
+import psutil
+import pytest
+from apache_beam.transforms.window import GlobalWindow
+
+from batchgen_beam.engine_client import EngineClient, EngineConfig
+from batchgen_beam.generate import Generate, _GenerateFn
+from batchgen_beam.records import parse_record, row_to_json
+from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, MULTI_PROCESSING, bundled_prompts,
+                          chat_model_dir, counter, distribution, run_pipeline, worker_pythonpath)
+from runtime import Engine, Request, SamplingParams
+
+MAX_TOKENS = 8  # the transform-wide default
+FIXED_LENGTHS = (1, 3, 5, 11)  # per-record max_tokens, with ignore_eos
+SAMPLED = {"s-7": (7, 0.8), "s-7-again": (7, 0.8), "s-8": (8, 0.8), "s-7-hot": (7, 1.5)}
+SAMPLED_TOKENS = 16
+
+
+def chat_line(custom_id, **body):
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "tiny", "messages": [{"role": "user", "content": "Say hi."}], **body}}
+
+
+def good_records(prompts: list[str]) -> list:
+    """34 records: greedy text and chat, fixed lengths, seeded sampling, an OpenAI Batch line and
+    a JSON text line. Every mapping carries passthrough fields."""
+    greedy = [{"id": f"g{i:02d}", "prompt": p, "source": "bundled", "index": i}
+              for i, p in enumerate(prompts[:20])]
+    chats = [{"id": f"c{i}", "messages": [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": p}], "index": i}
+             for i, p in enumerate(prompts[20:24])]
+    fixed = [{"id": f"len-{k}", "prompt": prompts[0], "max_tokens": k, "ignore_eos": True}
+             for k in FIXED_LENGTHS]
+    sampled = [{"id": rid, "prompt": prompts[1], "seed": seed, "temperature": temperature,
+                "max_tokens": SAMPLED_TOKENS, "ignore_eos": True}
+               for rid, (seed, temperature) in SAMPLED.items()]
+    openai = [chat_line("openai-1", max_tokens=4, temperature=0) | {"batch": "b1"}]
+    text_line = ['{"id": "json-1", "prompt": "Tell me a story.", "note": "from a text file"}']
+    return greedy + chats + fixed + sampled + openai + text_line
+
+
+LONG_PROMPT = "Tell me everything about the history of every river in the world. " * 20
+
+# kind -> (raw record, how its row is found, a fragment its error message must contain)
+BAD_RECORDS = {
+    "missing id": ({"prompt": "Hi", "tag": "missing-id"}, "tag:missing-id", "id: missing"),
+    "empty id": ({"id": "", "prompt": "Hi", "tag": "empty-id"}, "tag:empty-id", "id: must not be empty"),
+    "not an object": (42, "raw:42", "must be an object"),
+    "undecodable bytes": (b'{"id": "bad-bytes", "prompt": "caf\xe9"}',
+                          'raw:{"id": "bad-bytes", "prompt": "caf\\xe9"}', "not valid UTF-8"),
+    "invalid JSON line": ('{"id": "bad-json", "prompt": ', 'raw:{"id": "bad-json", "prompt": ',
+                          "invalid JSON"),
+    "empty prompt": ({"id": "bad-empty", "prompt": "  "}, "bad-empty", "prompt: must not be empty"),
+    "prompt and messages": ({"id": "bad-both", "prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}]},
+                            "bad-both", "not both"),
+    "messages not a list": ({"id": "bad-messages", "messages": "Hi"}, "bad-messages",
+                            "messages: must be a list"),
+    "message with bad role": ({"id": "bad-role", "messages": [{"role": "robot", "content": "Beep"}]},
+                              "bad-role", "messages[0].role: must be one of"),
+    "string temperature": ({"id": "bad-temperature", "prompt": "Hi", "temperature": "hot"},
+                           "bad-temperature", "temperature: must be a finite number"),
+    "string max_tokens": ({"id": "bad-max-tokens", "prompt": "Hi", "max_tokens": "32"},
+                          "bad-max-tokens", "max_tokens: must be an integer"),
+    "top_p out of range": ({"id": "bad-top-p", "prompt": "Hi", "top_p": 1.5}, "bad-top-p",
+                           "top_p: must be in (0, 1]"),
+    "negative seed": ({"id": "bad-seed", "prompt": "Hi", "seed": -3}, "bad-seed", "seed: must be >= 0"),
+    "OpenAI unsupported key": (chat_line("bad-openai", tools=[{"type": "function"}]), "bad-openai",
+                               "body.tools: not supported"),
+    "OpenAI GET": (chat_line("bad-openai-get") | {"method": "GET"}, "bad-openai-get",
+                   'method: must be "POST"'),
+    # Valid as a record; the engine rejects it (prompt plus one token must fit the context).
+    "prompt longer than the context": ({"id": "bad-too-long", "prompt": LONG_PROMPT}, "bad-too-long",
+                                       f"the context holds {CONTEXT}"),
+}
+
+
+def row_key(row: dict) -> str:
+    """The id of a row, or for a record without one, its tag or raw-line passthrough."""
+    if row["id"] is not None:
+        return row["id"]
+    passthrough = row["passthrough"]
+    return f"tag:{passthrough['tag']}" if "tag" in passthrough else f"raw:{passthrough['raw']}"
+
+
+def expected_keys(records) -> Counter:
+    keys = Counter(r["id"] if "id" in r else r["custom_id"]
+                   for r in records if isinstance(r, dict))
+    keys.update(["json-1"])  # the JSON text line
+    keys.update(key for _, key, _ in BAD_RECORDS.values())
+    return keys
+
+
+def generate_rows(records, model_dir, tmp_path, flags, engine_args=ENGINE_ARGS):
+    def build(pipeline):
+        rows = (pipeline
+                | beam.Create(records, reshuffle=False)
+                | Generate(str(model_dir), engine_args=engine_args, max_tokens=MAX_TOKENS, num_shards=4))
+        return {"rows": rows | beam.Map(row_to_json)}
+
+    outputs, result = run_pipeline(build, tmp_path, flags)
+    return outputs["rows"], result
+
+
+# ---- one in-memory run, checked from every side ------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_chat):
+    return chat_model_dir(tiny_chat)
+
+
+@pytest.fixture(scope="module")
+def bare_engine(model_dir):
+    return Engine(model_dir, **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def good(bare_engine):
+    # Short prompts: with the chat template around them and the longest output (16 tokens)
+    # they stay well inside the 64-token context.
+    return good_records(bundled_prompts(bare_engine.tokenizer, 24, 30))
+
+
+@pytest.fixture(scope="module")
+def in_memory(model_dir, good, tmp_path_factory):
+    records = good + [raw for raw, _, _ in BAD_RECORDS.values()]
+    rows, result = generate_rows(records, model_dir, tmp_path_factory.mktemp("in-memory"), IN_MEMORY)
+    return rows, result
+
+
+@pytest.fixture(scope="module")
+def rows_by_key(in_memory):
+    rows, _ = in_memory
+    return {row_key(row): row for row in rows}
+
+
+@pytest.fixture(scope="module")
+def bare_completions(bare_engine, good):
+    """What the bare engine answers to every good record, with the same sampling params."""
+    requests = [parse_record(r, {"max_tokens": MAX_TOKENS}).to_request() for r in good]
+    return {c.id: c for c in bare_engine.generate(requests)}
+
+
+def test_exactly_one_row_per_input_record(in_memory, good):
+    rows, _ = in_memory
+    assert len(rows) == len(good) + len(BAD_RECORDS)
+    assert Counter(row_key(row) for row in rows) == expected_keys(good)
+
+
+def test_good_records_equal_the_bare_engine(rows_by_key, bare_completions):
+    """Greedy token ids, and seeded sampling's text, are the bare engine's on the same model."""
+    assert len(bare_completions) == 34
+    for record_id, completion in bare_completions.items():
+        row = rows_by_key[record_id]
+        assert row["error"] is None, (record_id, row["error"])
+        assert row["token_ids"] == completion.token_ids, record_id
+        assert row["text"] == completion.text, record_id
+        assert row["finish_reason"] == completion.finish_reason, record_id
+        assert (row["prompt_tokens"], row["completion_tokens"]) == \
+            (completion.prompt_tokens, completion.completion_tokens), record_id
+
+
+def test_transform_default_max_tokens(rows_by_key):
+    greedy = [rows_by_key[f"g{i:02d}"] for i in range(20)]
+    assert all(1 <= row["completion_tokens"] <= MAX_TOKENS for row in greedy)
+    assert all(row["completion_tokens"] == MAX_TOKENS for row in greedy if row["finish_reason"] == "length")
+    assert max(row["completion_tokens"] for row in greedy) == MAX_TOKENS  # not the engine's 16
+    assert rows_by_key["openai-1"]["completion_tokens"] <= 4  # the OpenAI line's max_tokens
+
+
+def test_per_record_max_tokens_with_ignore_eos(rows_by_key):
+    for k in FIXED_LENGTHS:
+        row = rows_by_key[f"len-{k}"]
+        assert (row["completion_tokens"], len(row["token_ids"]), row["finish_reason"]) == (k, k, "length")
+
+
+def test_per_record_seed_and_temperature(rows_by_key):
+    texts = {rid: rows_by_key[rid]["token_ids"] for rid in SAMPLED}
+    assert all(len(ids) == SAMPLED_TOKENS for ids in texts.values())
+    assert texts["s-7"] == texts["s-7-again"]  # same seed and temperature: same sample
+    assert texts["s-8"] != texts["s-7"]  # another seed
+    assert texts["s-7-hot"] != texts["s-7"]  # another temperature, same seed
+
+
+@pytest.mark.parametrize("kind", BAD_RECORDS)
+def test_bad_record_becomes_an_error_row(kind, rows_by_key):
+    _, key, fragment = BAD_RECORDS[kind]
+    row = rows_by_key[key]
+    assert fragment in row["error"]
+    assert (row["finish_reason"], row["text"], row["token_ids"], row["completion_tokens"]) == \
+        ("error", None, [], 0)
+
+
+def test_bad_records_do_not_stop_good_ones(in_memory, good):
+    rows, _ = in_memory
+    assert len(BAD_RECORDS) >= 12
+    good_rows = [row for row in rows if row["error"] is None]
+    assert len(good_rows) == len(good)
+    assert all(row["finish_reason"] in ("stop", "length") and row["token_ids"] for row in good_rows)
+
+
+def test_passthrough_fields_come_back(rows_by_key):
+    assert rows_by_key["g03"]["passthrough"] == {"source": "bundled", "index": 3}
+    assert rows_by_key["c2"]["passthrough"] == {"index": 2}
+    assert rows_by_key["len-5"]["passthrough"] == {}
+    assert rows_by_key["openai-1"]["passthrough"] == {"batch": "b1"}
+    assert rows_by_key["json-1"]["passthrough"] == {"note": "from a text file"}
+    assert rows_by_key["tag:missing-id"]["passthrough"] == {"tag": "missing-id"}
+
+
+def test_metrics_count_rows_tokens_and_errors(in_memory):
+    rows, result = in_memory
+    assert counter(result, "sequences_finished") == len(rows)  # one per row, error rows included
+    assert counter(result, "tokens_generated") == sum(row["completion_tokens"] for row in rows)
+    assert counter(result, "errors") == sum(row["error"] is not None for row in rows) == len(BAD_RECORDS)
+
+
+# ---- two SDK worker processes, one engine -------------------------------------------------
+
+class ProcessWatcher(threading.Thread):
+    """Samples this test process's descendants while a pipeline runs: the SDK worker processes,
+    every engine process (a multiprocessing spawn child of a worker) and which workers hold a
+    connection to the engine at `address_file` (host:port, written by MultiProcessShared)."""
+
+    def __init__(self, address_file: Path):
+        super().__init__(daemon=True)
+        self.address_file = address_file
+        self.sdk_workers: set[int] = set()
+        self.engines: set[int] = set()
+        self.listening: set[int] = set()  # engine pids listening on the address file's port
+        self.connected: set[int] = set()  # SDK worker pids connected to that port
+        self._stopping = threading.Event()
+
+    def run(self):
+        while not self._stopping.wait(0.2):
+            try:
+                self.sample()
+            except psutil.Error:  # a process ended between listing and reading it
+                pass
+
+    def stop(self):
+        self._stopping.set()
+        self.join()
+        self.sample()
+
+    def sample(self):
+        port = int(self.address_file.read_text().rsplit(":", 1)[1]) if self.address_file.exists() else None
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                command = proc.cmdline()
+                if command[1:3] == ["-m", "apache_beam.runners.worker.sdk_worker_main"]:
+                    self.sdk_workers.add(proc.pid)
+                    if port and any(c.raddr and c.raddr.port == port
+                                    for c in proc.net_connections("tcp")):
+                        self.connected.add(proc.pid)
+                elif "spawn_main" in " ".join(command) and proc.ppid() in self.sdk_workers:
+                    self.engines.add(proc.pid)
+                    if port and any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                                    for c in proc.net_connections("tcp")):
+                        self.listening.add(proc.pid)
+            except psutil.Error:
+                continue
+
+
+def gone(pid: int, within: float = 15.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.slow
+def test_two_sdk_processes_share_one_engine(model_dir, good, tmp_path, monkeypatch):
+    """direct_running_mode=multi_processing: two SDK worker processes each run the Generate DoFn
+    (the runner hands a stateful stage's bundles to its workers in turn). Checked, not assumed:
+    the OS shows both workers connected to the one engine process that ever existed under
+    them, and every DoFn call's `batchgen/engine_pid` metric names that same process."""
+    worker_pythonpath(monkeypatch)
+    engine_args = {**ENGINE_ARGS, "max_num_seqs": 48}  # its own engine, not this process's
+    address_file = Path(tempfile.gettempdir()) / (EngineConfig.of(str(model_dir), **engine_args).tag + ".address")
+    records = good + [raw for raw, _, _ in BAD_RECORDS.values()]
+    watcher = ProcessWatcher(address_file)
+    watcher.start()
+    try:
+        rows, result = generate_rows(records, model_dir, tmp_path, MULTI_PROCESSING, engine_args)
+    finally:
+        watcher.stop()
+
+    assert Counter(row_key(row) for row in rows) == expected_keys(good)
+    assert counter(result, "sequences_finished") == len(rows)
+    assert counter(result, "errors") == len(BAD_RECORDS)
+
+    assert len(watcher.sdk_workers) == 2
+    assert len(watcher.engines) == 1, watcher.engines
+    [engine_pid] = watcher.engines
+    assert watcher.listening == {engine_pid}
+    assert watcher.connected == watcher.sdk_workers  # both workers fed that engine
+    pids = distribution(result, "engine_pid")
+    assert pids.min == pids.max == engine_pid
+    assert gone(engine_pid)  # the engine ended with the worker that started it
+
+
+# ---- recovery: a dead engine, a dead worker ------------------------------------------------
+
+def engine_requests(prompts, prefix, max_tokens=40):
+    return [Request(f"{prefix}{i}", prompt=p, params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+
+
+def kill_engine(client) -> int:
+    pid = client.info()["pid"]
+    os.kill(pid, signal.SIGKILL)
+    psutil.Process(pid).wait(10)  # reaped: the next call on the client finds it gone
+    return pid
+
+
+def restart_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "batchgen_beam.engine_client" and r.levelno == logging.WARNING]
+
+
+def test_dead_engine_is_restarted_and_resident_requests_resubmitted(model_dir, bare_engine, caplog):
+    """SIGKILL the engine process while requests are resident: the client starts a new engine,
+    resubmits them, and every request completes exactly once, as the bare engine answers it.
+    (The engine is the one this module's pipelines used; their client reconnects to the new
+    engine on its next call.)"""
+    caplog.set_level(logging.WARNING)
+    client = EngineClient(EngineConfig.of(str(model_dir), **ENGINE_ARGS))
+    prompts = bundled_prompts(bare_engine.tokenizer, 8, CONTEXT - 40 - 1)
+    requests = engine_requests(prompts, "dead-")
+    client.submit(requests)  # nothing taken yet: all 8 are resident when the engine dies
+    old_pid = kill_engine(client)
+
+    done = client.wait_all([r.id for r in requests])
+    assert sorted(done) == sorted(r.id for r in requests)
+    assert client.restarts == 1 and client.info()["pid"] != old_pid
+    [warning] = restart_warnings(caplog)
+    assert "starting a new one and resubmitting 8 resident request(s)" in warning
+    expected = {c.id: c.token_ids for c in bare_engine.generate(engine_requests(prompts, "dead-"))}
+    assert {rid: c.token_ids for rid, c in done.items()} == expected
+    # Exactly once: nothing more arrives, and nothing is left resident.
+    assert client.take([r.id for r in requests], timeout=1.0) == {}
+    assert not client.knows(requests[0].id) and client.done_ids() == set()
+
+
+def test_submit_right_after_an_engine_death(model_dir, bare_engine, caplog):
+    """The first call after the death is a submit: the restart resubmits what was resident
+    (the new requests included) and the submit neither raises nor runs anything twice."""
+    caplog.set_level(logging.WARNING)
+    client = EngineClient(EngineConfig.of(str(model_dir), **ENGINE_ARGS))
+    prompts = bundled_prompts(bare_engine.tokenizer, 6, CONTEXT - 40 - 1)
+    early, late = engine_requests(prompts[:4], "early-"), engine_requests(prompts[4:], "late-")
+    client.submit(early)
+    kill_engine(client)
+    client.submit(late)
+
+    ids = [r.id for r in early + late]
+    assert sorted(client.wait_all(ids)) == sorted(ids)
+    assert client.restarts == 1
+    [warning] = restart_warnings(caplog)
+    assert "resubmitting 6 resident request(s)" in warning
+    assert client.take(ids, timeout=1.0) == {}
+
+
+def test_a_request_resubmitted_by_another_process_runs_once(model_dir, bare_engine):
+    """A timer firing in another SDK process resubmits pending records by id: that client takes
+    the requests over (finished or still running) instead of the engine running them twice, and
+    the first client stops counting them as its own."""
+    config = EngineConfig.of(str(model_dir), **ENGINE_ARGS)
+    first, second = EngineClient(config), EngineClient(config)
+    prompts = bundled_prompts(bare_engine.tokenizer, 4, CONTEXT - 40 - 1)
+    requests = engine_requests(prompts, "takeover-")
+    ids = [r.id for r in requests]
+    before = first.info()["finished"]
+    first.submit(requests[:2])
+    first.wait_all([ids[0]])  # one finished and taken by `first`, one maybe still running
+    first.submit(requests[2:])
+    second.submit(requests[1:])
+
+    done = second.wait_all(ids[1:])
+    assert sorted(done) == sorted(ids[1:])
+    assert second.info()["finished"] - before == len(requests)  # each generated exactly once
+    first.take(ids, timeout=0.5)  # learns that the others were taken over
+    assert not any(first.knows(rid) for rid in ids)
+    expected = {c.id: c.token_ids for c in bare_engine.generate(engine_requests(prompts, "takeover-"))}
+    assert {rid: c.token_ids for rid, c in done.items()} == {rid: expected[rid] for rid in ids[1:]}
+
+
+class Bag:
+    """BagState stand-in: what the runner keeps per key across bundles and workers."""
+
+    def __init__(self):
+        self.items = []
+
+    def read(self):
+        return list(self.items)
+
+    def add(self, value):
+        self.items.append(value)
+
+    def clear(self):
+        self.items.clear()
+
+
+class Timer:
+    def __init__(self):
+        self.set_to = []
+
+    def set(self, timestamp):
+        self.set_to.append(timestamp)
+
+
+def test_records_left_in_state_are_resubmitted_by_a_restarted_worker(model_dir, good, bare_engine,
+                                                                      monkeypatch):
+    """Worker 1 takes records into state and dies before their rows are out. A new worker (a
+    new DoFn and a new EngineClient: nothing of worker 1 survives but the state; the engine
+    still runs worker 1's requests, for a client that will never take them) resubmits them by
+    id when it first sees the key, and its flush emits every record's row: exactly one per
+    record across both workers, equal to the bare engine's."""
+    records = [parse_record(r, {"max_tokens": 16, "ignore_eos": True}) for r in good[:7]]
+    bag, timer, rows = Bag(), Timer(), []
+    monkeypatch.setattr(EngineClient, "_instances", {})  # this test's clients are its own
+
+    def run(fn, method, *args, **state):
+        rows.extend(getattr(fn, method)(*args, **state))
+
+    worker1 = _GenerateFn(EngineConfig.of(str(model_dir), **ENGINE_ARGS), num_shards=1,
+                          max_in_flight=1024, namespace="job-1")
+    worker1.setup()
+    for parsed in records[:6]:
+        run(worker1, "process", (0, parsed), window=GlobalWindow(), pending=bag, flush=timer)
+    assert bag.items, "every row came out before the restart: nothing left to recover"
+    assert len(rows) + len(bag.items) == 6
+    assert timer.set_to and set(timer.set_to) == {GlobalWindow().max_timestamp()}
+
+    # The worker dies: its DoFn and its process's clients are gone; the state survives.
+    EngineClient._instances.clear()
+    worker2 = _GenerateFn(EngineConfig.of(str(model_dir), **ENGINE_ARGS), num_shards=1,
+                          max_in_flight=1024, namespace="job-1")
+    worker2.setup()
+    run(worker2, "process", (0, records[6]), window=GlobalWindow(), pending=bag, flush=timer)
+    run(worker2, "flush", pending=bag)
+
+    assert Counter(row["id"] for row in rows) == Counter(p.id for p in records)
+    assert bag.items == []
+    expected = {c.id: c.token_ids for c in bare_engine.generate([p.to_request() for p in records])}
+    assert {row["id"]: row["token_ids"] for row in rows} == expected

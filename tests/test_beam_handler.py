@@ -1,0 +1,182 @@
+"""`BatchGenModelHandler` under RunInference on the DirectRunner: prompt strings, record dicts
+(per-record fields override inference_args) and chat message lists; under KeyedModelHandler;
+with_exception_handling (bad records are error rows in the main output, never failures); bad
+inference_args fail when the transform is applied; batching does not start at 1."""
+
+import json
+
+import apache_beam as beam
+import pytest
+from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
+
+from batchgen_beam.handler import BatchGenModelHandler
+from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, bundled_prompts, chat_model_dir,
+                          run_pipeline)
+from runtime import Engine, Request, SamplingParams
+
+MAX_TOKENS = 6  # inference_args
+INFERENCE_ARGS = {"max_tokens": MAX_TOKENS}
+LONG_PROMPT = "Tell me everything about the history of every river in the world. " * 20
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_chat):
+    return chat_model_dir(tiny_chat)  # the same engine as test_beam_generate's in-memory runs
+
+
+@pytest.fixture(scope="module")
+def bare_engine(model_dir):
+    return Engine(model_dir, **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def prompts(bare_engine):
+    # Short: with the chat template and 12 generated tokens they stay inside the 64-token context.
+    return bundled_prompts(bare_engine.tokenizer, 12, 30)
+
+
+def chats(prompts):
+    return [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": p}]
+            for p in prompts[6:9]]
+
+
+def records(prompts):
+    """Per-record fields over inference_args, passthrough, and bad records."""
+    return [
+        {"id": "r-default", "prompt": prompts[0], "user": "u1"},
+        {"id": "r-len3", "prompt": prompts[1], "max_tokens": 3, "ignore_eos": True},
+        {"id": "r-len11", "prompt": prompts[1], "max_tokens": 11, "ignore_eos": True},
+        {"id": "r-seed", "prompt": prompts[2], "seed": 5, "temperature": 0.9, "max_tokens": 12,
+         "ignore_eos": True},
+        {"prompt": prompts[3], "note": "no id: the handler gives it one"},
+        {"custom_id": "r-openai", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "tiny", "messages": [{"role": "user", "content": prompts[4]}]}},
+        {"id": "r-bad-temperature", "prompt": "Hi", "temperature": "hot"},
+        {"id": "r-bad-role", "messages": [{"role": "robot", "content": "Beep"}]},
+        {"id": "r-bad-empty", "prompt": ""},
+        {"id": "r-too-long", "prompt": LONG_PROMPT},
+    ]
+
+
+BAD = {"r-bad-temperature": "temperature: must be a finite number",
+       "r-bad-role": "messages[0].role: must be one of",
+       "r-bad-empty": "prompt: must not be empty",
+       "r-too-long": f"the context holds {CONTEXT}"}
+
+
+def handler(model_dir):
+    return BatchGenModelHandler(str(model_dir), engine_args=ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def outputs(model_dir, prompts, tmp_path_factory):
+    """One pipeline, one branch per way of using the handler."""
+    def build(p):
+        def run(label, examples, model_handler, **kwargs):
+            return (p | f"Create {label}" >> beam.Create(examples, reshuffle=False)
+                    | f"RunInference {label}" >> RunInference(model_handler, inference_args=INFERENCE_ARGS, **kwargs))
+
+        as_json = beam.Map(lambda r: json.dumps({"example": r.example, "row": r.inference}))
+        keyed_examples = [(f"k{i}", p) for i, p in enumerate(prompts[9:12])] + \
+            [("k-chat", chats(prompts)[0]), ("k-record", {"id": "kr", "prompt": prompts[0], "max_tokens": 2})]
+        keyed = run("keyed", keyed_examples, KeyedModelHandler(handler(model_dir)))
+        main, dead_letters = (p | "Create handled" >> beam.Create(records(prompts), reshuffle=False)
+                              | "RunInference handled" >> RunInference(
+                                  handler(model_dir), inference_args=INFERENCE_ARGS).with_exception_handling())
+        return {
+            "strings": run("strings", prompts[:6], handler(model_dir)) | "strings json" >> as_json,
+            "records": run("records", records(prompts), handler(model_dir)) | "records json" >> as_json,
+            "chats": run("chats", chats(prompts), handler(model_dir)) | "chats json" >> as_json,
+            "keyed": keyed | "keyed json" >> beam.Map(
+                lambda kv: json.dumps({"key": kv[0], "example": kv[1].example, "row": kv[1].inference})),
+            "handled": main | "handled json" >> as_json,
+            "failed": dead_letters.failed_inferences | "failed json" >> beam.Map(lambda x: json.dumps(x, default=str)),
+        }
+
+    results, _ = run_pipeline(build, tmp_path_factory.mktemp("handler"), IN_MEMORY)
+    return results
+
+
+def bare(bare_engine, request_id, params=None, **prompt):
+    [completion] = bare_engine.generate([Request(request_id, params=params or SamplingParams(max_tokens=MAX_TOKENS),
+                                                 **prompt)])
+    return completion
+
+
+def test_prompt_strings(outputs, prompts, bare_engine):
+    results = outputs["strings"]
+    assert sorted(r["example"] for r in results) == sorted(prompts[:6])  # one result per example
+    for r in results:
+        expected = bare(bare_engine, "s", prompt=r["example"])
+        assert r["row"]["error"] is None
+        assert r["row"]["token_ids"] == expected.token_ids  # greedy, max_tokens from inference_args
+        assert isinstance(r["row"]["id"], str)
+    assert len({r["row"]["id"] for r in results}) == len(results)
+
+
+def test_chat_message_lists(outputs, prompts, bare_engine):
+    results = outputs["chats"]
+    assert sorted(json.dumps(r["example"]) for r in results) == sorted(json.dumps(c) for c in chats(prompts))
+    for r in results:
+        assert r["row"]["token_ids"] == bare(bare_engine, "c", messages=r["example"]).token_ids
+
+
+def check_records(results, prompts, bare_engine):
+    rows = {r["row"]["id"]: r["row"] for r in results}
+    assert len(results) == len(rows) == len(records(prompts))
+    assert rows["r-default"]["token_ids"] == bare(bare_engine, "d", prompt=prompts[0]).token_ids
+    assert rows["r-default"]["passthrough"] == {"user": "u1"}
+    assert (rows["r-len3"]["completion_tokens"], rows["r-len3"]["finish_reason"]) == (3, "length")
+    assert (rows["r-len11"]["completion_tokens"], rows["r-len11"]["finish_reason"]) == (11, "length")
+    seeded = SamplingParams(seed=5, temperature=0.9, max_tokens=12, ignore_eos=True)
+    assert rows["r-seed"]["text"] == bare(bare_engine, "s", seeded, prompt=prompts[2]).text
+    [no_id] = [row for row in rows.values() if row["passthrough"].get("note")]
+    assert no_id["error"] is None and no_id["completion_tokens"] >= 1
+    assert rows["r-openai"]["error"] is None
+    for record_id, fragment in BAD.items():
+        assert fragment in rows[record_id]["error"], record_id
+        assert rows[record_id]["finish_reason"] == "error"
+    assert sum(row["error"] is not None for row in rows.values()) == len(BAD)
+
+
+def test_record_dicts_with_per_record_overrides_and_bad_records(outputs, prompts, bare_engine):
+    check_records(outputs["records"], prompts, bare_engine)
+
+
+def test_keyed_model_handler(outputs, prompts, bare_engine):
+    results = {r["key"]: r for r in outputs["keyed"]}
+    assert sorted(results) == ["k-chat", "k-record", "k0", "k1", "k2"]
+    for i, prompt in enumerate(prompts[9:12]):
+        assert results[f"k{i}"]["example"] == prompt
+        assert results[f"k{i}"]["row"]["token_ids"] == bare(bare_engine, "k", prompt=prompt).token_ids
+    assert results["k-chat"]["row"]["token_ids"] == \
+        bare(bare_engine, "kc", messages=chats(prompts)[0]).token_ids
+    assert results["k-record"]["row"]["id"] == "kr"
+    assert results["k-record"]["row"]["completion_tokens"] <= 2
+
+
+def test_with_exception_handling_bad_records_are_rows_not_failures(outputs, prompts, bare_engine):
+    check_records(outputs["handled"], prompts, bare_engine)
+    assert outputs["failed"] == []
+
+
+@pytest.mark.parametrize("inference_args, message", [
+    ({"temperature": "hot"}, "temperature: must be a finite number"),
+    ({"top_p": 2.0}, "top_p: must be in"),
+    ({"max_token": 6}, "unknown sampling fields"),
+])
+def test_bad_inference_args_fail_when_applied(model_dir, inference_args, message):
+    model_handler = handler(model_dir)
+    with pytest.raises(ValueError, match=message):
+        model_handler.validate_inference_args(inference_args)
+    pipeline = beam.Pipeline()  # applying the transform fails; nothing runs
+    with pytest.raises(ValueError, match=message):
+        pipeline | beam.Create(["Hi"]) | RunInference(model_handler, inference_args=inference_args)
+
+
+def test_batching_does_not_start_at_one(model_dir):
+    kwargs = handler(model_dir).batch_elements_kwargs()
+    assert kwargs["min_batch_size"] >= 16 and kwargs["max_batch_size"] >= kwargs["min_batch_size"]
+    assert KeyedModelHandler(handler(model_dir)).batch_elements_kwargs() == kwargs
+    custom = BatchGenModelHandler(str(model_dir), min_batch_size=8, max_batch_size=64)
+    assert custom.batch_elements_kwargs() == {"min_batch_size": 8, "max_batch_size": 64}

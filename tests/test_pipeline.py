@@ -1,0 +1,250 @@
+"""pipelines.generate end to end on the DirectRunner: JSONL / Parquet / text in, Parquet / JSONL
+out, local and gs:// (through the GCS emulator), one row per record, error rows for bad ones.
+
+The fast tests run the Beam tests' tiny chat model with the same engine arguments
+(beam_helpers), so one engine process, started once per session, serves them all."""
+
+import json
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen_beam.io import ReadRecords, WriteRows, _fixed_dir, infer_format
+from batchgen_beam.records import OUTPUT_SCHEMA, row_from_arrow_dict, row_from_json, rows_to_arrow
+from beam_helpers import ENGINE_ARGS, chat_model_dir
+from pipelines import generate as cli
+
+ENGINE_FLAGS = ["--kv_cache_mb", str(ENGINE_ARGS["kv_cache_bytes"] >> 20),
+                "--num_threads", str(ENGINE_ARGS["num_threads"])]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_chat):
+    assert cli.engine_args_of(cli.parse_args(ENGINE_FLAGS)[0]) == ENGINE_ARGS  # the same engine
+    return chat_model_dir(tiny_chat)
+
+
+def run(chat_model, *args, progress=False):
+    argv = [*args, "--model", str(chat_model), *ENGINE_FLAGS, "--max_tokens", "6"]
+    return cli.main(argv if progress else [*argv, "--no_progress"])
+
+
+GOOD = [{"id": "a", "prompt": "What is photosynthesis?"},
+        {"id": "b", "messages": [{"role": "user", "content": "Name three rivers."}], "tag": 7},
+        {"id": "c", "prompt": "Say hi", "max_tokens": 3, "meta": {"k": [1, 2]}},
+        {"custom_id": "d", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "x", "prompt": "Once upon a time", "max_tokens": 4}}]
+BAD = {b"not json": None,                                  # no id to be found
+       b"\xff\xfe{\"id\": \"x\"}": None,                   # not UTF-8
+       json.dumps({"id": "e", "prompt": ""}).encode(): "e",  # empty prompt
+       json.dumps({"id": "f"}).encode(): "f",               # no prompt
+       json.dumps({"id": "g", "prompt": "x", "temperature": "hot"}).encode(): "g"}
+
+
+@pytest.fixture(scope="module")
+def jsonl_input(tmp_path_factory):
+    lines = [json.dumps(r).encode() for r in GOOD[:2]] + [b"", b"   "] + list(BAD)
+    lines += [json.dumps(r).encode() for r in GOOD[2:]]
+    path = tmp_path_factory.mktemp("input") / "records.jsonl"
+    path.write_bytes(b"\r\n".join(lines[:3]) + b"\n" + b"\n".join(lines[3:]) + b"\n")
+    return path
+
+
+def read_parquet(files) -> pa.Table:
+    assert files and all(f.endswith(".parquet") for f in files)
+    return pa.concat_tables([pq.read_table(f) for f in files])
+
+
+def read_jsonl(files) -> list[dict]:
+    assert files and all(f.endswith(".jsonl") for f in files)
+    rows = []
+    for name in files:
+        with open(name, encoding="utf-8") as f:
+            rows += [row_from_json(line) for line in f if line.strip()]
+    return rows
+
+
+def check_schema(table: pa.Table) -> None:
+    assert table.schema.names == OUTPUT_SCHEMA.names
+    for field in OUTPUT_SCHEMA:
+        got = table.schema.field(field.name)
+        assert got.type == field.type, field.name
+        assert got.nullable == field.nullable, field.name
+
+
+def check_rows(rows: list[dict], summary: dict) -> dict:
+    """One row per non-blank input line: the good ones generated, the bad ones error rows."""
+    assert len(rows) == len(GOOD) + len(BAD) == summary["records"]
+    by_id = {r["id"]: r for r in rows if r["id"] is not None}
+    for record in GOOD:
+        row = by_id[record.get("id") or record.get("custom_id")]
+        assert row["error"] is None and row["finish_reason"] in ("stop", "length")
+        assert 1 <= row["completion_tokens"] == len(row["token_ids"]) <= 6
+        assert row["prompt_tokens"] > 0 and isinstance(row["text"], str)
+    assert by_id["c"]["completion_tokens"] <= 3 and by_id["d"]["completion_tokens"] <= 4
+    assert by_id["b"]["passthrough"] == {"tag": 7}
+    assert by_id["c"]["passthrough"] == {"meta": {"k": [1, 2]}}
+    errors = [r for r in rows if r["error"] is not None]
+    assert len(errors) == len(BAD) == summary["errors"]
+    assert all(r["finish_reason"] == "error" and r["completion_tokens"] == 0 for r in errors)
+    assert sorted(r["id"] for r in errors if r["id"]) == ["e", "f", "g"]
+    assert "prompt: missing" in by_id["f"]["error"] and "temperature" in by_id["g"]["error"]
+    messages = sorted(r["error"] for r in errors if r["id"] is None)
+    assert messages[0].startswith("record: invalid JSON")
+    assert messages[1].startswith("record: not valid UTF-8")
+    assert summary["completion_tokens"] == sum(r["completion_tokens"] for r in rows)
+    assert summary["prompt_tokens"] == sum(r["prompt_tokens"] for r in rows)
+    return by_id
+
+
+def test_jsonl_to_parquet_and_to_jsonl(chat_model, jsonl_input, tmp_path):
+    summary = run(chat_model, "--input", str(jsonl_input), "--output", str(tmp_path / "pq/gen"),
+                  progress=True)
+    assert summary["state"] == "DONE" and summary["format"] == "parquet"
+    table = read_parquet(summary["output_files"])
+    check_schema(table)
+    from_parquet = check_rows([row_from_arrow_dict(r) for r in table.to_pylist()], summary)
+
+    summary = run(chat_model, "--input", str(jsonl_input), "--output", str(tmp_path / "js/gen"),
+                  "--format", "jsonl")
+    rows = read_jsonl(summary["output_files"])
+    assert all(list(r) == OUTPUT_SCHEMA.names for r in rows)
+    check_schema(rows_to_arrow(rows))  # every value fits its column's type
+    from_jsonl = check_rows(rows, summary)
+    # Greedy: the same records give the same tokens whichever the output format.
+    assert {k: r["token_ids"] for k, r in from_jsonl.items()} == {
+        k: r["token_ids"] for k, r in from_parquet.items()}
+
+
+def test_text_input_ids_are_file_and_line(chat_model, tmp_path):
+    data = tmp_path / "in"
+    (data / "x").mkdir(parents=True)
+    (data / "y").mkdir()
+    (data / "x" / "prompts.txt").write_bytes(
+        b"Hello there\n\nHello there\n\xff bad line\r\nTell me a story\n")
+    (data / "y" / "prompts.txt").write_bytes(b"Hello there")  # no final newline
+    summary = run(chat_model, "--input", str(data / "*" / "prompts.txt"),
+                  "--output", str(tmp_path / "out/gen"), "--format", "jsonl")
+    rows = {r["id"]: r for r in read_jsonl(summary["output_files"])}
+    assert sorted(rows) == ["x/prompts.txt:1", "x/prompts.txt:3", "x/prompts.txt:4",
+                            "x/prompts.txt:5", "y/prompts.txt:1"]
+    assert summary["records"] == 5 and summary["errors"] == 1
+    assert rows["x/prompts.txt:4"]["error"] == "prompt: must be a string, got bytes"
+    # Equal prompts, distinct ids, the same greedy text.
+    assert rows["x/prompts.txt:1"]["token_ids"] == rows["x/prompts.txt:3"]["token_ids"] \
+        == rows["y/prompts.txt:1"]["token_ids"]
+    assert rows["x/prompts.txt:5"]["error"] is None
+
+
+def test_parquet_input_with_chat_template(chat_model, tmp_path):
+    path = tmp_path / "records.parquet"
+    pq.write_table(pa.Table.from_pylist(
+        [{"id": 1, "prompt": "Say hi", "max_tokens": None},
+         {"id": 2, "prompt": "Say hi", "max_tokens": 2},
+         {"id": 3, "prompt": None, "max_tokens": None}]), path)
+    plain = run(chat_model, "--input", str(path), "--output", str(tmp_path / "plain/gen"))
+    chat = run(chat_model, "--input", str(path), "--output", str(tmp_path / "chat/gen"), "--chat")
+    assert plain["records"] == chat["records"] == 3 and plain["errors"] == chat["errors"] == 1
+    plain_rows = {r["id"]: r for r in read_parquet(plain["output_files"]).to_pylist()}
+    chat_rows = {r["id"]: r for r in read_parquet(chat["output_files"]).to_pylist()}
+    assert plain_rows["3"]["error"].startswith("prompt: missing")
+    assert chat_rows["2"]["completion_tokens"] <= 2
+    # The template wraps the prompt in role markers: more prompt tokens.
+    assert chat_rows["1"]["prompt_tokens"] > plain_rows["1"]["prompt_tokens"]
+
+
+def test_gcs_input_and_output(chat_model, jsonl_input, gcs_emulator):
+    started = time.perf_counter()
+    bucket = gcs_emulator.bucket("pipeline-io")
+    bucket.blob("in/records.jsonl").upload_from_filename(jsonl_input)
+    summary = run(chat_model, "--input", "gs://pipeline-io/in/*.jsonl",
+                  "--output", "gs://pipeline-io/out/gen", progress=True)
+    assert summary["output_files"] and all(
+        f.startswith("gs://pipeline-io/out/gen-") for f in summary["output_files"])
+    names = sorted(b.name for b in gcs_emulator.client().list_blobs("pipeline-io", prefix="out/"))
+    assert names == sorted(f[len("gs://pipeline-io/"):] for f in summary["output_files"])
+    tables = [pq.read_table(pa.BufferReader(bucket.blob(n).download_as_bytes())) for n in names]
+    table = pa.concat_tables(tables)
+    check_schema(table)
+    check_rows([row_from_arrow_dict(r) for r in table.to_pylist()], summary)
+    assert time.perf_counter() - started < 60
+
+
+# --- pieces ------------------------------------------------------------------------------------
+
+def test_formats_from_extensions():
+    assert infer_format("a/b.jsonl") == infer_format("gs://b/x/*.json") == "jsonl"
+    assert infer_format("x.JSONL.gz") == "jsonl" and infer_format("x.parquet") == "parquet"
+    assert infer_format("p.txt") == infer_format("p.text.bz2") == "text"
+    with pytest.raises(ValueError, match="format"):
+        infer_format("data/*")
+    with pytest.raises(ValueError, match="format must be one of"):
+        ReadRecords("x.jsonl", format="csv")
+    with pytest.raises(ValueError, match="format must be one of"):
+        WriteRows("out/x", format="text")
+    assert _fixed_dir("gs://b/d/*/p.txt") == "gs://b/d/" and _fixed_dir("d/p.txt") == "d/"
+    assert _fixed_dir("p.txt") == "" and _fixed_dir("/a/b[0-9].txt") == "/a/"
+
+
+def test_as_chat():
+    wrapped = cli.as_chat(b'{"id": "a", "prompt": "hi", "seed": 3}')
+    assert wrapped == {"id": "a", "seed": 3, "messages": [{"role": "user", "content": "hi"}]}
+    assert cli.as_chat({"id": "a", "prompt": "hi"})["messages"][0]["content"] == "hi"
+    # Whatever would not validate, or is not a bare prompt, passes unchanged.
+    for raw in (b"not json", b"\xff", {"id": "a", "prompt": ""}, {"id": "a", "prompt": 3},
+                {"id": "a", "messages": []}, {"custom_id": "a", "body": {"prompt": "x"}}, [1]):
+        assert cli.as_chat(raw) is raw
+
+
+def test_argument_handling():
+    args, beam_args = cli.parse_args(["--input", "x.jsonl", "--temperature", "0.5",
+                                      "--temp_location", "/tmp/t", "--stop", "a", "--stop", "b"])
+    assert beam_args == ["--runner=DirectRunner", "--temp_location", "/tmp/t"]
+    assert cli.sampling_defaults_of(args) == {"max_tokens": 64, "temperature": 0.5,
+                                              "stop": ["a", "b"]}
+    assert cli.engine_args_of(args) == {}  # the engine's defaults: the same engine as others'
+    args, beam_args = cli.parse_args(["--runner", "FnApiRunner", "--kv_cache_mb", "2"])
+    assert beam_args == ["--runner", "FnApiRunner"]
+    assert cli.engine_args_of(args) == {"kv_cache_bytes": 2 << 20}
+    assert cli._is_local("DirectRunner") and not cli._is_local("DataflowRunner")
+    with pytest.raises(ValueError, match="temperature"):
+        cli.main(["--input", "x.jsonl", "--temperature", "-1", "--no_progress"])
+
+
+class _FakeClient:
+    def __init__(self):
+        self.calls = 0
+
+    def info(self):
+        self.calls += 1
+        return {"finished": 10 + 2 * self.calls, "generated_tokens": 100 * self.calls,
+                "running": 1}
+
+
+def test_progress_bar_polls_the_engine():
+    client = _FakeClient()
+    with cli.Progress(client, lambda: 5, interval=0.01) as progress:
+        time.sleep(0.2)
+        assert progress.bar.total == 5 and 0 < progress.bar.n <= 5
+        progress.finish(7)  # rejected records count too
+        assert progress.bar.n == progress.bar.total == 7
+    assert client.calls > 2
+
+
+@pytest.mark.slow
+def test_default_run_on_the_bundled_prompts(tmp_path, monkeypatch):
+    """`python -m pipelines.generate` with no arguments: the bundled prompts on the default
+    model, chat template applied, 64 greedy tokens each, Parquet under ./output/."""
+    monkeypatch.chdir(tmp_path)
+    summary = cli.main([])
+    assert summary["records"] == 255 and summary["errors"] == 0
+    files = [(tmp_path / f).resolve() for f in summary["output_files"]]  # as given: ./output/...
+    assert files and all(f.parent == (tmp_path / "output").resolve()
+                         and f.name.startswith("generations-") for f in files)
+    table = read_parquet([str(f) for f in files])
+    check_schema(table)
+    assert table.num_rows == 255 and len(set(table.column("id").to_pylist())) == 255
+    assert max(table.column("completion_tokens").to_pylist()) <= 64
+    assert summary["completion_tokens"] == sum(table.column("completion_tokens").to_pylist())
