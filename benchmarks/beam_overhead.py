@@ -62,6 +62,13 @@ def run_generate(records: list[dict]) -> dict:
             "tokens": {r["id"]: r["token_ids"] for r in rows}}
 
 
+class _HFModel:
+    """Model and tokenizer together (Beam's model cache needs a weak-referenceable object)."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+
 class _TransformersGenerate(ModelHandler):
     """Beam's way today: each batch padded and run through transformers `generate` until its
     longest request is done."""
@@ -73,10 +80,10 @@ class _TransformersGenerate(ModelHandler):
     def load_model(self):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         model = AutoModelForCausalLM.from_pretrained(self._model_dir, dtype=torch.float32).eval()
-        return model, AutoTokenizer.from_pretrained(self._model_dir, padding_side="left")
+        return _HFModel(model, AutoTokenizer.from_pretrained(self._model_dir, padding_side="left"))
 
-    def run_inference(self, batch, model, inference_args=None):
-        model, tokenizer = model
+    def run_inference(self, batch, loaded, inference_args=None):
+        model, tokenizer = loaded.model, loaded.tokenizer
         texts = [tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
                  for r in batch]
         inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)

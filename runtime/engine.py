@@ -317,13 +317,15 @@ class Engine:
             return bool(self._requests) or not self._outbox.empty()
 
     def poll(self, timeout: float | None = None) -> list[Completion]:
-        """Completions finished so far (at least one unless nothing is left or the timeout
-        passes). Without a background loop, the calling thread runs steps until one finishes."""
+        """Completions finished so far. Without a background loop, the calling thread runs steps
+        until one finishes (or nothing is left). With one, it waits up to `timeout` for one —
+        even when nothing is in flight yet, as other threads may submit — or, with no timeout,
+        as long as something is in flight."""
         completions = []
         if self._thread is None:
             while self._outbox.empty() and self.has_unfinished():
                 self._step_or_stall()
-        elif self._outbox.empty() and self.has_unfinished():
+        elif self._outbox.empty() and (timeout is not None or self.has_unfinished()):
             self._raise_failure()
             try:
                 completions.append(self._outbox.get(timeout=timeout))

@@ -240,6 +240,26 @@ def test_poll_without_background_loop_runs_steps_until_something_finishes(tiny):
     assert not engine.has_unfinished()
 
 
+def test_poll_with_background_loop_waits_for_its_timeout_when_idle(tiny):
+    """A collector polling an idle engine in a loop (the engine service's router does) must
+    sleep in poll, not spin: poll waits out its timeout even with nothing in flight, and
+    returns a request submitted meanwhile by another thread."""
+    engine = make_engine(tiny.dir("llama")).start()
+    try:
+        start = time.monotonic()
+        assert engine.poll(timeout=0.3) == []
+        assert time.monotonic() - start >= 0.25
+        threading.Timer(0.1, engine.submit, [Request("late", prompt_token_ids=[5, 6, 7],
+                                                     params=SamplingParams(max_tokens=2))]).start()
+        got = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            got = engine.poll(timeout=1.0)
+        assert [c.id for c in got] == ["late"]
+    finally:
+        engine.stop()
+
+
 def test_generate_with_the_background_loop_running_and_from_two_threads(tiny):
     prompts = random_prompts([6, 25, 50, 12], seed=8)
     with make_engine(tiny.dir(FAMILY)) as engine:
