@@ -58,8 +58,10 @@ class EngineService:
         kwargs.setdefault("num_threads", os.cpu_count())
         self.engine = Engine(resolve_model(config.model), **kwargs).start()
         self._ready = threading.Condition()  # guards everything below
-        self._owner: dict[str, str] = {}  # request id -> client, from submit until polled
+        self._owner: dict[str, str] = {}  # request id -> client, from submit until acknowledged
         self._outboxes: dict[str, dict[str, Completion]] = defaultdict(dict)
+        # Handed to their client but not yet taken by it: another client may still take them over.
+        self._delivered: dict[str, Completion] = {}
         self._taken: dict[str, list[str]] = defaultdict(list)  # ids other clients took over
         self._finished = self._generated_tokens = 0  # completions routed, and their tokens
         threading.Thread(target=self._route, name="batchgen-router", daemon=True).start()
@@ -87,7 +89,8 @@ class EngineService:
                 elif owner != client_id:
                     self._owner[request.id] = client_id
                     self._taken[owner].append(request.id)
-                    finished = self._outboxes[owner].pop(request.id, None)
+                    finished = (self._outboxes[owner].pop(request.id, None)
+                                or self._delivered.pop(request.id, None))
                     if finished is not None:
                         self._outboxes[client_id][request.id] = finished
                     self._ready.notify_all()
@@ -98,15 +101,20 @@ class EngineService:
                 self._deliver(Completion(request.id, [SampleOutput(0, [], "", "error")], 0,
                                          Timings(submitted=time.perf_counter()), error=str(bad)))
 
-    def poll(self, client_id: str, timeout: float) -> tuple[list[Completion], list[str], dict]:
-        """This client's finished completions (waiting up to timeout for something), the ids
-        other clients took over from it, and the engine's counters."""
+    def poll(self, client_id: str, timeout: float, taken: list[str]
+             ) -> tuple[list[Completion], list[str], dict]:
+        """Acknowledge the completions this client has taken; return its new finished ones
+        (waiting up to timeout for something), the ids other clients took over from it, and
+        the engine's counters."""
         with self._ready:
+            for request_id in taken:
+                if self._owner.get(request_id) == client_id:
+                    del self._owner[request_id]
+                    self._delivered.pop(request_id, None)
             self._ready.wait_for(lambda: self._outboxes[client_id] or self._taken[client_id], timeout)
-            finished = list(self._outboxes.pop(client_id, {}).values())
-            for completion in finished:
-                del self._owner[completion.id]
-            return finished, self._taken.pop(client_id, []), self.info()
+            finished = self._outboxes.pop(client_id, {})
+            self._delivered.update(finished)
+            return list(finished.values()), self._taken.pop(client_id, []), self.info()
 
     def info(self) -> dict:
         scheduler = self.engine.scheduler
@@ -137,6 +145,7 @@ class EngineClient:
         self._lock = threading.RLock()
         self._resident: dict[str, Request] = {}  # submitted, result not yet taken
         self._done: dict[str, Completion] = {}
+        self._taken: list[str] = []  # taken here since the last poll: acknowledged with the next
         self.restarts = 0
         self.last_info: dict | None = None  # the engine's counters as of the last poll
         self._service = self._connect()
@@ -202,6 +211,7 @@ class EngineClient:
                 found = {rid: self._done.pop(rid) for rid in wanted & self._done.keys()}
                 for rid in found:
                     self._resident.pop(rid, None)
+                self._taken.extend(found)
             remaining = deadline - time.monotonic()
             if found or remaining <= 0 or not wanted:
                 return found
@@ -217,10 +227,13 @@ class EngineClient:
         return results
 
     def _pull(self, timeout: float) -> None:
-        completions, taken, self.last_info = self._call("poll", self.client_id, timeout)
+        with self._lock:
+            acknowledged, self._taken = self._taken, []
+        completions, taken, self.last_info = self._call("poll", self.client_id, timeout, acknowledged)
         with self._lock:
             for request_id in taken:  # another process collects these now
                 self._resident.pop(request_id, None)
+                self._done.pop(request_id, None)
         for completion in completions:
             with self._lock:
                 if completion.id in self._resident:  # else: a result already taken
