@@ -7,13 +7,30 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-# model_type -> (qkv bias, o_proj bias, per-head q/k RMSNorm)
-_DENSE_FAMILIES = {
-    "llama": None,  # biases read from attention_bias / mlp_bias
+# model_type -> (qkv bias, o_proj bias, q/k RMSNorm); None: biases read from the config.
+_FAMILIES = {
+    "llama": None,  # attention_bias / mlp_bias
     "mistral": (False, False, False),
     "qwen2": (True, False, False),
     "qwen3": None,  # attention_bias, plus q/k norm
+    # MoE families (expert blocks in runtime/moe.py)
+    "mixtral": (False, False, False),
+    "qwen2_moe": None,  # qkv_bias
+    "qwen3_moe": None,  # attention_bias, plus q/k norm
+    "olmoe": None,  # attention_bias, plus q/k norm over whole projections
 }
+_QK_NORM = ("qwen3", "qwen3_moe", "olmoe")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Sparse MLP layers: a router sends each token to top_k of num_experts SwiGLU experts."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    norm_topk_prob: bool  # rescale the top-k router probabilities to sum to 1
+    shared_expert_size: int  # Qwen2-MoE: a dense expert for every token behind a sigmoid gate; 0: none
+    sparse_layers: tuple[bool, ...]  # per layer: MoE block, or the dense MLP (intermediate_size)
 
 
 @dataclass(frozen=True)
@@ -35,6 +52,9 @@ class ModelSpec:
     qk_norm: bool
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
     eos_token_ids: tuple[int, ...]
+    qk_norm_per_head: bool = True  # False (OLMoE): over all heads' q (and k) at once
+    clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
+    moe: MoESpec | None = None
 
 
 def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
@@ -43,13 +63,14 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
 
 def model_spec(config: PretrainedConfig) -> ModelSpec:
     model_type = config.model_type
-    if model_type not in _DENSE_FAMILIES:
+    if model_type not in _FAMILIES:
         raise NotImplementedError(
-            f"model_type {model_type!r} is not supported yet (dense: {sorted(_DENSE_FAMILIES)})")
-    biases = _DENSE_FAMILIES[model_type]
+            f"model_type {model_type!r} is not supported yet (supported: {sorted(_FAMILIES)})")
+    biases = _FAMILIES[model_type]
     if biases is None:
         attention_bias = bool(getattr(config, "attention_bias", False))
-        biases = (attention_bias, attention_bias, model_type == "qwen3")
+        qkv_bias = bool(getattr(config, "qkv_bias", attention_bias))  # Qwen2-MoE has its own flag
+        biases = (qkv_bias, attention_bias, model_type in _QK_NORM)
     qkv_bias, o_bias, qk_norm = biases
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     eos = config.eos_token_id
@@ -72,6 +93,30 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
         qk_norm=qk_norm,
         sliding_windows=_sliding_windows(config),
         eos_token_ids=eos_ids,
+        qk_norm_per_head=model_type != "olmoe",
+        clip_qkv=getattr(config, "clip_qkv", None),
+        moe=_moe_spec(config),
+    )
+
+
+def _moe_spec(config: PretrainedConfig) -> MoESpec | None:
+    """Router and expert shapes as transformers 5 reads them, or None for a dense model."""
+    model_type = config.model_type
+    if model_type in ("mixtral", "olmoe"):  # every layer sparse, experts of intermediate_size
+        expert_size, sparse = config.intermediate_size, [True] * config.num_hidden_layers
+    elif model_type in ("qwen2_moe", "qwen3_moe"):
+        expert_size = config.moe_intermediate_size
+        sparse = [i not in config.mlp_only_layers and config.num_experts > 0
+                  and (i + 1) % config.decoder_sparse_step == 0 for i in range(config.num_hidden_layers)]
+    else:
+        return None
+    return MoESpec(
+        num_experts=config.num_experts,  # Mixtral's num_local_experts, through the attribute map
+        top_k=config.num_experts_per_tok,
+        intermediate_size=expert_size,
+        norm_topk_prob=model_type == "mixtral" or bool(config.norm_topk_prob),  # Mixtral always does
+        shared_expert_size=getattr(config, "shared_expert_intermediate_size", 0),
+        sparse_layers=tuple(sparse),
     )
 
 

@@ -16,6 +16,7 @@ import torch
 from runtime.default_model import default_model_dir
 from runtime.kv_cache import BlockManager, HostKVPool, KVCache, block_hash
 from runtime.loader import load_model
+from runtime.moe import moe_blocks
 from runtime.request import Completion, Request, SampleOutput, Timings
 from runtime.runner import ModelRunner
 from runtime.sampling import SampleRow, SamplingParams, sample
@@ -54,6 +55,13 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     forward_seconds: float = 0.0
+    expert_calls: int = 0  # MoE: expert matmuls run (one per expert with tokens, per layer and step)
+    expert_tokens: int = 0  # MoE: tokens those calls processed
+
+    @property
+    def tokens_per_expert_call(self) -> float:
+        """How many tokens expert-level batching gave each expert call, on average."""
+        return self.expert_tokens / self.expert_calls if self.expert_calls else 0.0
 
 
 class _Waiter:
@@ -85,6 +93,7 @@ class Engine:
         self.device = torch.device(device)
         self.model = load_model(self.model_dir, self.device, dtype)
         self.spec = self.model.spec
+        self._moe_blocks = moe_blocks(self.model)
         self.tokenizer = load_tokenizer(self.model_dir)
 
         block_bytes = KVCache.bytes_per_block(self.spec, block_size, dtype)
@@ -218,6 +227,8 @@ class Engine:
             self.stats.decode_tokens += len(batch.decodes)
             self.stats.prefill_tokens += batch.num_tokens - len(batch.decodes)
             self.stats.forward_seconds += time.perf_counter() - now
+            self.stats.expert_calls = sum(b.expert_calls for b in self._moe_blocks)
+            self.stats.expert_tokens = sum(b.expert_tokens for b in self._moe_blocks)
             self._postprocess(batch, logits, samplers)
             return True
 

@@ -1,4 +1,5 @@
-"""Load an HF safetensors directory into our CausalLM, packing q|k|v and gate|up."""
+"""Load an HF safetensors directory into our CausalLM, packing q|k|v and gate|up (and stacking
+MoE experts)."""
 
 import json
 from pathlib import Path
@@ -8,12 +9,22 @@ from safetensors import safe_open
 
 from runtime.config import load_hf_config, model_spec, rope_cos_sin
 from runtime.model import CausalLM
+from runtime.moe import read_experts
 
 # Our packed parameter -> the HF parameters concatenated (along dim 0) to form it.
 _PACKED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "shared_expert.gate_up_proj": ("shared_expert.gate_proj", "shared_expert.up_proj"),  # Qwen2-MoE
 }
+# Older tensor names -> the names transformers 5 uses (its conversion mapping renames them too).
+_RENAMES = {".block_sparse_moe.": ".mlp."}  # Mixtral
+
+
+def _canonical(name: str) -> str:
+    for old, new in _RENAMES.items():
+        name = name.replace(old, new)
+    return name
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -32,7 +43,7 @@ class _Checkpoint:
 
     def __init__(self, model_dir: Path):
         self._handles = [safe_open(str(f), framework="pt") for f in _safetensors_files(model_dir)]
-        self._where = {name: h for h in self._handles for name in h.keys()}
+        self._where = {_canonical(name): (h, name) for h in self._handles for name in h.keys()}
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -40,7 +51,8 @@ class _Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise KeyError(f"checkpoint has no tensor {name!r}")
-        return self._where[name].get_tensor(name)
+        handle, stored_name = self._where[name]
+        return handle.get_tensor(stored_name)
 
 
 def _hf_sources(our_name: str) -> list[str]:
@@ -69,6 +81,10 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
     checkpoint = _Checkpoint(model_dir)
     with torch.no_grad():
         for name, param in model.named_parameters():  # tied weights are listed once
+            if ".experts." in name:  # MoE: [experts, ...], however the checkpoint stores them
+                [hf_name] = _hf_sources(name)
+                param.copy_(read_experts(checkpoint, hf_name, spec.moe.num_experts))
+                continue
             tensors = [checkpoint.get(src) for src in _hf_sources(name)]
             param.copy_(torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0])
     return model.to(dtype).eval()

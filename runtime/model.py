@@ -1,5 +1,6 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM) in plain torch, over one flattened
-batch of tokens from many sequences: decode tokens first, then prefill chunks. No padding.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM; with runtime/moe.py's expert blocks
+Mixtral, Qwen-MoE, OLMoE) in plain torch, over one flattened batch of tokens from many
+sequences: decode tokens first, then prefill chunks. No padding.
 
 Projections are packed at load time (q|k|v, gate|up): one matmul each instead of three and two.
 """
@@ -57,17 +58,25 @@ class Attention(nn.Module):
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        # Qwen3 normalises each head's q and k; OLMoE all heads' at once (before the head split).
+        self.qk_norm_per_head = spec.qk_norm_per_head
+        q_norm_size, k_norm_size = (spec.head_dim,) * 2 if spec.qk_norm_per_head else (self.q_size, self.kv_size)
+        self.q_norm = RMSNorm(q_norm_size, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(k_norm_size, spec.rms_norm_eps) if spec.qk_norm else None
+        self.clip_qkv = spec.clip_qkv
         self.sliding_window = sliding_window
         self.scale = spec.head_dim ** -0.5
 
     def forward(self, x, cos, sin, batch: AttentionBatch, k_cache, v_cache):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None and not self.qk_norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(k_cache, v_cache, batch.slot_mapping, k, v)
@@ -85,22 +94,31 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        size = intermediate_size or spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+def make_mlp(spec: ModelSpec, layer: int) -> nn.Module:
+    """The layer's MLP: dense, or on an MoE model's sparse layers the expert block."""
+    if spec.moe is not None and spec.moe.sparse_layers[layer]:
+        from runtime.moe import SparseMoeBlock  # imported here: runtime.moe builds on this module
+        return SparseMoeBlock(spec)
+    return MLP(spec)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, sliding_window: int | None):
+    def __init__(self, spec: ModelSpec, sliding_window: int | None, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, sliding_window)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = make_mlp(spec, layer)
 
     def forward(self, x, cos, sin, batch, k_cache, v_cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
@@ -112,7 +130,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, w) for w in spec.sliding_windows)
+        self.layers = nn.ModuleList(DecoderLayer(spec, w, i) for i, w in enumerate(spec.sliding_windows))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:

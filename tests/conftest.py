@@ -9,7 +9,7 @@ import torch
 
 pytest_plugins = ["gcs_emulator"]  # the `gcs_emulator` fixture (tests/gcs_emulator.py)
 
-from tiny_models import FAMILIES, hf_greedy, hf_model, make_tiny_chat_model, make_tiny_model
+from tiny_models import ALL_FAMILIES, hf_greedy, hf_model, make_tiny_chat_model, make_tiny_model
 
 # The machine is shared: one thread keeps each test process to one core.
 torch.set_num_threads(1)
@@ -34,7 +34,7 @@ class TinyModels:
         self._greedy = {}
 
     def dir(self, family: str, **overrides):
-        assert family in FAMILIES, family
+        assert family in ALL_FAMILIES, family
         key = (family, tuple(sorted(overrides.items())))
         if key not in self._dirs:
             name = "-".join([family] + [f"{k}{v}" for k, v in sorted(overrides.items())])
@@ -70,7 +70,7 @@ class TinyChatModels:
         self._dirs = {}
 
     def dir(self, family: str, **overrides):
-        assert family in FAMILIES, family
+        assert family in ALL_FAMILIES, family
         key = (family, tuple(sorted(overrides.items())))
         if key not in self._dirs:
             name = "-".join(["chat", family] + [f"{k}{v}" for k, v in sorted(overrides.items())])

@@ -23,12 +23,34 @@ FAMILIES = {
                dict(tie_word_embeddings=True, num_key_value_heads=1)),
 }
 
+# Mixture-of-experts families (tests/test_moe.py): small experts, dense and sparse layers mixed
+# where the family allows it, and each family's own router and attention options switched on.
+MOE_FAMILIES = {
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=24)),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                  dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, decoder_sparse_step=2,  # layer 0 dense
+                       use_sliding_window=True, sliding_window=24)),  # layer 0 sliding too
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                       norm_topk_prob=True, mlp_only_layers=[1], attention_bias=True)),
+    "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM,
+              dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, clip_qkv=1.5)),
+}
+ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES}
+
 
 def make_tiny_model(family: str, directory: Path, seed: int = 0, **overrides) -> Path:
-    config_cls, model_cls, extra = FAMILIES[family]
+    config_cls, model_cls, extra = ALL_FAMILIES[family]
     config = config_cls(**{**_COMMON, **extra, **overrides})
     torch.manual_seed(seed)
-    model_cls(config).eval().save_pretrained(directory)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # transformers zeroes biases: random ones show whether they are used
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, config.initializer_range)
+    model.save_pretrained(directory)
     return directory
 
 

@@ -1,0 +1,50 @@
+"""Mixture-of-experts routing and expert-level batching: every token of the step that chose an
+expert meets that expert's weights in one matmul, whatever sequence it belongs to."""
+
+import torch
+import torch.nn.functional as F
+
+from kernels.activation import silu_and_mul
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing as Mixtral, Qwen-MoE and OLMoE do it: softmax over all experts in fp32, keep
+    the k largest, optionally rescale those to sum to 1.
+
+    router_logits: [tokens, experts]; returns weights [tokens, k] (fp32) and expert ids [tokens, k].
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU experts over routed tokens, one matmul pair per expert that has tokens.
+
+    hidden: [T, H]; topk_ids, topk_weights: [T, k] (each token's experts and router weights);
+    gate_up_proj: [E, 2I, H] (gate rows, then up rows); down_proj: [E, H, I].
+
+    The T*k (token, expert) pairs are sorted by expert, so each expert's tokens are contiguous:
+    the expert runs once on all of them (a grouped matmul), and experts nobody chose cost
+    nothing. Each output is scaled by its router weight and added back to its token's row.
+
+    Returns the combined output [T, H] and the tokens each expert processed [E] (int64, on the
+    CPU: splitting the sorted pairs per expert needs the counts there anyway).
+    """
+    top_k = topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    token_of_pair = order // top_k  # pair i of token t sits at flat position t * k + i
+    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).cpu()
+
+    gathered = hidden[token_of_pair]
+    outputs = [F.linear(silu_and_mul(F.linear(rows, gate_up_proj[expert])), down_proj[expert])
+               for expert, rows in enumerate(gathered.split(counts.tolist())) if len(rows)]
+    out = torch.cat(outputs) if outputs else gathered  # gathered is empty when there are no tokens
+    out = out * topk_weights.reshape(-1)[order, None].to(hidden.dtype)
+    return torch.zeros_like(hidden).index_add_(0, token_of_pair, out), counts

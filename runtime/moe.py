@@ -1,0 +1,75 @@
+"""The sparse MoE block of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, with expert-level batching.
+
+The model runs one flattened batch per step (decode rows and prefill chunks of every resident
+sequence), so each expert meets all the step's tokens routed to it, from whichever sequence, in
+one grouped matmul: no per-sequence loop, no padding.
+"""
+
+import torch
+from torch import nn
+
+from kernels import grouped_experts, route
+from runtime.config import ModelSpec
+from runtime.model import MLP
+
+
+class Experts(nn.Module):
+    """num_experts SwiGLU experts, stacked as transformers 5 stores them."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`) -> top-k experts, plus Qwen2-MoE's sigmoid-gated shared expert.
+
+    `expert_calls` and `expert_tokens` count, since the model was built, the expert matmuls run
+    (one per expert with tokens, per step) and the tokens they processed: their ratio is the
+    tokens per expert call that expert-level batching achieves.
+    """
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        moe = spec.moe
+        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.gate = nn.Linear(spec.hidden_size, moe.num_experts, bias=False)
+        self.experts = Experts(moe.num_experts, spec.hidden_size, moe.intermediate_size)
+        self.shared_expert = MLP(spec, moe.shared_expert_size) if moe.shared_expert_size else None
+        self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False) if moe.shared_expert_size else None
+        self.expert_calls = 0
+        self.expert_tokens = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        out, counts = grouped_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        self.expert_calls += int((counts > 0).sum())
+        self.expert_tokens += int(counts.sum())
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+# Per-expert tensor names of checkpoints that do not store experts fused: (gate, up, down).
+_PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"),  # Qwen2/3-MoE, OLMoE
+                     ("w1", "w3", "w2"))  # Mixtral
+
+
+def read_experts(checkpoint, name: str, num_experts: int) -> torch.Tensor:
+    """The stacked tensor `name` (`….experts.gate_up_proj` [E, 2I, H] or `….experts.down_proj`
+    [E, H, I]) from a checkpoint that stores it fused (transformers 5) or one expert at a time
+    (what `save_pretrained` writes, and older checkpoints)."""
+    if name in checkpoint:
+        return checkpoint.get(name)
+    prefix, kind = name.rsplit(".", 1)
+    for gate, up, down in _PER_EXPERT_NAMES:
+        parts = (gate, up) if kind == "gate_up_proj" else (down,)
+        if f"{prefix}.0.{parts[0]}.weight" in checkpoint:
+            return torch.stack([torch.cat([checkpoint.get(f"{prefix}.{e}.{p}.weight") for p in parts])
+                                for e in range(num_experts)])
+    raise KeyError(f"checkpoint has no tensor {name!r}, fused or per expert")

@@ -1,0 +1,182 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): greedy output token-exact
+with transformers (logprobs within 1e-4), also in chunked prefill; expert-level batching (each
+expert runs once per layer and step, on the tokens of every resident sequence) checked through
+the counts the grouped-experts kernel returns; the kernel against a per-token reference; and
+checkpoints that store experts fused or one by one load the same weights."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import runtime.moe
+from helpers import BatchSpy, assert_idle_and_clean, assert_matches, greedy_requests, make_engine, random_prompts
+from kernels import grouped_experts, route, silu_and_mul
+from runtime.config import MoESpec, load_hf_config, model_spec
+from runtime.loader import load_model
+from tiny_models import MOE_FAMILIES, hf_model
+
+MAX_TOKENS = 16
+LENGTHS = (1, 5, 17, 33, 64)
+PROMPTS = random_prompts(LENGTHS, seed=7)
+
+
+def check_all(tiny, family, prompts, completions, **overrides):
+    for prompt, completion in zip(prompts, completions):
+        tokens, logprobs = tiny.greedy(family, prompt, MAX_TOKENS, **overrides)
+        assert_matches(completion, tokens, logprobs, max_tokens=MAX_TOKENS)
+
+
+class ExpertSpy:
+    """Records the per-expert token counts of every grouped-experts call the model makes."""
+
+    def __init__(self, monkeypatch):
+        self.counts: list[list[int]] = []
+
+        def spy(*args):
+            out, counts = grouped_experts(*args)
+            self.counts.append(counts.tolist())
+            return out, counts
+
+        monkeypatch.setattr(runtime.moe, "grouped_experts", spy)
+
+
+# (qkv bias, o_proj bias, q/k norm, per head, clip_qkv, sliding windows, MoESpec) of the tiny models
+SPECS = {
+    "mixtral": (False, False, False, True, None, (24, 24), MoESpec(4, 2, 32, True, 0, (True, True))),
+    "qwen2_moe": (True, False, False, True, None, (24, None), MoESpec(6, 2, 32, False, 48, (False, True))),
+    "qwen3_moe": (True, True, True, True, None, (None, None), MoESpec(8, 3, 32, True, 0, (True, False))),
+    "olmoe": (False, False, True, False, 1.5, (None, None), MoESpec(8, 2, 32, False, 0, (True, True))),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_spec_reads_each_familys_options(tiny, family):
+    spec = model_spec(load_hf_config(tiny.dir(family)))
+    assert (spec.qkv_bias, spec.o_bias, spec.qk_norm, spec.qk_norm_per_head, spec.clip_qkv,
+            spec.sliding_windows, spec.moe) == SPECS[family]
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_greedy_matches_transformers(tiny, family, monkeypatch):
+    engine = make_engine(tiny.dir(family))
+    spy = ExpertSpy(monkeypatch)
+    completions = engine.generate(greedy_requests(PROMPTS, MAX_TOKENS))
+    check_all(tiny, family, PROMPTS, completions)
+
+    moe = engine.spec.moe
+    sparse_layers = sum(moe.sparse_layers)
+    tokens = engine.stats.prefill_tokens + engine.stats.decode_tokens
+    # One kernel call per sparse layer and step, on all the step's tokens, k experts each.
+    assert len(spy.counts) == sparse_layers * engine.stats.steps
+    assert engine.stats.expert_tokens == sum(map(sum, spy.counts)) == tokens * moe.top_k * sparse_layers
+    assert engine.stats.expert_calls == sum(n > 0 for counts in spy.counts for n in counts)
+    assert_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_chunked_prefill_matches_transformers(tiny, family):
+    engine = make_engine(tiny.dir(family), max_num_batched_tokens=8)
+    batches = BatchSpy(engine)
+    completions = engine.generate(greedy_requests(PROMPTS, MAX_TOKENS))
+    check_all(tiny, family, PROMPTS, completions)
+    assert max(step["num_tokens"] for step in batches.steps) <= 8
+    assert len(batches.prefill_chunks(f"r{LENGTHS.index(64)}")) >= 8
+    assert_idle_and_clean(engine)
+
+
+def test_every_token_in_every_expert(tiny, monkeypatch):
+    """2 experts, top-2: each expert runs once per layer and step, on all the step's tokens
+    (decode rows and prefill chunks of every resident sequence together)."""
+    overrides = dict(num_local_experts=2, num_experts_per_tok=2)
+    engine = make_engine(tiny.dir("mixtral", **overrides))
+    spy = ExpertSpy(monkeypatch)
+    completions = engine.generate(greedy_requests(PROMPTS, MAX_TOKENS))
+    check_all(tiny, "mixtral", PROMPTS, completions, **overrides)
+
+    layers, steps = engine.spec.num_layers, engine.stats.steps
+    tokens = engine.stats.prefill_tokens + engine.stats.decode_tokens
+    assert all(counts[0] == counts[1] > 0 for counts in spy.counts)
+    assert engine.stats.expert_calls == 2 * layers * steps
+    assert engine.stats.expert_tokens == 2 * layers * tokens
+    # The first step prefills every prompt at once: one call per expert takes all their tokens.
+    assert spy.counts[0] == [sum(LENGTHS)] * 2
+    assert engine.stats.tokens_per_expert_call == tokens / steps
+
+
+def test_experts_without_tokens_cost_no_call(tiny, monkeypatch):
+    """32 experts, top-1, a few tokens per step: most experts get none and are not called."""
+    overrides = dict(num_experts=32, num_experts_per_tok=1)
+    engine = make_engine(tiny.dir("olmoe", **overrides))
+    spy = ExpertSpy(monkeypatch)
+    prompts = random_prompts((3, 2), seed=8)
+    completions = engine.generate(greedy_requests(prompts, MAX_TOKENS))
+    check_all(tiny, "olmoe", prompts, completions, **overrides)
+
+    assert all(len(counts) == 32 and counts.count(0) >= 32 - 5 for counts in spy.counts)
+    calls = sum(n > 0 for counts in spy.counts for n in counts)
+    assert engine.stats.expert_calls == calls < 32 * len(spy.counts)
+
+
+# ---- the kernel ----------------------------------------------------------------------------
+
+def per_token_reference(hidden, ids, weights, gate_up_proj, down_proj):
+    """Each token through each of its experts one at a time, in float64."""
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    for t in range(hidden.shape[0]):
+        for e, w in zip(ids[t].tolist(), weights[t].double()):
+            x = silu_and_mul(gate_up_proj[e].double() @ hidden[t].double())
+            out[t] += w * (down_proj[e].double() @ x)
+    return out
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 4, 2), (7, 5, 2), (40, 8, 3), (3, 16, 1), (0, 4, 2)])
+def test_grouped_experts_matches_a_per_token_loop(tokens, experts, top_k):
+    g = torch.Generator().manual_seed(tokens * 100 + experts)
+    hidden_size, inter = 12, 10
+    hidden = torch.randn(tokens, hidden_size, generator=g)
+    gate_up_proj = torch.randn(experts, 2 * inter, hidden_size, generator=g) * 0.3
+    down_proj = torch.randn(experts, hidden_size, inter, generator=g) * 0.3
+    weights, ids = route(torch.randn(tokens, experts, generator=g), top_k, renormalize=top_k > 1)
+
+    out, counts = grouped_experts(hidden, ids, weights, gate_up_proj, down_proj)
+    assert out.shape == hidden.shape and out.dtype == hidden.dtype
+    torch.testing.assert_close(out.double(), per_token_reference(hidden, ids, weights, gate_up_proj, down_proj),
+                               atol=1e-5, rtol=1e-5)
+    assert counts.tolist() == torch.bincount(ids.flatten(), minlength=experts).tolist()
+    if tokens * top_k < experts:
+        assert (counts == 0).any()
+
+
+def test_route_softmax_then_top_k():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    probs = logits.softmax(-1)[0]
+    weights, ids = route(logits, 2, renormalize=False)
+    assert ids.tolist() == [[1, 2]]
+    torch.testing.assert_close(weights[0], probs[[1, 2]])
+    weights, _ = route(logits, 2, renormalize=True)
+    torch.testing.assert_close(weights[0], probs[[1, 2]] / probs[[1, 2]].sum())
+
+
+# ---- checkpoint formats --------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_fused_and_per_expert_checkpoints_load_the_same(tiny, family, tmp_path):
+    """save_pretrained writes one tensor per expert (Mixtral's `block_sparse_moe.experts.{e}.w1`,
+    the others' `mlp.experts.{e}.gate_proj`); transformers 5 holds them fused
+    (`mlp.experts.gate_up_proj` [E, 2I, H]). A checkpoint of its in-memory tensors loads alike."""
+    per_expert = tiny.dir(family)
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    shutil.copy(per_expert / "config.json", fused / "config.json")
+    state = hf_model(per_expert).state_dict()
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    save_file({name: t.contiguous() for name, t in state.items()}, str(fused / "model.safetensors"))
+
+    ours = load_model(per_expert).state_dict()
+    from_fused = load_model(fused).state_dict()
+    assert ours.keys() == from_fused.keys()
+    for name in ours:
+        assert torch.equal(ours[name], from_fused[name]), name
+    assert ours["layers.1.mlp.experts.gate_up_proj"].shape == (SPECS[family][-1].num_experts, 2 * 32, 64)
