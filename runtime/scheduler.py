@@ -73,9 +73,6 @@ class Scheduler:
         if seq.seq_id in self.host:
             self.host.take(seq.seq_id)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.suspended or self.held)
-
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
