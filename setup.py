@@ -29,6 +29,8 @@ setup(
         "google-auth-httplib2>=0.1.0,<0.3.0",
     ],
     extras_require={
+        # Benchmarks: PNG charts.
+        "bench": ["matplotlib>=3.8,<4"],
         "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "psutil>=5.9,<8", "gcp-storage-emulator>=2026.7.18,<2027"],
     },
 )

@@ -40,3 +40,36 @@ def w1(tokenizer, num_requests: int) -> list[WorkItem]:
                                              tokenize=False, add_generation_prompt=True)
         items.append(WorkItem(f"w1-{i}", tokenizer.encode(text, add_special_tokens=False), max_tokens))
     return items
+
+
+# W2's model: a random-initialised Qwen3-MoE of ~0.5 B parameters (32 experts, top-4), speaking
+# the default model's tokenizer so W1's prompts carry over token for token.
+W2_CONFIG = dict(vocab_size=49152, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4,
+                 moe_intermediate_size=512, intermediate_size=2048, norm_topk_prob=True,
+                 tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=10000.0,
+                 bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def w2_model_dir() -> Path:
+    """Build W2's model once (seeded, so identical everywhere) into the cache; return its directory."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from runtime.default_model import cache_dir, default_model_dir
+
+    target = cache_dir() / "models" / "w2-qwen3moe-32x4"
+    if (target / "config.json").is_file():
+        return target
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**W2_CONFIG)).eval()
+    staging = target.with_name(target.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    source = default_model_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, staging / name)
+    staging.rename(target)
+    return target

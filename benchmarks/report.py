@@ -1,0 +1,79 @@
+"""Side-by-side reporting shared by the benchmarks: same-work checks, ratios, JSON and a PNG."""
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from benchmarks.workloads import WorkItem
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine(threads: int) -> dict:
+    import transformers
+
+    return {"platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "threads": threads, "cpus": os.cpu_count()}
+
+
+def progress(results: list[dict]) -> None:
+    """Print the latest system's time as soon as it finishes (a long run shows where it is)."""
+    r = results[-1]
+    print(f"{r['system']:<52} {r['batch_completion_s']:8.1f} s  "
+          f"(x{r['batch_completion_s'] / results[0]['batch_completion_s']:.2f} of ours)", flush=True)
+
+
+def compare(results: list[dict], items: list[WorkItem]) -> list[str]:
+    """Fill in tokens/s, the ratio to ours (results[0]) and token agreement; return any mismatch
+    in the work done (a system that generated a different number of tokens for some request)."""
+    ours, mismatches = results[0], []
+    for r in results:
+        r["tokens_per_s"] = r["output_tokens"] / r["batch_completion_s"]
+        r["ours_faster_by"] = r["batch_completion_s"] / ours["batch_completion_s"]
+        wrong = [it.id for it in items if len(r["tokens"].get(it.id, ())) != it.max_tokens]
+        if wrong:
+            mismatches.append(f"{r['system']}: {len(wrong)} request(s) with a different output "
+                              f"length, e.g. {wrong[:3]}")
+        if r is not ours:
+            same = sum(r["tokens"].get(it.id) == ours["tokens"][it.id] for it in items)
+            r["requests_token_identical_to_ours"] = f"{same}/{len(items)}"
+        print(f"{r['system']:<52} {r['batch_completion_s']:8.1f} s {r['tokens_per_s']:7.1f} tok/s  "
+              f"ours faster x{r['ours_faster_by']:.2f}  (load {r['load_s']:.1f} s)", flush=True)
+    for line in mismatches:
+        print(f"WORK MISMATCH {line}", flush=True)
+    return mismatches
+
+
+def write(name: str, report: dict, results: list[dict]) -> Path:
+    """Write results/<name>.json (per-request tokens dropped) and, with matplotlib, <name>.png."""
+    report["results"] = [{k: v for k, v in r.items() if k != "tokens"} for r in results]
+    RESULTS_DIR.mkdir(exist_ok=True)
+    out = RESULTS_DIR / f"{name}.json"
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[bench]'): no plot")
+        return out
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r["system"] for r in results]
+    times = [r["batch_completion_s"] for r in results]
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(results) + 1.5))
+    bars = ax.barh(labels[::-1], times[::-1], color=["#4c72b0"] * (len(results) - 1) + ["#dd8452"])
+    for bar, r in zip(bars, results[::-1]):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                f" {r['batch_completion_s']:.0f} s (x{r['ours_faster_by']:.2f})", va="center")
+    ax.set_xlabel("batch completion time, s (ratio to batchgen engine)")
+    ax.set_title(f"{report['workload']}: {report['requests']} requests, {report['output_tokens']} output tokens")
+    ax.set_xlim(0, max(times) * 1.3)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+    print(f"wrote {out.with_suffix('.png')}")
+    return out
