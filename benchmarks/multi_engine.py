@@ -2,7 +2,8 @@
 reallocation (runtime/pool.py), with one engine on both threads as the token reference.
 
     python -m benchmarks.multi_engine [--quick] [--split interleaved|contiguous]
-                                      [--requests N] [--scale F] [--skip-step-costs]
+                                      [--requests N] [--scale F] [--reference-threads 2]
+                                      [--skip-step-costs]
 
 Systems, each on the same W1 requests (greedy, ignore_eos, fp32; logprobs=2 so a diverging token
 can be checked for a near tie):
@@ -103,6 +104,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--split", choices=("interleaved", "contiguous"), default="interleaved")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--reference-threads", type=int, default=2,
+                        help="threads of the one-engine reference (DESIGN.md §8: the same two cores)")
     parser.add_argument("--skip-step-costs", action="store_true")
     args = parser.parse_args(argv)
 
@@ -127,7 +130,7 @@ def main(argv=None) -> dict:
     results.append(run_pool(model_dir, items, f"static {args.split} split", pinned, engine_args,
                             split="static", reallocate=False))
     report.progress(results)
-    results.append(run_single(model_dir, items, 2, engine_args))
+    results.append(run_single(model_dir, items, args.reference_threads, engine_args))
     report.progress(results)
 
     mismatches = report.compare(results, items)

@@ -93,6 +93,7 @@ class Worker:
         while self.queue and len(self.resident) < self.max_num_seqs:
             self.resident.append(self.queue.pop(0))
         decoding = [s for s in self.resident if not s.prefill]
+        sampling = list(decoding)
         budget, prefilled = self.budget - len(decoding), 0
         for seq in self.resident:
             if seq.prefill and budget:
@@ -102,11 +103,11 @@ class Worker:
                 budget -= chunk
                 prefilled += chunk
                 if not seq.prefill:  # its last chunk samples the first token
-                    decoding.append(seq)
-        for seq in decoding:
+                    sampling.append(seq)
+        for seq in sampling:
             seq.left -= 1
             seq.context += 1
-        self.load -= len(decoding)
+        self.load -= len(sampling)
         self.clock += self.costs.decode(len(decoding)) + self.costs.prefill * prefilled
         self.last_busy = self.clock
         before = len(self.resident)
@@ -183,7 +184,7 @@ def job(tokenizer, requests: int) -> tuple[list[int], list[int]]:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--costs", type=Path, help="a W4 JSON with step_costs")
+    source.add_argument("--costs", type=Path, help="a JSON with step_costs (a W4 run's, or this script's)")
     source.add_argument("--measure", action="store_true", help="measure the step costs now")
     parser.add_argument("--workers", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     parser.add_argument("--requests-per-worker", type=int, default=32)
@@ -200,7 +201,7 @@ def main(argv=None) -> dict:
     out = {"step_costs": measured, "costs_from": str(args.costs) if args.costs else "measured now",
            "requests_per_worker": args.requests_per_worker, "projection": []}
 
-    if w4 is not None:  # the measured configuration itself
+    if w4 is not None and "results" in w4:  # a W4 run: its measured configuration itself
         prompts, lengths = job(tokenizer, w4["requests"])
         lengths = [max(1, round(n * w4["scale"])) for n in lengths]
         measured_s = {r["system"]: r["batch_completion_s"] for r in w4["results"]}

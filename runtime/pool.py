@@ -24,6 +24,7 @@ import multiprocessing
 import queue
 import threading
 import time
+import traceback
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,13 +262,17 @@ class EnginePool:
             except queue.Empty:
                 message = None
             with self._lock:
-                if message is not None:
-                    self._handle(message)
-                dead = [i for i, e in enumerate(self._engines) if e.process.exitcode is not None]
-                if dead and self._failure is None and not self._closing.is_set():
-                    self._failure = f"engine process(es) {dead} exited"
-                self._dispatch()
-                self._rebalance()
+                try:
+                    if message is not None:
+                        self._handle(message)
+                    dead = [i for i, e in enumerate(self._engines) if e.process.exitcode is not None]
+                    if dead and self._failure is None and not self._closing.is_set():
+                        self._failure = f"engine process(es) {dead} exited"
+                    self._dispatch()
+                    self._rebalance()
+                except BaseException:  # callers get it instead of waiting forever
+                    self._failure = f"the pool's coordinator failed:\n{traceback.format_exc()}"
+                    return
 
     def _handle(self, message: tuple) -> None:
         kind, index = message[0], message[1]
