@@ -57,6 +57,11 @@ class EngineStats:
     forward_seconds: float = 0.0
     expert_calls: int = 0  # MoE: expert matmuls run (one per expert with tokens, per layer and step)
     expert_tokens: int = 0  # MoE: tokens those calls processed
+    # Steps with no prefill in them: the decode phase, for model-FLOPs utilisation.
+    decode_steps: int = 0
+    decode_step_seconds: float = 0.0
+    decode_step_tokens: int = 0
+    decode_step_context: int = 0  # sum of attended context lengths (attention FLOPs)
 
     @property
     def tokens_per_expert_call(self) -> float:
@@ -229,7 +234,13 @@ class Engine:
             self.stats.forward_seconds += time.perf_counter() - now
             self.stats.expert_calls = sum(b.expert_calls for b in self._moe_blocks)
             self.stats.expert_tokens = sum(b.expert_tokens for b in self._moe_blocks)
+            context = sum(s.num_tokens for s in batch.decodes)
             self._postprocess(batch, logits, samplers)
+            if not batch.prefills:  # the whole step, sampling included
+                self.stats.decode_steps += 1
+                self.stats.decode_step_seconds += time.perf_counter() - now
+                self.stats.decode_step_tokens += len(batch.decodes)
+                self.stats.decode_step_context += context
             return True
 
     def _drain_inbox(self) -> None:
