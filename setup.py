@@ -1,5 +1,9 @@
 from setuptools import find_packages, setup
 
+# The Triton kernels (kernels/triton/) run CUDA tensors. torch 2.13's CUDA wheels pin
+# triton==3.7.1 and the kernels are tested with it; triton ships Linux wheels only.
+TRITON = 'triton>=3.7.1,<3.8; platform_system == "Linux"'
+
 setup(
     name="batchgen-beam",
     version="0.1.0",
@@ -31,6 +35,8 @@ setup(
     extras_require={
         # Benchmarks: PNG charts.
         "bench": ["matplotlib>=3.8,<4"],
-        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "psutil>=5.9,<8", "gcp-storage-emulator>=2026.7.18,<2027"],
+        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "psutil>=5.9,<8", "gcp-storage-emulator>=2026.7.18,<2027",
+                 TRITON],  # the Triton kernels' tests run in its interpreter, on CPU
+        "cuda": [TRITON],
     },
 )
