@@ -77,3 +77,31 @@ def write(name: str, report: dict, results: list[dict]) -> Path:
     fig.savefig(out.with_suffix(".png"), dpi=110)
     print(f"wrote {out.with_suffix('.png')}")
     return out
+
+
+def timelines(path: Path, title: str, panels: dict[str, list[list[dict]]]) -> None:
+    """One panel per system: each engine's running requests over time (samples with t, busy,
+    running), its idle stretches shaded. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.4 * len(panels) + 0.6), sharex=True,
+                             squeeze=False)
+    for ax, (system, engines) in zip(axes[:, 0], panels.items()):
+        for index, (samples, color) in enumerate(zip(engines, ("#4c72b0", "#dd8452", "#55a868", "#c44e52"))):
+            times = [s["t"] for s in samples]
+            ax.step(times, [s["running"] for s in samples], where="post", color=color,
+                    label=f"engine {index}")
+            for s, following in zip(samples, samples[1:]):
+                if not s["busy"]:
+                    ax.axvspan(s["t"], following["t"], color=color, alpha=0.15, lw=0)
+        ax.set_title(system, fontsize=10)
+        ax.set_ylabel("running")
+        ax.legend(loc="upper right", fontsize=8)
+    axes[-1, 0].set_xlabel("seconds since first submit")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from runtime.default_model import default_model_dir
+from runtime.estimate import exact_length
 from runtime.kv_cache import BlockManager, HostKVPool, KVCache, block_hash
 from runtime.loader import load_model
 from runtime.moe import moe_blocks
@@ -47,6 +48,7 @@ class _RequestState:
     timings: Timings
     seqs: list[Sequence] = field(default_factory=list)
     outputs: dict[int, SampleOutput] = field(default_factory=dict)
+    arriving_kv: dict[str, torch.Tensor] = field(default_factory=dict)  # migrated in, not yet parked
 
 
 @dataclass
@@ -67,6 +69,15 @@ class EngineStats:
     def tokens_per_expert_call(self) -> float:
         """How many tokens expert-level batching gave each expert call, on average."""
         return self.expert_tokens / self.expert_calls if self.expert_calls else 0.0
+
+
+@dataclass
+class RequestLoad:
+    """One in-flight request's share of an engine's work (`Engine.workload`)."""
+    request_id: str
+    where: str  # its sequences' queue: "waiting", "running", "suspended" or "held"
+    remaining_tokens: float  # tokens still to generate, all samples, as the estimator expects
+    context_tokens: int  # tokens whose KV it holds or will compute
 
 
 class _Waiter:
@@ -252,7 +263,7 @@ class Engine:
             self._requests[state.request_id] = state
             for seq in state.seqs:
                 if not seq.is_finished:
-                    self.scheduler.add(seq)
+                    self.scheduler.add(seq, state.arriving_kv.pop(seq.seq_id, None))
 
     def _postprocess(self, batch, logits: torch.Tensor, samplers: list[Sequence]) -> None:
         sampling = {id(s) for s in samplers}
@@ -305,6 +316,8 @@ class Engine:
 
     def _finish_sequence(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
+        if not exact_length(seq.params) and seq.finish_reason in ("stop", "length"):
+            self.scheduler.estimator.observe(seq.num_generated, natural=seq.finish_reason == "stop")
         state = self._requests[seq.request_id]
         if seq.text is None:
             seq.text = self._detokenize(seq.generated_ids) if self.tokenizer is not None else ""
@@ -353,6 +366,16 @@ class Engine:
                 completions.append(self._outbox.get(timeout=timeout))
             except queue.Empty:
                 pass
+        while True:
+            try:
+                completions.append(self._outbox.get_nowait())
+            except queue.Empty:
+                return completions
+
+    def finished(self) -> list[Completion]:
+        """Completions already finished, without running a step or waiting: for a caller that
+        drives `step()` itself and must stay responsive between steps."""
+        completions = []
         while True:
             try:
                 completions.append(self._outbox.get_nowait())
@@ -466,25 +489,59 @@ class Engine:
                 self.scheduler.evict(seq)
             return len(evictable)
 
-    def migrate_out(self, request_id: str) -> dict:
+    def migrate_out(self, request_id: str, with_kv: bool = False) -> dict:
         """Take a request out of this engine: a picklable state that `migrate_in` on another
-        engine (same model) continues exactly where it stopped."""
+        engine (same model) continues exactly where it stopped. with_kv: sequences that have
+        computed KV take it along (host tensors) and arrive suspended instead of recomputing."""
         with self._lock:
             live = self._live_sequences(request_id)
             with self._ids_lock:
                 state = self._requests.pop(request_id)
+            exported = []
             for seq in live:
+                kv = self._export_kv(seq) if with_kv else None
                 self.scheduler.remove(seq)
+                exported.append(seq.export_state(kv))
                 seq.send(Event.MIGRATED)
             return {"request_id": request_id, "prompt_tokens": state.prompt_tokens, "n": state.n,
                     "submitted": state.timings.submitted, "outputs": dict(state.outputs),
-                    "sequences": [seq.export_state() for seq in live]}
+                    "sequences": exported}
+
+    def _export_kv(self, seq: Sequence) -> torch.Tensor | None:
+        if seq.seq_id in self.scheduler.host:  # suspended or held: already on the host
+            return self.scheduler.host.take(seq.seq_id)
+        if seq.status in (Status.PREFILLING, Status.DECODING) and seq.num_computed:
+            computed = self.scheduler.blocks.blocks_needed(seq.num_computed)
+            return self.kv.read_blocks(seq.block_table[:computed], pin_memory=False)
+        return None
 
     def migrate_in(self, migrated: dict) -> None:
         request_id = migrated["request_id"]
         state = _RequestState(request_id, migrated["prompt_tokens"], migrated["n"],
                               Timings(submitted=time.perf_counter()), outputs=dict(migrated["outputs"]))
         state.seqs = [Sequence.from_state(s, self.stop_rule) for s in migrated["sequences"]]
+        state.arriving_kv = {s["seq_id"]: s["kv"] for s in migrated["sequences"] if "kv" in s}
         self._reserve_id(request_id)
         self._inbox.put(state)
         self._wake.set()
+
+    def workload(self) -> list[RequestLoad]:
+        """What each in-flight request still needs: where its sequences are and the tokens they
+        are expected to generate (runtime/estimate.py; an unforked n > 1 request counts n)."""
+        with self._lock:
+            self._drain_inbox()
+            sched = self.scheduler
+            queues = {"waiting": sched.waiting, "running": sched.running,
+                      "suspended": sched.suspended, "held": sched.held.values()}
+            where = {id(seq): name for name, queue in queues.items() for seq in queue}
+            loads = []
+            for request_id, state in self._requests.items():
+                live = [s for s in state.seqs if not s.is_finished] if state else []
+                if not live:
+                    continue
+                remaining = sum(min(sched.estimator.remaining(s.params, s.num_generated),
+                                    self.max_model_len - s.num_tokens)
+                                * (1 if s.forked else s.params.n) for s in live)
+                loads.append(RequestLoad(request_id, where.get(id(live[0]), "waiting"), remaining,
+                                         sum(s.num_tokens for s in live)))
+            return loads

@@ -10,15 +10,23 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
+from runtime.estimate import LengthEstimator
 from runtime.kv_cache import BlockManager, HostKVPool, KVCache
 from runtime.sequence import Event, Sequence, Status
 
-# Admission orders: a sort key over waiting sequences (lowest first).
-ADMISSION_ORDERS: dict[str, Callable[[Sequence], object]] = {
-    "fifo": lambda seq: 0,
-    # Longest expected work first: the batch's long tail starts early and finishes with it.
-    "longest_first": lambda seq: -(seq.num_tokens + seq.params.max_tokens - seq.num_generated),
-    "shortest_first": lambda seq: seq.num_tokens + seq.params.max_tokens - seq.num_generated,
+# Admission orders: a sort key over waiting sequences (lowest first), given the engine's
+# estimate of remaining output (runtime/estimate.py).
+ADMISSION_ORDERS: dict[str, Callable[[Sequence, LengthEstimator], object]] = {
+    "fifo": lambda seq, est: 0,
+    # Longest work first by what max_tokens guarantees: the batch's long tail starts early and
+    # finishes with it.
+    "longest_first": lambda seq, est: -(seq.num_tokens + seq.params.max_tokens - seq.num_generated),
+    "shortest_first": lambda seq, est: seq.num_tokens + seq.params.max_tokens - seq.num_generated,
+    # Longest expected work first, learned from finished sequences: where max_tokens is a loose
+    # bound it ranks by how long outputs actually run (the bound until enough have finished).
+    "adaptive": lambda seq, est: -(seq.num_tokens + est.remaining(seq.params, seq.num_generated)),
 }
 PREEMPTION_MODES = ("suspend", "evict")
 
@@ -52,6 +60,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.admission_key = ADMISSION_ORDERS[admission]
+        self.estimator = LengthEstimator()  # fed by the engine as sequences finish
         self.preemption = preemption
         self.waiting: list[Sequence] = []
         self.suspended: deque[Sequence] = deque()
@@ -59,8 +68,18 @@ class Scheduler:
         self.held: dict[str, Sequence] = {}  # suspended by a caller: resume only when asked
 
     # ---- queues --------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, seq: Sequence, kv: torch.Tensor | None = None) -> None:
+        """Queue a sequence. One that arrives with its KV (migrated in, SUSPENDED) parks it in
+        the host tier and swaps in like any suspended sequence; if the host tier cannot hold
+        it, it is evicted on arrival and recomputes."""
+        if kv is None:
+            self.waiting.append(seq)
+        elif self.host.can_hold(kv.shape[2]):
+            self.host.park(seq.seq_id, kv)
+            self.suspended.append(seq)
+        else:
+            seq.send(Event.EVICTED)
+            self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the scheduler, releasing its device and host KV."""
@@ -101,7 +120,8 @@ class Scheduler:
             scheduled.add(id(seq))
             self._place(seq, num, batch)
             budget -= num
-        self.waiting.sort(key=self.admission_key)  # stable: ties keep arrival order
+        # Stable: ties keep arrival order.
+        self.waiting.sort(key=lambda s: self.admission_key(s, self.estimator))
         while self.waiting and budget and len(self.running) < self.max_num_seqs \
                 and not self.suspended:
             seq = self.waiting[0]

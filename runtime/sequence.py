@@ -178,15 +178,21 @@ class Sequence:
         return self.status is Status.FINISHED
 
     # ---- migration -----------------------------------------------------------------------
-    def export_state(self) -> dict:
-        """Everything another engine needs to continue this sequence exactly (picklable)."""
-        return {
+    def export_state(self, kv: torch.Tensor | None = None) -> dict:
+        """Everything another engine needs to continue this sequence exactly (picklable). With
+        `kv` (its computed tokens' KV blocks, on the host) it arrives suspended, nothing to
+        recompute; without, it recomputes its tokens' KV in one prefill."""
+        state = {
             "seq_id": self.seq_id, "request_id": self.request_id, "sample_index": self.sample_index,
             "token_ids": list(self.token_ids), "num_prompt_tokens": self.num_prompt_tokens,
             "params": self.params, "rng_state": self.generator.get_state(),
             "logprobs": list(self.logprobs), "top_logprobs": list(self.top_logprobs),
             "counters": dict(self.counters), "forked": self.forked,
         }
+        if kv is not None:
+            resume = self._status_before_suspend if self.status is Status.SUSPENDED else self.status
+            state.update(kv=kv, num_computed=self.num_computed, resume_status=resume.name)
+        return state
 
     @classmethod
     def from_state(cls, state: dict, stop_rule: StopRule) -> "Sequence":
@@ -197,4 +203,8 @@ class Sequence:
                   generator, stop_rule)
         seq.logprobs, seq.top_logprobs = list(state["logprobs"]), list(state["top_logprobs"])
         seq.counters, seq.forked = dict(state["counters"]), state["forked"]
+        if "kv" in state:  # arrives as if suspended here: the engine parks the KV in the host tier
+            seq.num_computed = state["num_computed"]
+            seq._status_before_suspend = Status[state["resume_status"]]
+            seq.status = Status.SUSPENDED
         return seq

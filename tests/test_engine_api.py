@@ -376,3 +376,13 @@ def test_generate_of_no_requests_returns_an_empty_list(tiny, background):
     caller.join(timeout=3)
     assert not hung, "generate([]) did not return"
     assert outcome == [[]]
+
+
+def test_finished_takes_what_is_done_without_running_a_step(tiny):
+    engine = make_engine(tiny.dir(FAMILY))
+    engine.submit(greedy_requests(random_prompts([6], seed=14), 3, ignore_eos=True)[0])
+    assert engine.finished() == [] and engine.stats.steps == 0
+    while engine.step():
+        pass
+    assert [c.id for c in engine.finished()] == ["r0"]
+    assert engine.finished() == []

@@ -216,11 +216,76 @@ def test_migrate_a_held_request_and_one_still_prefilling(tiny):
     assert_idle_and_clean(target)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_migrate_with_kv_continues_without_recomputing(tiny, family):
+    source, target = make_engine(tiny.dir(family)), make_engine(tiny.dir(family))
+    start(source)
+    [seq] = live_sequences(source, "r2")
+    computed = seq.num_computed  # 40 prompt + 5 generated tokens: 3 blocks
+    state = pickle.loads(pickle.dumps(source.migrate_out("r2", with_kv=True)))
+    [exported] = state["sequences"]
+    assert exported["num_computed"] == computed == 45 and exported["resume_status"] == "DECODING"
+    assert exported["kv"].shape[2] == 3
+    assert source.scheduler.blocks.num_free == source.kv.num_blocks - sum(
+        len(s.block_table) for s in source.scheduler.running)  # its blocks came back
+
+    target.migrate_in(state)
+    spy = BatchSpy(target)
+    moved = collect(target)
+    assert spy.prefill_chunks("r2") == []  # swapped in and decoded on: nothing recomputed
+    assert spy.steps[0]["decodes"] == ["r2"]
+    assert_matches(moved["r2"], *reference(tiny, family, PROMPTS[2]), max_tokens=MAX_TOKENS)
+    check_greedy(tiny, family, collect(source), ids=["r0", "r1", "r3"])
+    assert_idle_and_clean(source)
+    assert_idle_and_clean(target)
+
+
+def test_migrate_with_kv_of_a_held_and_a_prefilling_request(tiny):
+    source = make_engine(tiny.dir("mistral"), max_num_batched_tokens=32)
+    target = make_engine(tiny.dir("mistral"))
+    for request in greedy_requests(PROMPTS):
+        source.submit(request)
+    for _ in range(3):
+        assert source.step()
+    [r3] = live_sequences(source, "r3")
+    computed = r3.num_computed
+    assert r3.status is Status.PREFILLING and 0 < computed < len(PROMPTS[3])
+    assert source.suspend("r0") == 1
+    states = [pickle.loads(pickle.dumps(source.migrate_out(rid, with_kv=True))) for rid in ("r0", "r3")]
+    assert [s["sequences"][0]["resume_status"] for s in states] == ["DECODING", "PREFILLING"]
+    assert source.scheduler.host.used_blocks == 0  # r0's parked KV left with it
+    spy = BatchSpy(target)
+    for state in states:
+        target.migrate_in(state)
+    check_greedy(tiny, "mistral", collect(target), ids=["r0", "r3"])
+    assert spy.prefill_chunks("r0") == []
+    assert spy.prefill_chunks("r3")[0][0] == computed  # its prefill went on where it stopped
+    check_greedy(tiny, "mistral", collect(source), ids=["r1", "r2"])
+    assert_idle_and_clean(source)
+    assert_idle_and_clean(target)
+
+
+def test_kv_arriving_at_a_full_host_tier_is_recomputed(tiny):
+    source = make_engine(tiny.dir("qwen2"))
+    target = make_engine(tiny.dir("qwen2"), host_kv_bytes=0)
+    start(source)
+    [seq] = live_sequences(source, "r1")
+    tokens = seq.num_tokens
+    target.migrate_in(pickle.loads(pickle.dumps(source.migrate_out("r1", with_kv=True))))
+    spy = BatchSpy(target)
+    check_greedy(tiny, "qwen2", collect(target), ids=["r1"])
+    assert spy.prefill_chunks("r1") == [(0, tokens)]  # evicted on arrival: one full recompute
+    collect(source)
+    assert_idle_and_clean(source)
+    assert_idle_and_clean(target)
+
+
 SAMPLED = SamplingParams(max_tokens=20, temperature=1.0, seed=7, n=2, logprobs=0)
 
 
+@pytest.mark.parametrize("with_kv", [False, True], ids=["recompute", "kv-travels"])
 @pytest.mark.parametrize("migrate_after_steps", [1, 4, 9], ids=["while-prefilling", "after-fork", "later"])
-def test_migrate_keeps_each_samples_rng_stream(tiny, migrate_after_steps):
+def test_migrate_keeps_each_samples_rng_stream(tiny, migrate_after_steps, with_kv):
     family = "qwen2"
     prompt = PROMPTS[3]
     others = greedy_requests(PROMPTS[:2], prefix="g")
@@ -236,7 +301,8 @@ def test_migrate_keeps_each_samples_rng_stream(tiny, migrate_after_steps):
         source.submit(request)
     for _ in range(migrate_after_steps):
         assert source.step()
-    state = pickle.loads(pickle.dumps(source.migrate_out("s")))
+    state = pickle.loads(pickle.dumps(source.migrate_out("s", with_kv=with_kv)))
+    assert all(("kv" in seq) == with_kv for seq in state["sequences"])
     # 70 tokens at 48 per step: still one sequence after one step, forked after the second.
     assert len(state["sequences"]) == (1 if migrate_after_steps == 1 else 2)
     target.migrate_in(state)

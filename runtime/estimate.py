@@ -1,0 +1,93 @@
+"""Online estimate of how many tokens a sequence still has to generate.
+
+Batch completion time is set by the longest remaining work, so the scheduler and the engine pool
+rank sequences by it. A sequence's output length is known only when nothing but max_tokens can end
+it (ignore_eos, no stop strings or stop ids); otherwise max_tokens is an upper bound, often a loose
+one. Finished sequences show how long outputs actually run. Outputs cut by max_tokens are censored
+observations (the natural length was at least that long), so the estimator is Kaplan-Meier:
+with S(k) = P(length > k), a sequence with g tokens so far and bound m expects
+sum_{k=g}^{m-1} S(k) / S(g) more tokens. Beyond the longest observation S stays where it was
+(a survivor is assumed to run to its bound). With fewer than `min_samples` observations longer
+than g, the data say nothing about this sequence yet and the bound is the estimate. Only the
+latest `window` observations count, so the estimate follows a workload that changes.
+"""
+
+import bisect
+from collections import deque
+from itertools import accumulate
+
+from runtime.sampling import SamplingParams
+
+
+def exact_length(params: SamplingParams) -> bool:
+    """Only max_tokens (or the context) can end it: its length is known in advance."""
+    return params.ignore_eos and not params.stop and not params.stop_token_ids
+
+
+class LengthEstimator:
+    def __init__(self, min_samples: int = 8, window: int = 4096):
+        if min_samples < 1 or window < min_samples:
+            raise ValueError("need 1 <= min_samples <= window")
+        self.min_samples, self.window = min_samples, window
+        self._recent: deque[tuple[int, bool]] = deque()  # in arrival order, to forget the oldest
+        self._lengths: list[int] = []  # the same observations, sorted: the at-risk counts
+        self._events: dict[int, int] = {}  # length -> how many ended naturally there
+        self._curve: tuple[list[int], list[float], list[float]] | None = None  # built lazily
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def observe(self, length: int, natural: bool) -> None:
+        """A finished sample of `length` tokens; natural: it stopped on its own (EOS, a stop
+        string or id), else max_tokens or the context cut it. Exact-length samples teach nothing
+        about natural lengths: callers skip them."""
+        self._recent.append((length, natural))
+        bisect.insort(self._lengths, length)
+        if natural:
+            self._events[length] = self._events.get(length, 0) + 1
+        if len(self._recent) > self.window:
+            old, old_natural = self._recent.popleft()
+            del self._lengths[bisect.bisect_left(self._lengths, old)]
+            if old_natural:
+                self._events[old] -= 1
+                if not self._events[old]:
+                    del self._events[old]
+        self._curve = None
+
+    def remaining(self, params: SamplingParams, generated: int) -> float:
+        """Expected tokens still to come for a sample with `generated` tokens so far."""
+        bound = max(params.max_tokens - generated, 0)
+        at_risk = len(self._lengths) - bisect.bisect_right(self._lengths, generated)
+        if exact_length(params) or at_risk < self.min_samples or bound == 0:
+            return float(bound)
+        survival_at_g = self._survival(generated)
+        expected = (self._area(params.max_tokens) - self._area(generated)) / survival_at_g
+        return min(expected, float(bound))
+
+    # ---- the Kaplan-Meier curve: S(k) is a step function that drops at each event length ----
+    def _build(self) -> tuple[list[int], list[float], list[float]]:
+        if self._curve is None:
+            times, values, survival = [], [], 1.0
+            for t in sorted(self._events):
+                at_risk = len(self._lengths) - bisect.bisect_left(self._lengths, t)
+                survival *= 1.0 - self._events[t] / at_risk
+                times.append(t)
+                values.append(survival)
+            # area[j]: sum of S(k) for k in [0, times[j]); S is 1 before the first event
+            widths = [t - prev for t, prev in zip(times, [0] + times[:-1])]
+            area = list(accumulate((w * v for w, v in zip(widths, [1.0] + values[:-1])), initial=0.0))[1:]
+            self._curve = (times, values, area)
+        return self._curve
+
+    def _survival(self, k: int) -> float:
+        times, values, _ = self._build()
+        j = bisect.bisect_right(times, k)
+        return values[j - 1] if j else 1.0
+
+    def _area(self, x: int) -> float:
+        """sum of S(k) for integer k in [0, x)."""
+        times, values, area = self._build()
+        j = bisect.bisect_right(times, x - 1)  # events at or before x - 1
+        if j == 0:
+            return float(x)
+        return area[j - 1] + (x - times[j - 1]) * values[j - 1]

@@ -1,0 +1,200 @@
+"""`EnginePool` (runtime/pool.py): engines in their own processes; outputs equal one engine's
+(greedy and seeded sampling) whether work is split statically, pulled from a shared queue, or
+moved mid-generation — KV and RNG state along — from a busy engine to an idle one; per-engine
+load, migrations and idle time are reported; a dead engine process fails callers, not hangs them."""
+
+import time
+
+import pytest
+
+from helpers import make_engine, random_prompts
+from runtime import Request, SamplingParams
+from runtime.engine import RequestLoad
+from runtime.pool import EnginePool, idle_seconds
+from runtime.rebalance import choose_donation
+
+FAMILY = "qwen2"
+KV_BYTES = 1 << 24  # small caches: each engine zeroes its own
+
+
+def load(request_id, remaining, where="running"):
+    return RequestLoad(request_id, where, remaining, 10)
+
+
+# ---- decisions (no processes) ---------------------------------------------------------------
+
+def test_donation_evens_out_the_two_keeping_the_longest():
+    loads = [load("long", 300), load("mid", 100), load("a", 40), load("b", 40), load("c", 20)]
+    # Half of the 500 tokens: 250 to move; "long" stays (one sequence cannot be split).
+    assert choose_donation(loads, 0, min_tokens=16) == ["mid", "a", "b", "c"]
+    assert choose_donation(loads, 150, min_tokens=16) == ["mid", "a", "c"]  # 160 of 175
+    assert choose_donation([load("long", 300), load("x", 290), load("y", 10)], 0, 16) == ["x", "y"]
+
+
+def test_no_donation_of_a_lone_request_or_of_too_little():
+    assert choose_donation([load("only", 500)], 0, min_tokens=16) == []
+    assert choose_donation([load("a", 20), load("b", 10)], 0, min_tokens=16) == []  # 10 < 16
+    assert choose_donation([load("a", 200), load("b", 150)], 180, min_tokens=16) == []
+
+
+def test_waiting_requests_move_first_at_equal_size():
+    loads = [load("long", 300), load("r", 50), load("w", 50, "waiting")]
+    assert choose_donation(loads, 0, min_tokens=16) == ["w", "r"]
+    assert choose_donation(loads, 250, min_tokens=16) == ["w"]
+
+
+def test_idle_seconds_within_a_window_and_its_tail():
+    flips = [(1.0, True), (3.0, False), (4.0, True), (6.0, False)]
+    assert idle_seconds(flips, 0.0, 10.0) == (6.0, 4.0)  # idle 0-1, 3-4, 6-10; tail 6-10
+    assert idle_seconds(flips, 2.0, 5.0) == (1.0, 0.0)  # busy at the end
+    assert idle_seconds([], 2.0, 5.0) == (3.0, 3.0)  # never busy: all tail
+    assert idle_seconds([(0.5, True)], 2.0, 5.0) == (0.0, 0.0)  # busy since before the window
+
+
+# ---- pools -------------------------------------------------------------------------------------
+
+PROMPTS = random_prompts([5, 9, 13, 20, 7, 11, 30, 8, 16, 6], seed=31)
+LENGTHS = [150, 10, 12, 120, 8, 9, 140, 11, 60, 7]  # skewed: three long, one medium
+
+
+def skewed_requests(prefix="r", sampled=()):
+    """Greedy requests of fixed lengths (ignore_eos), with logprobs; those in `sampled` are
+    seeded samples with n=2 instead."""
+    requests = []
+    for i, (prompt, length) in enumerate(zip(PROMPTS, LENGTHS)):
+        params = SamplingParams(max_tokens=length, ignore_eos=True, logprobs=0)
+        if i in sampled:
+            params = SamplingParams(max_tokens=length, ignore_eos=True, logprobs=0, temperature=1.0,
+                                    seed=100 + i, n=2)
+        requests.append(Request(f"{prefix}{i}", prompt_token_ids=prompt, params=params))
+    return requests
+
+
+def assert_same_outputs(got, want):
+    assert [c.id for c in got] == [c.id for c in want]
+    for mine, theirs in zip(got, want):
+        assert mine.error is None, mine.error
+        assert [o.token_ids for o in mine.outputs] == [o.token_ids for o in theirs.outputs], mine.id
+        for a, b in zip(mine.outputs, theirs.outputs):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        assert mine.prompt_tokens == theirs.prompt_tokens
+
+
+@pytest.fixture(scope="module")
+def single(tiny):
+    """One engine in this process: the outputs every pool must reproduce."""
+    return make_engine(tiny.dir(FAMILY))
+
+
+@pytest.fixture(scope="module")
+def static_pool(tiny):
+    with EnginePool(tiny.dir(FAMILY), num_engines=2, split="static", min_steal_tokens=16,
+                    kv_cache_bytes=KV_BYTES) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def shared_pool(tiny):
+    with EnginePool(tiny.dir(FAMILY), num_engines=2, split="shared", policy="longest_first",
+                    min_steal_tokens=16, kv_cache_bytes=KV_BYTES, max_num_seqs=2) as pool:
+        yield pool
+
+
+def counters(pool, key):
+    return [s.get(key, 0) for s in pool.stats()]
+
+
+def test_an_idle_engine_takes_running_sequences_and_outputs_stay_exact(static_pool, single):
+    """Everything pinned on engine 0; engine 1, idle, takes half of it mid-generation."""
+    static_pool.reallocate = True
+    requests = skewed_requests("steal", sampled={3, 8})
+    want = single.generate(requests)
+    before = {k: counters(static_pool, k) for k in ("migrated_in", "kv_migrated_in", "decode_tokens")}
+    got = static_pool.generate(requests, engines=[0] * len(requests))
+    assert_same_outputs(got, want)
+    migrated_in = [a - b for a, b in zip(counters(static_pool, "migrated_in"), before["migrated_in"])]
+    kv_in = [a - b for a, b in zip(counters(static_pool, "kv_migrated_in"), before["kv_migrated_in"])]
+    decoded = [a - b for a, b in zip(counters(static_pool, "decode_tokens"), before["decode_tokens"])]
+    assert migrated_in[0] == 0 and migrated_in[1] >= 1
+    assert kv_in[1] >= 1  # running sequences moved with their KV, not recomputed
+    assert decoded[1] > 0 and sum(decoded) == sum(LENGTHS) + sum(LENGTHS[i] for i in (3, 8)) - len(LENGTHS) - 2
+
+
+def test_without_reallocation_the_static_split_leaves_an_engine_idle(static_pool, single):
+    static_pool.reallocate = False
+    try:
+        requests = skewed_requests("still")
+        decoded = counters(static_pool, "decode_tokens")
+        start = time.monotonic()
+        got = static_pool.generate(requests, engines=[0] * len(requests))
+        end = time.monotonic()
+        assert_same_outputs(got, single.generate(requests))
+        assert counters(static_pool, "decode_tokens")[1] == decoded[1]  # engine 1 did nothing
+        idle = static_pool.idle(start, end)
+        assert idle[1]["idle_s"] == idle[1]["tail_idle_s"] == pytest.approx(end - start)
+        assert idle[0]["idle_s"] < 0.5 * (end - start)
+    finally:
+        static_pool.reallocate = True
+
+
+def test_static_split_round_robin_by_default(static_pool, single):
+    static_pool.reallocate = False
+    try:
+        requests = skewed_requests("rr")
+        submitted = counters(static_pool, "commands")
+        got = static_pool.generate(requests)
+        assert_same_outputs(got, single.generate(requests))
+        assert [a - b for a, b in zip(counters(static_pool, "commands"), submitted)] == [1, 1]
+    finally:
+        static_pool.reallocate = True
+
+
+def test_shared_queue_hands_out_longest_first_within_each_engines_slots(shared_pool, single):
+    requests = skewed_requests("shared", sampled={8})
+    got = shared_pool.generate(requests)
+    assert_same_outputs(got, single.generate(requests))
+    # Two slots per engine: the four longest start at once, the rest wait in the pool's queue.
+    by_length = sorted(got, key=lambda c: -LENGTHS[int(c.id[len("shared"):])])
+    first_four = max(c.timings.first_scheduled for c in by_length[:4])
+    assert all(c.timings.first_scheduled > first_four for c in by_length[4:])
+    assert all(sample["waiting"] + sample["running"] + sample["suspended"] <= 2
+               for timeline in shared_pool.timeline() for sample in timeline)
+
+
+def test_poll_and_submit(shared_pool, single):
+    requests = skewed_requests("polled")[:4]
+    for request in requests:
+        shared_pool.submit(request)
+    assert shared_pool.has_unfinished()
+    done = {}
+    while len(done) < len(requests):
+        for completion in shared_pool.poll(timeout=5):
+            assert completion.id not in done
+            done[completion.id] = completion
+    assert_same_outputs([done[r.id] for r in requests], single.generate(requests))
+    assert shared_pool.poll() == [] and not shared_pool.has_unfinished()
+
+
+def test_bad_requests(shared_pool):
+    [bad] = shared_pool.generate([Request("empty", prompt_token_ids=[])])
+    assert bad.finish_reason == "error" and "empty" in bad.error
+    [no_tokenizer] = shared_pool.generate([Request("stop", prompt_token_ids=[5, 6],
+                                                   params=SamplingParams(stop=("x",)))])
+    assert "tokenizer" in no_tokenizer.error
+    with pytest.raises(ValueError, match="repeated"):
+        shared_pool.generate([Request("twice", prompt_token_ids=[5]), Request("twice", prompt_token_ids=[6])])
+    with pytest.raises(ValueError, match="static"):
+        shared_pool.submit(Request("pinned", prompt_token_ids=[5]), engine=0)
+    with pytest.raises(TypeError):
+        shared_pool.submit(Request("params", prompt_token_ids=[5], params={"max_tokens": 3}))
+    with pytest.raises(ValueError, match="split"):
+        EnginePool(split="round_robin")
+
+
+def test_a_dead_engine_process_fails_its_callers(tiny):
+    with EnginePool(tiny.dir(FAMILY), num_engines=1, kv_cache_bytes=KV_BYTES) as pool:
+        pool.submit(Request("long", prompt_token_ids=[5, 6, 7],
+                            params=SamplingParams(max_tokens=400, ignore_eos=True)))
+        pool._engines[0].process.kill()
+        with pytest.raises(RuntimeError, match="exited"):
+            pool.poll()
