@@ -18,7 +18,7 @@ from runtime.estimate import exact_length
 from runtime.kv_cache import BlockManager, HostKVPool, KVCache, block_hash
 from runtime.loader import load_model
 from runtime.moe import moe_blocks
-from runtime.request import Completion, Request, SampleOutput, Timings
+from runtime.request import Completion, CompletionWaiter, Request, SampleOutput, Timings
 from runtime.runner import ModelRunner
 from runtime.sampling import SampleRow, SamplingParams, sample
 from runtime.scheduler import Scheduler
@@ -80,21 +80,6 @@ class RequestLoad:
     context_tokens: int  # tokens whose KV it holds or will compute
 
 
-class _Waiter:
-    """Collects the completions of one generate() call."""
-
-    def __init__(self, ids: list[str]):
-        self.pending = set(ids)
-        self.results: dict[str, Completion] = {}
-        self.done = threading.Event()
-
-    def add(self, completion: Completion) -> None:
-        self.results[completion.id] = completion
-        self.pending.discard(completion.id)
-        if not self.pending:
-            self.done.set()
-
-
 class Engine:
     def __init__(self, model: str | Path | None = None, *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, block_size: int = 16,
@@ -135,7 +120,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[_RequestState | dict] = queue.SimpleQueue()
         self._outbox: queue.Queue[Completion] = queue.Queue()
         self._requests: dict[str, _RequestState | None] = {}  # None: submitted, not yet drained
-        self._waiters: dict[str, _Waiter] = {}
+        self._waiters: dict[str, CompletionWaiter] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._wake = threading.Event()
@@ -391,7 +376,7 @@ class Engine:
         """Submit all, wait for all; results in request order."""
         if not requests:
             return []
-        waiter = _Waiter([r.id for r in requests])
+        waiter = CompletionWaiter([r.id for r in requests])
         if len(waiter.pending) != len(requests):
             raise ValueError("request ids must be unique")
         with self._ids_lock:
