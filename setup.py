@@ -15,7 +15,7 @@ setup(
     package_data={"batchgen_beam": ["data/*.jsonl"]},
     install_requires=[
         # Never leave torch unpinned: an open range pulls a multi-GB CUDA build on CPU boxes.
-        "torch>=2.6,<2.14",
+        "torch>=2.9,<2.14",  # 2.9: torch._grouped_mm on CPU (MoE experts)
         "transformers>=5.20,<5.25",
         "safetensors>=0.6,<0.9",
         "tokenizers>=0.22,<0.24",
