@@ -20,7 +20,8 @@ from benchmarks.workloads import w1, w2_model_dir
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="64 requests instead of 256")
-    parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[64])
+    parser.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[64],
+                        help="padded generate batch sizes; none to skip")
     parser.add_argument("--skip-generate-batch", action="store_true")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
