@@ -64,6 +64,7 @@ class EngineService:
         self._delivered: dict[str, Completion] = {}
         self._taken: dict[str, list[str]] = defaultdict(list)  # ids other clients took over
         self._finished = self._generated_tokens = 0  # completions routed, and their tokens
+        self._migrated_out = 0  # requests taken out unfinished (continued elsewhere)
         threading.Thread(target=self._route, name="batchgen-router", daemon=True).start()
 
     def _route(self) -> None:
@@ -78,28 +79,58 @@ class EngineService:
             self._outboxes[self._owner[completion.id]][completion.id] = completion
             self._ready.notify_all()
 
-    def submit(self, client_id: str, requests: list[Request]) -> None:
-        fresh = []
+    def _claim(self, client_id: str, request_ids: list[str]) -> set[str]:
+        """Make client_id the owner of these ids; returns those no client had in flight."""
+        fresh = set()
         with self._ready:
-            for request in requests:
-                owner = self._owner.get(request.id)
+            for request_id in request_ids:
+                owner = self._owner.get(request_id)
                 if owner is None:
-                    self._owner[request.id] = client_id
-                    fresh.append(request)
+                    self._owner[request_id] = client_id
+                    fresh.add(request_id)
                 elif owner != client_id:
-                    self._owner[request.id] = client_id
-                    self._taken[owner].append(request.id)
-                    finished = (self._outboxes[owner].pop(request.id, None)
-                                or self._delivered.pop(request.id, None))
+                    self._owner[request_id] = client_id
+                    self._taken[owner].append(request_id)
+                    finished = (self._outboxes[owner].pop(request_id, None)
+                                or self._delivered.pop(request_id, None))
                     if finished is not None:
-                        self._outboxes[client_id][request.id] = finished
+                        self._outboxes[client_id][request_id] = finished
                     self._ready.notify_all()
-        for request in fresh:
+        return fresh
+
+    def submit(self, client_id: str, requests: list[Request]) -> None:
+        fresh = self._claim(client_id, [r.id for r in requests])
+        for request in [r for r in requests if r.id in fresh]:
             try:
                 self.engine.submit(request)
             except ValueError as bad:  # e.g. stop strings on a model without a tokenizer
                 self._deliver(Completion(request.id, [SampleOutput(0, [], "", "error")], 0,
                                          Timings(submitted=time.perf_counter()), error=str(bad)))
+
+    def resume(self, client_id: str, states: list[dict]) -> None:
+        """Continue requests another engine (or an earlier attempt) migrated out, from their
+        tokens: their KV is recomputed in one prefill."""
+        fresh = self._claim(client_id, [s["request_id"] for s in states])
+        for state in states:
+            if state["request_id"] in fresh:
+                self.engine.migrate_in(state)
+
+    def migrate_out(self, client_id: str, request_ids: list[str]) -> dict[str, dict]:
+        """Take this client's requests that are still running out of the engine: their states
+        (tokens so far and RNG, no KV), by id. A request that already finished is not among
+        them; its completion reaches the client as usual."""
+        with self._ready:
+            owned = [rid for rid in request_ids if self._owner.get(rid) == client_id]
+        states = {}
+        for request_id in owned:
+            try:
+                states[request_id] = self.engine.migrate_out(request_id)
+            except KeyError:
+                continue
+            with self._ready:
+                del self._owner[request_id]
+                self._migrated_out += 1
+        return states
 
     def poll(self, client_id: str, timeout: float, taken: list[str]
              ) -> tuple[list[Completion], list[str], dict]:
@@ -123,7 +154,7 @@ class EngineService:
                 "prefill_tokens": self.engine.stats.prefill_tokens,
                 "waiting": len(scheduler.waiting), "running": len(scheduler.running),
                 "suspended": len(scheduler.suspended), "finished": self._finished,
-                "generated_tokens": self._generated_tokens}
+                "generated_tokens": self._generated_tokens, "migrated_out": self._migrated_out}
 
 
 class EngineClient:
@@ -143,7 +174,8 @@ class EngineClient:
         self.config = config
         self.client_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._lock = threading.RLock()
-        self._resident: dict[str, Request] = {}  # submitted, result not yet taken
+        # Submitted (a Request) or resumed (a migrated-out state), result not yet taken.
+        self._resident: dict[str, Request | dict] = {}
         self._done: dict[str, Completion] = {}
         self._taken: list[str] = []  # taken here since the last poll: acknowledged with the next
         self.restarts = 0
@@ -161,7 +193,7 @@ class EngineClient:
             return getattr(service, method)(*args)
         except _ENGINE_GONE as gone:
             self._restart(service, gone)
-            if method == "submit":  # the restart resubmitted every resident request, these too
+            if method in ("submit", "resume"):  # the restart resubmitted every resident one, these too
                 return None
             return getattr(self._service, method)(*args)
 
@@ -174,8 +206,12 @@ class EngineClient:
                         "%d resident request(s)", cause, len(pending))
             self._service = self._connect()
             self.restarts += 1
-            if pending:
-                self._service.submit(self.client_id, pending)
+            requests = [r for r in pending if isinstance(r, Request)]
+            states = [r for r in pending if not isinstance(r, Request)]
+            if requests:
+                self._service.submit(self.client_id, requests)
+            if states:
+                self._service.resume(self.client_id, states)
 
     # ---- the coarse API ------------------------------------------------------------------
     def submit(self, requests: Iterable[Request]) -> None:
@@ -186,6 +222,24 @@ class EngineClient:
                 self._resident[request.id] = request
         if fresh:
             self._call("submit", self.client_id, fresh)
+
+    def resume(self, states: Iterable[dict]) -> None:
+        """Continue migrated-out requests (`migrate_out` states) not already resident."""
+        with self._lock:
+            fresh = [s for s in states if s["request_id"] not in self._resident]
+            for state in fresh:
+                self._resident[state["request_id"]] = state
+        if fresh:
+            self._call("resume", self.client_id, fresh)
+
+    def migrate_out(self, request_ids: Iterable[str]) -> dict[str, dict]:
+        """Take these requests, if still running, out of the engine: their states by id. They
+        are no longer this client's; the others' completions arrive as usual."""
+        states = self._call("migrate_out", self.client_id, list(request_ids))
+        with self._lock:
+            for request_id in states:
+                self._resident.pop(request_id, None)
+        return states
 
     def knows(self, request_id: str) -> bool:
         """Submitted by this process and its result not yet taken."""

@@ -6,14 +6,23 @@ emitted from `process` as soon as it is done, in the same bundle that drops it f
 retried bundle neither loses nor repeats a row), and an event-time timer at the window's end
 flushes the rest. Nothing depends on processing-time timers, which batch runners may never fire
 (DESIGN.md §4). A bundle never waits for its own stragglers, only for engine capacity.
+
+Stragglers (`straggler_timeout_s`): the flush then waits at most that long. Records still
+running are taken out of the engine (their tokens so far and RNG state) and leave as
+continuations instead of rows, re-keyed to other shards; a second stage resumes each where it
+stopped — prefilling prompt and generated tokens, which greedy decoding continues token for
+token — and emits its row. So a worker left with long sequences at the end hands them to the
+others, and each record still gets exactly one row: from the first stage or from the second.
 """
 
 import dataclasses
+import time
 import uuid
 import zlib
 from typing import Any
 
 import apache_beam as beam
+from apache_beam.pvalue import TaggedOutput
 from apache_beam.typehints import KV
 from apache_beam.coders import PickleCoder
 from apache_beam.metrics import Metrics
@@ -24,6 +33,19 @@ from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.records import Parsed, check_defaults, completion_row, error_row, parse_record
 
 METRICS_NAMESPACE = "batchgen"
+CONTINUATIONS = "continuations"  # the first stage's output of records handed to the second
+CONTINUED = "#continued"  # the second stage keys a record by its id plus this: other shards
+
+
+@dataclasses.dataclass
+class Continuation:
+    """A record whose sequence left an engine unfinished: `state` is Engine.migrate_out's."""
+    parsed: Parsed
+    state: dict
+
+
+def _parsed(item: Parsed | Continuation) -> Parsed:
+    return item.parsed if isinstance(item, Continuation) else item
 
 
 def shard_of(request_id: str, num_shards: int) -> int:
@@ -42,6 +64,7 @@ class EngineMetrics:
         self.tokens_per_step = Metrics.distribution(METRICS_NAMESPACE, "tokens_per_step")
         # The engine process that answered; on one machine min == max: all shared one engine.
         self.engine_pid = Metrics.distribution(METRICS_NAMESPACE, "engine_pid")
+        self.continuations = Metrics.counter(METRICS_NAMESPACE, "continuations")
         self._seen = (0, 0)  # engine (steps, tokens) at the last report
 
     def row(self, row: dict) -> None:
@@ -62,26 +85,38 @@ class EngineMetrics:
 
 
 class _GenerateFn(beam.DoFn):
-    PENDING = BagStateSpec("pending", PickleCoder())  # Parsed records whose rows are not out yet
+    # Records (Parsed, or Continuation in the second stage) whose rows are not out yet.
+    PENDING = BagStateSpec("pending", PickleCoder())
     FLUSH = TimerSpec("flush", TimeDomain.WATERMARK)
 
-    def __init__(self, config: EngineConfig, num_shards: int, max_in_flight: int, namespace: str):
+    def __init__(self, config: EngineConfig, num_shards: int, max_in_flight: int, namespace: str,
+                 straggler_timeout_s: float | None = None, shard_suffix: str = ""):
         self._config, self._num_shards = config, num_shards
         self._max_in_flight, self._namespace = max_in_flight, namespace
+        self._straggler_timeout_s = straggler_timeout_s  # None: wait for all (the last stage)
+        self._shard_suffix = shard_suffix  # records are keyed by shard_of(id + this), and named so
 
     def setup(self):
         self._client = EngineClient.shared(self._config)
         self._metrics = EngineMetrics()
         self._recovered: set[int] = set()
 
-    def _request_id(self, parsed: Parsed) -> str:
-        # Two Generate transforms may share an engine and reuse record ids.
-        return f"{self._namespace}:{parsed.id}"
+    def _request_id(self, item: Parsed | Continuation) -> str:
+        # Two Generate transforms may share an engine and reuse record ids; the second stage's
+        # ids differ from the first's, so no client mistakes one for the other.
+        return f"{self._namespace}:{_parsed(item).id}{self._shard_suffix}"
 
     def process(self, element, window=beam.DoFn.WindowParam,
                 pending=beam.DoFn.StateParam(PENDING), flush=beam.DoFn.TimerParam(FLUSH)):
+        return self._process(element, window, pending, flush)
+
+    @on_timer(FLUSH)
+    def flush(self, pending=beam.DoFn.StateParam(PENDING)):
+        return self._flush(pending)
+
+    def _process(self, element, window, pending, flush):
         shard, parsed = element
-        if not isinstance(parsed, Parsed):
+        if not isinstance(parsed, (Parsed, Continuation)):
             yield self._row(error_row(parsed))
             return
         if shard not in self._recovered:
@@ -101,33 +136,76 @@ class _GenerateFn(beam.DoFn):
         else:
             self._metrics.engine(self._client.last_info)
 
-    @on_timer(FLUSH)
-    def flush(self, pending=beam.DoFn.StateParam(PENDING)):
+    def _flush(self, pending):
         records = list(pending.read())
         self._submit(records)
+        if self._straggler_timeout_s is not None:
+            yield from self._emit_done(pending, wait=False, timeout=self._straggler_timeout_s)
+            yield from self._hand_off(pending)
         yield from self._emit_done(pending, wait=True)
 
-    def _submit(self, records: list[Parsed]) -> None:
-        self._client.submit([dataclasses.replace(p.to_request(), id=self._request_id(p))
-                             for p in records if not self._client.knows(self._request_id(p))])
-
-    def _emit_done(self, pending, wait: bool):
-        """Emit the rows of this key's finished records and drop them from state."""
+    def _hand_off(self, pending):
+        """Emit this key's records still running as continuations and drop them from state."""
         records = list(pending.read())
-        ids = [self._request_id(p) for p in records]
-        done = self._client.wait_all(ids) if wait else self._client.take(ids)
+        states = self._client.migrate_out([self._request_id(r) for r in records])
+        if not states:
+            return
+        pending.clear()
+        for record in records:
+            state = states.get(self._request_id(record))
+            if state is None:  # finished meanwhile: its row comes out below
+                pending.add(record)
+            else:
+                self._metrics.continuations.inc()
+                # The second stage continues it under its own id (the sequences follow it).
+                state = {**state, "request_id": f"{self._namespace}:{_parsed(record).id}{CONTINUED}"}
+                yield TaggedOutput(CONTINUATIONS, Continuation(_parsed(record), state))
+
+    def _submit(self, records: list[Parsed | Continuation]) -> None:
+        fresh = [r for r in records if not self._client.knows(self._request_id(r))]
+        self._client.submit([dataclasses.replace(r.to_request(), id=self._request_id(r))
+                             for r in fresh if isinstance(r, Parsed)])
+        self._client.resume([r.state for r in fresh if isinstance(r, Continuation)])
+
+    def _emit_done(self, pending, wait: bool, timeout: float = 0.0):
+        """Emit the rows of this key's finished records and drop them from state: all of them
+        (wait), or those done within `timeout`."""
+        records = list(pending.read())
+        ids = [self._request_id(r) for r in records]
+        if wait:
+            done = self._client.wait_all(ids)
+        else:
+            done = self._client.take(ids)
+            deadline = time.monotonic() + timeout
+            while len(done) < len(ids) and time.monotonic() < deadline:
+                done.update(self._client.take(set(ids) - done.keys(), deadline - time.monotonic()))
         if done:
             pending.clear()
-            for parsed, request_id in zip(records, ids):
+            for record, request_id in zip(records, ids):
                 if request_id in done:
-                    yield self._row(completion_row(parsed, done[request_id]))
+                    yield self._row(completion_row(_parsed(record), done[request_id]))
                 else:
-                    pending.add(parsed)
+                    pending.add(record)
         self._metrics.engine(self._client.last_info)
 
     def _row(self, row: dict) -> dict:
         self._metrics.row(row)
         return row
+
+
+class _ContinueFn(_GenerateFn):
+    """The second stage. Its state and timer need their own names: with the first stage's, the
+    DirectRunner fired one stage's timers on the other's DoFn (Beam 2.77)."""
+    PENDING = BagStateSpec("continued", PickleCoder())
+    FLUSH = TimerSpec("flush_continued", TimeDomain.WATERMARK)
+
+    def process(self, element, window=beam.DoFn.WindowParam,
+                pending=beam.DoFn.StateParam(PENDING), flush=beam.DoFn.TimerParam(FLUSH)):
+        return self._process(element, window, pending, flush)
+
+    @on_timer(FLUSH)
+    def flush(self, pending=beam.DoFn.StateParam(PENDING)):
+        return self._flush(pending)
 
 
 class Generate(beam.PTransform):
@@ -136,25 +214,41 @@ class Generate(beam.PTransform):
     `model`: a local HF directory, gs://..., or None for the default model. Sampling keywords
     (max_tokens, temperature, ...) are transform-wide defaults that each record may override;
     `engine_args` go to `runtime.Engine` (max_num_seqs, kv_cache_bytes, ...).
+    `straggler_timeout_s`: at the end of input, wait at most this long for a key's records, then
+    continue the unfinished ones in a second stage on other keys (module docstring); None: wait.
     """
 
     def __init__(self, model: str | None = None, *, num_shards: int = 16, max_in_flight: int = 1024,
-                 engine_args: dict | None = None, **sampling_defaults):
+                 engine_args: dict | None = None, straggler_timeout_s: float | None = None,
+                 **sampling_defaults):
         super().__init__()
         self._config = EngineConfig.of(model, **(engine_args or {}))
         self._defaults = sampling_defaults
         check_defaults(sampling_defaults)  # a bad default fails here, not on a worker
+        if straggler_timeout_s is not None and straggler_timeout_s < 0:
+            raise ValueError(f"straggler_timeout_s must be >= 0, got {straggler_timeout_s}")
         self._num_shards, self._max_in_flight = num_shards, max_in_flight
+        self._straggler_timeout_s = straggler_timeout_s
 
     def expand(self, records):
         defaults, shards = self._defaults, self._num_shards
+        namespace = uuid.uuid4().hex[:8]
 
         def keyed(record: Any):
             parsed = parse_record(record, defaults)
             # Rejected records carry no request: any shard will do to emit their error rows.
             return (shard_of(str(parsed.id), shards), parsed)
 
-        return (records
-                | "Validate" >> beam.Map(keyed).with_output_types(KV[int, Any])
-                | "Generate" >> beam.ParDo(_GenerateFn(self._config, shards, self._max_in_flight,
-                                                       uuid.uuid4().hex[:8])))
+        validated = records | "Validate" >> beam.Map(keyed).with_output_types(KV[int, Any])
+        first_stage = _GenerateFn(self._config, shards, self._max_in_flight, namespace,
+                                  self._straggler_timeout_s)
+        if self._straggler_timeout_s is None:
+            return validated | "Generate" >> beam.ParDo(first_stage)
+        first = validated | "Generate" >> beam.ParDo(first_stage).with_outputs(CONTINUATIONS, main="rows")
+        continued = (first[CONTINUATIONS]
+                     # Other shards than the first stage's: the stragglers of one key spread out.
+                     | "Rekey" >> beam.Map(lambda c: (shard_of(c.parsed.id + CONTINUED, shards), c)
+                                           ).with_output_types(KV[int, Any])
+                     | "Continue" >> beam.ParDo(_ContinueFn(self._config, shards, self._max_in_flight,
+                                                           namespace, None, CONTINUED)))
+        return (first.rows, continued) | "Rows" >> beam.Flatten()

@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keys that records are spread over in the Generate transform")
     engine.add_argument("--max_in_flight", type=int, default=1024,
                         help="requests one worker process keeps in the engine at once")
+    engine.add_argument("--straggler_timeout_s", type=float, default=None,
+                        help="at the end of input, wait at most this long for a key's records, "
+                             "then continue the unfinished ones on other keys (default: wait)")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
     return parser
 
@@ -314,7 +317,8 @@ def main(argv: list[str] | None = None) -> dict:
     model, engine_args = model_of(args), engine_args_of(args)
     config = EngineConfig.of(model, **engine_args)
     generate = Generate(model, num_shards=args.num_key_shards, max_in_flight=args.max_in_flight,
-                        engine_args=engine_args, **sampling_defaults_of(args))
+                        engine_args=engine_args, straggler_timeout_s=args.straggler_timeout_s,
+                        **sampling_defaults_of(args))
     # The launcher's progress client must talk to the engine the workers use.
     assert generate._config == config, (generate._config, config)
     write = WriteRows(args.output, args.format, num_shards=args.output_shards)

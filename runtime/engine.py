@@ -40,6 +40,10 @@ def _token_ids(value) -> list[int] | None:
         return None
 
 
+def _seq_id(request_id: str, sample_index: int) -> str:
+    return request_id if sample_index == 0 else f"{request_id}#{sample_index}"
+
+
 @dataclass
 class _RequestState:
     request_id: str
@@ -206,8 +210,7 @@ class Engine:
                       params: SamplingParams, num_prompt_tokens: int | None = None) -> Sequence:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         generator = torch.Generator().manual_seed((seed + index) % (1 << 63))
-        seq_id = request_id if index == 0 else f"{request_id}#{index}"
-        return Sequence(seq_id, request_id, index, token_ids,
+        return Sequence(_seq_id(request_id, index), request_id, index, token_ids,
                         num_prompt_tokens if num_prompt_tokens is not None else len(token_ids),
                         params, generator, self.stop_rule)
 
@@ -501,11 +504,15 @@ class Engine:
         return None
 
     def migrate_in(self, migrated: dict) -> None:
+        """Continue a migrated-out request here, under migrated["request_id"] (which a caller may
+        change: the sequences follow it)."""
         request_id = migrated["request_id"]
         state = _RequestState(request_id, migrated["prompt_tokens"], migrated["n"],
                               Timings(submitted=time.perf_counter()), outputs=dict(migrated["outputs"]))
-        state.seqs = [Sequence.from_state(s, self.stop_rule) for s in migrated["sequences"]]
-        state.arriving_kv = {s["seq_id"]: s["kv"] for s in migrated["sequences"] if "kv" in s}
+        renamed = [{**s, "request_id": request_id, "seq_id": _seq_id(request_id, s["sample_index"])}
+                   for s in migrated["sequences"]]
+        state.seqs = [Sequence.from_state(s, self.stop_rule) for s in renamed]
+        state.arriving_kv = {s["seq_id"]: s["kv"] for s in renamed if "kv" in s}
         self._reserve_id(request_id)
         self._inbox.put(state)
         self._wake.set()

@@ -104,11 +104,12 @@ def expected_keys(records) -> Counter:
     return keys
 
 
-def generate_rows(records, model_dir, tmp_path, flags, engine_args=ENGINE_ARGS):
+def generate_rows(records, model_dir, tmp_path, flags, engine_args=ENGINE_ARGS, **options):
     def build(pipeline):
         rows = (pipeline
                 | beam.Create(records, reshuffle=False)
-                | Generate(str(model_dir), engine_args=engine_args, max_tokens=MAX_TOKENS, num_shards=4))
+                | Generate(str(model_dir), engine_args=engine_args, max_tokens=MAX_TOKENS, num_shards=4,
+                           **options))
         return {"rows": rows | beam.Map(row_to_json)}
 
     outputs, result = run_pipeline(build, tmp_path, flags)

@@ -197,6 +197,24 @@ def test_migrate_mid_generation_to_another_engine_is_exact(tiny, family):
     assert_idle_and_clean(target)
 
 
+def test_migrate_in_under_another_request_id(tiny):
+    source = make_engine(tiny.dir("qwen2"))
+    target = make_engine(tiny.dir("qwen2"))
+    params = SamplingParams(max_tokens=MAX_TOKENS, n=2, temperature=1.0, seed=3)
+    want = make_engine(tiny.dir("qwen2")).generate([Request("s", prompt_token_ids=PROMPTS[1], params=params)])[0]
+    source.submit(Request("s", prompt_token_ids=PROMPTS[1], params=params))
+    for _ in range(4):
+        assert source.step()
+    state = source.migrate_out("s", with_kv=True)
+    target.migrate_in({**state, "request_id": "s-again"})
+    assert target.step()
+    assert [s.seq_id for s in live_sequences(target, "s-again")] == ["s-again", "s-again#1"]
+    moved = collect(target)
+    assert list(moved) == ["s-again"]
+    assert [o.token_ids for o in moved["s-again"].outputs] == [o.token_ids for o in want.outputs]
+    assert_idle_and_clean(target)
+
+
 def test_migrate_a_held_request_and_one_still_prefilling(tiny):
     source = make_engine(tiny.dir("mistral"), max_num_batched_tokens=32)
     target = make_engine(tiny.dir("mistral"))
