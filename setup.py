@@ -1,5 +1,9 @@
 from setuptools import find_packages, setup
 
+# The Triton kernels (kernels/triton/) run CUDA tensors. torch 2.13's CUDA wheels pin
+# triton==3.7.1 and the kernels are tested with it; triton ships Linux wheels only.
+TRITON = 'triton>=3.7.1,<3.8; platform_system == "Linux"'
+
 setup(
     name="batchgen-beam",
     version="0.1.0",
@@ -11,7 +15,7 @@ setup(
     package_data={"batchgen_beam": ["data/*.jsonl"]},
     install_requires=[
         # Never leave torch unpinned: an open range pulls a multi-GB CUDA build on CPU boxes.
-        "torch>=2.6,<2.14",
+        "torch>=2.9,<2.14",  # 2.9: torch._grouped_mm on CPU (MoE experts)
         "transformers>=5.20,<5.25",
         "safetensors>=0.6,<0.9",
         "tokenizers>=0.22,<0.24",
@@ -31,6 +35,8 @@ setup(
     extras_require={
         # Benchmarks: PNG charts.
         "bench": ["matplotlib>=3.8,<4"],
-        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "psutil>=5.9,<8", "gcp-storage-emulator>=2026.7.18,<2027"],
+        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "psutil>=5.9,<8", "gcp-storage-emulator>=2026.7.18,<2027",
+                 TRITON],  # the Triton kernels' tests run in its interpreter, on CPU
+        "cuda": [TRITON],
     },
 )

@@ -6,8 +6,7 @@ against transformers' padded `generate` and `generate_batch`, side by side.
 W1's workload shape (prompts, chat template, output lengths) on W2's model; greedy fp32, every
 request generating exactly its length. Reports batch completion time and, for every system, the
 mean tokens per expert call (tokens routed ÷ expert matmuls run, over all MoE layers and steps).
-vLLM CPU is not run here: its CPU backend has no fused-MoE path for Qwen3-MoE in 0.32 (see
-benchmarks/README.md).
+vLLM CPU is not in this harness yet: whether its CPU build runs Qwen3-MoE is untested here.
 """
 
 import argparse
@@ -21,7 +20,8 @@ from benchmarks.workloads import w1, w2_model_dir
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="64 requests instead of 256")
-    parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[64])
+    parser.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[64],
+                        help="padded generate batch sizes; none to skip")
     parser.add_argument("--skip-generate-batch", action="store_true")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)

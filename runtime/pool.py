@@ -32,7 +32,7 @@ from pathlib import Path
 from runtime import pool_worker
 from runtime.estimate import LengthEstimator, exact_length
 from runtime.rebalance import QUEUE_ORDERS
-from runtime.request import Completion, Request
+from runtime.request import Completion, CompletionWaiter, Request
 from runtime.sampling import SamplingParams
 
 SPLITS = ("shared", "static")
@@ -95,20 +95,6 @@ class _Engine:
         self.inbox.put(command)
 
 
-class _Waiter:
-    """Collects the completions of one generate() call."""
-
-    def __init__(self, ids: list[str]):
-        self.pending, self.results = set(ids), {}
-        self.done = threading.Event()
-
-    def add(self, completion: Completion) -> None:
-        self.results[completion.id] = completion
-        self.pending.discard(completion.id)
-        if not self.pending:
-            self.done.set()
-
-
 class EnginePool:
     """`num_engines` engines of `model`, `threads_per_engine` torch threads each; `engine_args`
     go to each `Engine` (admission defaults to `policy`). `reallocate` may be switched between
@@ -143,7 +129,7 @@ class EnginePool:
         self._queue: list[Request] = []  # shared split: not yet sent to an engine
         self._params: dict[str, SamplingParams] = {}  # in flight: submitted, not yet completed
         self._results: queue.Queue[Completion] = queue.Queue()
-        self._waiters: dict[str, _Waiter] = {}
+        self._waiters: dict[str, CompletionWaiter] = {}
         self._next_static = 0
         self._failure: str | None = None
         self._closing = threading.Event()
@@ -175,7 +161,7 @@ class EnginePool:
         self._submit([request], None if engine is None else [engine])
 
     def _submit(self, requests: list[Request], engines: list[int] | None,
-                waiter: _Waiter | None = None) -> None:
+                waiter: CompletionWaiter | None = None) -> None:
         for request in requests:
             if not isinstance(request.params, SamplingParams):
                 raise TypeError(f"request {request.id!r}: params must be SamplingParams")
@@ -211,7 +197,7 @@ class EnginePool:
         may name each request's engine (default: request i to engine i % num_engines)."""
         if not requests:
             return []
-        waiter = _Waiter([r.id for r in requests])
+        waiter = CompletionWaiter([r.id for r in requests])
         self._submit(requests, engines, waiter)
         try:
             while not waiter.done.wait(0.1):

@@ -1,5 +1,6 @@
 """What callers hand the engine and what they get back."""
 
+import threading
 from dataclasses import dataclass, field
 
 from runtime.sampling import SamplingParams
@@ -64,3 +65,18 @@ class Completion:
     @property
     def logprobs(self) -> list[float] | None:
         return self.outputs[0].logprobs if self.outputs else None
+
+
+class CompletionWaiter:
+    """Collects the completions of one blocking generate() call."""
+
+    def __init__(self, ids: list[str]):
+        self.pending = set(ids)
+        self.results: dict[str, Completion] = {}
+        self.done = threading.Event()
+
+    def add(self, completion: Completion) -> None:
+        self.results[completion.id] = completion
+        self.pending.discard(completion.id)
+        if not self.pending:
+            self.done.set()

@@ -4,6 +4,12 @@ oracle on the same weights (each greedy continuation computed once per session).
 `pytest` alone runs the fast suite: tests marked `slow` are skipped unless a `-m` expression is
 given (`pytest -m slow`, `pytest -m "slow or not slow"`), as README.md describes."""
 
+import os
+
+# Triton runs the kernels of tests/test_triton_kernels.py on CPU tensors only in its interpreter,
+# chosen when triton is first imported, and transformers imports it (through torch._dynamo) below.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 

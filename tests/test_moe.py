@@ -131,10 +131,10 @@ def per_token_reference(hidden, ids, weights, gate_up_proj, down_proj):
     return out
 
 
+@pytest.mark.parametrize("hidden_size,inter", [(12, 10), (16, 8)])  # per-expert loop; grouped_mm
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 4, 2), (7, 5, 2), (40, 8, 3), (3, 16, 1), (0, 4, 2)])
-def test_grouped_experts_matches_a_per_token_loop(tokens, experts, top_k):
+def test_grouped_experts_matches_a_per_token_loop(tokens, experts, top_k, hidden_size, inter):
     g = torch.Generator().manual_seed(tokens * 100 + experts)
-    hidden_size, inter = 12, 10
     hidden = torch.randn(tokens, hidden_size, generator=g)
     gate_up_proj = torch.randn(experts, 2 * inter, hidden_size, generator=g) * 0.3
     down_proj = torch.randn(experts, hidden_size, inter, generator=g) * 0.3

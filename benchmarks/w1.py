@@ -1,0 +1,79 @@
+"""W1 (DESIGN.md §8), every system side by side: our engine bare and through `Generate`, vLLM CPU,
+transformers padded `generate` (batch 16/32/64), transformers `generate_batch`, and `RunInference`
+with a transformers `generate` handler. Plus this machine's sgemm FLOP/s and our decode MFU.
+
+    python -m benchmarks.w1 [--quick] [--systems engine generate vllm hf16 hf32 hf64 generate_batch runinference]
+
+Same prompts, same output token counts (ignore_eos), greedy, fp32, two threads; the report checks
+every system generated exactly each request's length and counts requests token-identical to ours.
+Batch completion time is first submit → last completion, model load excluded (reported apart).
+"""
+
+import argparse
+
+import torch
+
+from benchmarks import beam_systems, mfu, report, systems
+from benchmarks.workloads import w1
+from runtime.default_model import default_model_dir
+
+ENGINE_ARGS = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "admission": "longest_first"}
+ALL_SYSTEMS = ["engine", "generate", "vllm", "hf16", "hf32", "hf64", "generate_batch", "runinference"]
+
+
+def _engine_with_mfu(model_dir, items, sgemm: float) -> dict:
+    result, engine = systems.engine(model_dir, items, return_engine=True, **ENGINE_ARGS)
+    stats = engine.stats
+    flops = mfu.decode_model_flops(engine.model, stats.decode_step_tokens, stats.decode_step_context)
+    result.update(decode_steps=stats.decode_steps, decode_seconds=stats.decode_step_seconds,
+                  decode_model_flops_per_s=flops / stats.decode_step_seconds,
+                  decode_mfu=flops / stats.decode_step_seconds / sgemm)
+    print(f"decode: {stats.decode_steps} steps, {stats.decode_step_seconds:.1f} s, "
+          f"{result['decode_model_flops_per_s'] / 1e9:.1f} GFLOP/s = MFU {result['decode_mfu']:.1%}")
+    return result
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="64 requests instead of 256")
+    parser.add_argument("--systems", nargs="+", choices=ALL_SYSTEMS, default=ALL_SYSTEMS)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    model_dir = default_model_dir()
+    from runtime.tokenizer import load_tokenizer
+    num_requests = 64 if args.quick else 256
+    items = w1(load_tokenizer(model_dir), num_requests)
+    workload = "W1-quick" if args.quick else "W1"
+    total = sum(it.max_tokens for it in items)
+    print(f"{workload}: {len(items)} requests, {total} output tokens, "
+          f"longest {max(it.max_tokens for it in items)}", flush=True)
+    sgemm = mfu.sgemm_flops_per_s()
+    print(f"sgemm: {sgemm / 1e9:.1f} GFLOP/s ({args.threads} threads)", flush=True)
+
+    records = beam_systems.w1_records(num_requests)
+    runs = {
+        "engine": lambda: _engine_with_mfu(model_dir, items, sgemm),
+        "generate": lambda: beam_systems.generate(records, ENGINE_ARGS),
+        "vllm": lambda: systems.vllm_cpu(model_dir, items, args.threads),
+        "hf16": lambda: systems.hf_padded(model_dir, items, 16),
+        "hf32": lambda: systems.hf_padded(model_dir, items, 32),
+        "hf64": lambda: systems.hf_padded(model_dir, items, 64),
+        "generate_batch": lambda: systems.hf_generate_batch(model_dir, items),
+        "runinference": lambda: beam_systems.runinference_hf(model_dir, records, 32),
+    }
+    results = []
+    for name in ["engine"] + [s for s in args.systems if s != "engine"]:  # ours first: the reference
+        results.append(runs[name]())
+        report.progress(results)
+    mismatches = report.compare(results, items)
+    summary = {"workload": workload, "requests": len(items), "output_tokens": total,
+               "model": str(model_dir), "engine_args": ENGINE_ARGS, "sgemm_flops_per_s": sgemm,
+               "machine": report.machine(args.threads), "work_mismatches": mismatches}
+    report.write(workload, summary, results)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""The benchmark harness's own arithmetic: model FLOPs per decoded token (dense and MoE), the
+engine's decode-phase statistics, and the same-work check between systems."""
+
+import pytest
+import torch
+
+from benchmarks import mfu, report
+from benchmarks.workloads import WorkItem
+from helpers import make_engine
+from runtime import Request, SamplingParams
+from runtime.loader import load_model
+
+
+def _hand_count(spec, mlp_per_token: int) -> int:
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    attention = spec.hidden_size * (q + 2 * kv) + q * spec.hidden_size
+    return spec.num_layers * (attention + mlp_per_token) + spec.vocab_size * spec.hidden_size
+
+
+def test_dense_matmul_params_per_token(tiny):
+    model = load_model(tiny.dir("llama"), torch.device("cpu"), torch.float32)
+    spec = model.spec
+    assert mfu.matmul_params_per_token(model) == _hand_count(spec, 3 * spec.hidden_size * spec.intermediate_size)
+
+
+def test_moe_counts_only_the_routed_experts(tiny):
+    model = load_model(tiny.dir("olmoe"), torch.device("cpu"), torch.float32)  # every layer sparse
+    spec, moe = model.spec, model.spec.moe
+    router, experts = spec.hidden_size * moe.num_experts, moe.top_k * 3 * spec.hidden_size * moe.intermediate_size
+    assert mfu.matmul_params_per_token(model) == _hand_count(spec, router + experts)
+
+
+def test_decode_flops_add_attention_over_the_context(tiny):
+    model = load_model(tiny.dir("llama"), torch.device("cpu"), torch.float32)
+    spec = model.spec
+    per_context_token = 4 * spec.num_layers * spec.num_heads * spec.head_dim
+    assert (mfu.decode_model_flops(model, 3, 100) - mfu.decode_model_flops(model, 3, 0)
+            == 100 * per_context_token)
+
+
+def test_engine_reports_the_decode_phase(tiny):
+    engine = make_engine(tiny.dir("llama"), max_num_batched_tokens=64)
+    lengths, max_tokens = (5, 9), 6
+    engine.generate([Request(f"r{n}", prompt_token_ids=list(range(3, 3 + n)),
+                             params=SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for n in lengths])
+    stats = engine.stats
+    # One step prefills both prompts and samples each one's first token; every later step decodes both.
+    assert stats.decode_steps == max_tokens - 1
+    assert stats.decode_step_tokens == 2 * (max_tokens - 1)
+    # A decode step attends over everything before the new token, itself included.
+    assert stats.decode_step_context == sum(n + i for n in lengths for i in range(1, max_tokens))
+    assert 0 < stats.decode_step_seconds <= stats.forward_seconds * 10
+
+
+def test_same_work_check_names_the_system_that_did_different_work():
+    items = [WorkItem("a", [1], 2), WorkItem("b", [1], 3)]
+    ours = {"system": "ours", "batch_completion_s": 1.0, "load_s": 0, "output_tokens": 5,
+            "tokens": {"a": [4, 5], "b": [6, 7, 8]}}
+    peer = {"system": "peer", "batch_completion_s": 2.0, "load_s": 0, "output_tokens": 4,
+            "tokens": {"a": [4, 5], "b": [6, 9]}}
+    mismatches = report.compare([ours, peer], items)
+    assert len(mismatches) == 1 and mismatches[0].startswith("peer: 1 request")
+    assert peer["ours_faster_by"] == pytest.approx(2.0)
+    assert peer["requests_token_identical_to_ours"] == "1/2"
