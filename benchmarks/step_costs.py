@@ -61,7 +61,8 @@ def _kv_migration_seconds_per_token(engine: Engine, prompts: list[list[int]]) ->
     """Migrate a sequence of PREFILL_TOKENS computed tokens, KV included, through pickle, and
     write its KV back into a cache: the work a donor and a taker do beyond the pipe between them."""
     tokens = [t for p in prompts for t in p][:PREFILL_TOKENS]
-    engine.submit(Request("kv", prompt_token_ids=tokens, params=SamplingParams(max_tokens=4, ignore_eos=True)))
+    engine.submit(Request("kv", prompt_token_ids=tokens,
+                          params=SamplingParams(max_tokens=4, ignore_eos=True)))
     engine.step()
     engine.step()
     start = time.perf_counter()

@@ -244,7 +244,8 @@ def plot(out: dict, path: Path) -> None:
     fig, (times, idle) = plt.subplots(1, 2, figsize=(11, 4))
     for (mode, label), color in zip(MODES.items(), ("#dd8452", "#55a868", "#4c72b0")):
         times.plot(workers, [r[mode]["batch_completion_s"] for r in rows], "o-", color=color, label=label)
-        idle.plot(workers, [100 * r[mode]["tail_idle_fraction"] for r in rows], "o-", color=color, label=label)
+        idle.plot(workers, [100 * r[mode]["tail_idle_fraction"] for r in rows], "o-", color=color,
+                  label=label)
     for r in rows:
         times.annotate(f"x{r['shared']['speedup']:.2f}", (r["workers"], r["shared"]["batch_completion_s"]),
                        textcoords="offset points", xytext=(0, -14), ha="center", fontsize=8)
