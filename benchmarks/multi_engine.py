@@ -26,7 +26,7 @@ import torch
 
 from benchmarks import report, step_costs
 from benchmarks.workloads import WorkItem, w1
-from runtime import Engine, EnginePool, Request, SamplingParams
+from runtime import Engine, EnginePool, Request
 from runtime.default_model import default_model_dir
 from runtime.tokenizer import load_tokenizer
 
@@ -34,9 +34,7 @@ LOGPROBS = 2  # the top two: the margin between them at a diverging position
 
 
 def requests_of(items: list[WorkItem]) -> list[Request]:
-    return [Request(it.id, prompt_token_ids=it.prompt_ids,
-                    params=SamplingParams(max_tokens=it.max_tokens, ignore_eos=True, logprobs=LOGPROBS))
-            for it in items]
+    return [it.request(logprobs=LOGPROBS) for it in items]
 
 
 def _summary(system: str, load: float, elapsed: float, completions) -> dict:

@@ -41,14 +41,12 @@ class ExpertCallCounter:
 
 def engine(model_dir: Path, items: list[WorkItem], return_engine: bool = False, **engine_args):
     """Our engine on the items; with `return_engine`, (result, engine) for its statistics."""
-    from runtime import Engine, Request, SamplingParams
+    from runtime import Engine
 
     start = time.perf_counter()
     llm = Engine(model_dir, **engine_args)
     load = time.perf_counter() - start
-    requests = [Request(it.id, prompt_token_ids=it.prompt_ids,
-                        params=SamplingParams(max_tokens=it.max_tokens, ignore_eos=True))
-                for it in items]
+    requests = [it.request() for it in items]
     start = time.perf_counter()
     completions = llm.generate(requests)
     elapsed = time.perf_counter() - start

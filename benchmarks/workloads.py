@@ -14,6 +14,13 @@ class WorkItem:
     prompt_ids: list[int]
     max_tokens: int  # generated exactly (ignore_eos), so every system does identical work
 
+    def request(self, logprobs: int | None = None):
+        """This item as our engine's greedy request."""
+        from runtime import Request, SamplingParams
+
+        return Request(self.id, prompt_token_ids=self.prompt_ids,
+                       params=SamplingParams(max_tokens=self.max_tokens, ignore_eos=True, logprobs=logprobs))
+
 
 def bundled_prompts() -> list[str]:
     with open(PROMPTS_FILE, encoding="utf-8") as f:

@@ -233,7 +233,7 @@ class Engine:
             self.stats.forward_seconds += time.perf_counter() - now
             self.stats.expert_calls = sum(b.expert_calls for b in self._moe_blocks)
             self.stats.expert_tokens = sum(b.expert_tokens for b in self._moe_blocks)
-            context = sum(s.num_tokens for s in batch.decodes)
+            context = 0 if batch.prefills else sum(s.num_tokens for s in batch.decodes)
             self._postprocess(batch, logits, samplers)
             if not batch.prefills:  # the whole step, sampling included
                 self.stats.decode_steps += 1
@@ -354,11 +354,7 @@ class Engine:
                 completions.append(self._outbox.get(timeout=timeout))
             except queue.Empty:
                 pass
-        while True:
-            try:
-                completions.append(self._outbox.get_nowait())
-            except queue.Empty:
-                return completions
+        return completions + self.finished()
 
     def finished(self) -> list[Completion]:
         """Completions already finished, without running a step or waiting: for a caller that

@@ -215,7 +215,9 @@ def test_migrate_in_under_another_request_id(tiny):
     assert_idle_and_clean(target)
 
 
-def test_migrate_a_held_request_and_one_still_prefilling(tiny):
+def three_steps_in_with_r3_prefilling(tiny):
+    """A mistral engine three steps into PROMPTS at 32 tokens a step (r3 still prefilling), and
+    an empty target engine."""
     source = make_engine(tiny.dir("mistral"), max_num_batched_tokens=32)
     target = make_engine(tiny.dir("mistral"))
     for request in greedy_requests(PROMPTS):
@@ -223,6 +225,11 @@ def test_migrate_a_held_request_and_one_still_prefilling(tiny):
     for _ in range(3):
         assert source.step()
     [r3] = live_sequences(source, "r3")
+    return source, target, r3
+
+
+def test_migrate_a_held_request_and_one_still_prefilling(tiny):
+    source, target, r3 = three_steps_in_with_r3_prefilling(tiny)
     assert r3.status is Status.PREFILLING  # 70 tokens behind the others at 32 per step
     assert source.suspend("r0") == 1
     for request_id in ("r0", "r3"):
@@ -259,13 +266,7 @@ def test_migrate_with_kv_continues_without_recomputing(tiny, family):
 
 
 def test_migrate_with_kv_of_a_held_and_a_prefilling_request(tiny):
-    source = make_engine(tiny.dir("mistral"), max_num_batched_tokens=32)
-    target = make_engine(tiny.dir("mistral"))
-    for request in greedy_requests(PROMPTS):
-        source.submit(request)
-    for _ in range(3):
-        assert source.step()
-    [r3] = live_sequences(source, "r3")
+    source, target, r3 = three_steps_in_with_r3_prefilling(tiny)
     computed = r3.num_computed
     assert r3.status is Status.PREFILLING and 0 < computed < len(PROMPTS[3])
     assert source.suspend("r0") == 1
