@@ -23,6 +23,7 @@ from runtime.runner import ModelRunner
 from runtime.sampling import SampleRow, SamplingParams, sample
 from runtime.scheduler import Scheduler
 from runtime.sequence import Event, Sequence, Status, StopRule
+from runtime.step_lock import StepLock
 from runtime.tokenizer import load_tokenizer
 
 
@@ -119,7 +120,7 @@ class Engine:
                                   self._detokenize if self.tokenizer is not None else None)
         self.stats = EngineStats()
 
-        self._lock = threading.RLock()  # engine state: scheduler, sequences; held for a step
+        self._lock = StepLock()  # engine state: scheduler, sequences; held for a step
         self._ids_lock = threading.Lock()  # request ids in flight; never held for long
         self._inbox: queue.SimpleQueue[_RequestState | dict] = queue.SimpleQueue()
         self._outbox: queue.Queue[Completion] = queue.Queue()
@@ -217,7 +218,7 @@ class Engine:
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> bool:
         """Run one scheduling step. False when there was nothing to run."""
-        with self._lock:
+        with self._lock.step():
             self._drain_inbox()
             batch = self.scheduler.schedule()
             if not batch:
@@ -450,14 +451,14 @@ class Engine:
     def suspend(self, request_id: str) -> int:
         """Move the request's running sequences' KV to the host tier and hold them there
         until resume(). Returns how many were suspended."""
-        with self._lock:
+        with self._lock.held():
             running = [s for s in self._live_sequences(request_id) if s in self.scheduler.running]
             for seq in running:
                 self.scheduler.suspend(seq, hold=True)
             return len(running)
 
     def resume(self, request_id: str) -> int:
-        with self._lock:
+        with self._lock.held():
             held = [s for s in self._live_sequences(request_id) if s.seq_id in self.scheduler.held]
             for seq in held:
                 self.scheduler.resume(seq)
@@ -466,7 +467,7 @@ class Engine:
 
     def evict(self, request_id: str) -> int:
         """Drop the request's KV; its sequences recompute it when re-admitted."""
-        with self._lock:
+        with self._lock.held():
             evictable = [s for s in self._live_sequences(request_id)
                          if s.status in (Status.PREFILLING, Status.DECODING, Status.SUSPENDED)]
             for seq in evictable:
@@ -477,7 +478,7 @@ class Engine:
         """Take a request out of this engine: a picklable state that `migrate_in` on another
         engine (same model) continues exactly where it stopped. with_kv: sequences that have
         computed KV take it along (host tensors) and arrive suspended instead of recomputing."""
-        with self._lock:
+        with self._lock.held():
             live = self._live_sequences(request_id)
             with self._ids_lock:
                 state = self._requests.pop(request_id)
@@ -516,7 +517,7 @@ class Engine:
     def workload(self) -> list[RequestLoad]:
         """What each in-flight request still needs: where its sequences are and the tokens they
         are expected to generate (runtime/estimate.py; an unforked n > 1 request counts n)."""
-        with self._lock:
+        with self._lock.held():
             self._drain_inbox()
             sched = self.scheduler
             queues = {"waiting": sched.waiting, "running": sched.running,

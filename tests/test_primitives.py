@@ -2,6 +2,7 @@
 engine, fork (n > 1, copy-on-write) — leave every output exactly as an uninterrupted run."""
 
 import pickle
+import time
 
 import pytest
 
@@ -334,6 +335,36 @@ def test_migrate_keeps_each_samples_rng_stream(tiny, migrate_after_steps, with_k
     collect(source)
     assert_idle_and_clean(source)
     assert_idle_and_clean(target)
+
+
+@pytest.mark.parametrize("primitive", ["suspend", "migrate_out"])
+def test_a_primitive_from_another_thread_waits_at_most_a_step_of_the_running_loop(tiny, primitive):
+    """Steps that hold the GIL (a small model is mostly Python) must not starve a caller: a
+    plain lock is re-taken by the loop before the woken caller runs, step after step."""
+    engine = make_engine(tiny.dir("qwen2"), max_num_seqs=2)
+    run = engine.runner.run
+
+    def gil_holding_run(batch):
+        deadline = time.perf_counter() + 0.002
+        while time.perf_counter() < deadline:
+            pass
+        return run(batch)
+
+    engine.runner.run = gil_holding_run
+    requests = greedy_requests(random_prompts((12,) * 6, seed=5), max_tokens=150)
+    with engine:  # ~450 steps of work
+        for request in requests:
+            engine.submit(request)
+        while engine.stats.decode_tokens < 5:
+            time.sleep(0.002)
+        before = engine.stats.steps
+        getattr(engine, primitive)("r0")
+        assert engine.stats.steps - before <= 2
+        if primitive == "suspend":
+            engine.resume("r0")
+        else:
+            engine.submit(requests[0])  # the id is free again
+        assert sorted(collect(engine)) == sorted(r.id for r in requests)
 
 
 # ---- fork (n > 1) --------------------------------------------------------------------------
