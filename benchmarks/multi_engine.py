@@ -1,14 +1,17 @@
 """W4 (DESIGN.md §8): two engines x one thread on W1's skewed work — a static even split against
 reallocation (runtime/pool.py), with one engine on both threads as the token reference.
 
-    python -m benchmarks.multi_engine [--quick] [--split interleaved|contiguous]
+    python -m benchmarks.multi_engine [--quick] [--split interleaved|contiguous|grouped]
                                       [--requests N] [--scale F] [--reference-threads 2]
                                       [--skip-step-costs]
 
 Systems, each on the same W1 requests (greedy, ignore_eos, fp32; logprobs=2 so a diverging token
 can be checked for a near tie):
-- static split: request i on engine i % 2 (or contiguous halves), no reallocation — what Beam's
-  keyed partitioning gives;
+- static split: request i on engine i % 2, or contiguous halves, no reallocation — what Beam's
+  keyed partitioning or a file's bundles give. `grouped` orders the requests by task first (W1's
+  short, medium and long classes, as an input concatenated from three datasets is) and then
+  takes contiguous halves: the skew lands on one engine, as it does when records of one kind
+  are stored together;
 - static split + reallocation: the same start, idle engines take work from busy ones;
 - shared queue + reallocation: the pool's default (longest expected work first, late binding);
 - one engine, both threads: the reference outputs (and a time for comparison).
@@ -88,10 +91,15 @@ def exactness(result: dict, reference: dict, items: list[WorkItem]) -> dict:
     return {"identical": f"{len(items) - len(diverged)}/{len(items)}", "diverged": diverged}
 
 
+def grouped_by_task(items: list[WorkItem]) -> list[WorkItem]:
+    """W1's requests ordered by length class (16-64, 128-256, 512-1024 tokens), stable within one."""
+    return sorted(items, key=lambda it: 0 if it.max_tokens <= 64 else 1 if it.max_tokens <= 256 else 2)
+
+
 def static_engines(items: list[WorkItem], split: str) -> list[int]:
     if split == "interleaved":
         return [i % 2 for i in range(len(items))]
-    return [0 if i < len(items) // 2 else 1 for i in range(len(items))]
+    return [0 if i < len(items) // 2 else 1 for i in range(len(items))]  # contiguous, grouped
 
 
 def main(argv=None) -> dict:
@@ -99,7 +107,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="64 requests instead of 256")
     parser.add_argument("--requests", type=int, help="the first N W1 requests (smoke runs)")
     parser.add_argument("--scale", type=float, default=1.0, help="W1 lengths x F (smoke runs)")
-    parser.add_argument("--split", choices=("interleaved", "contiguous"), default="interleaved")
+    parser.add_argument("--split", choices=("interleaved", "contiguous", "grouped"),
+                        default="interleaved")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--reference-threads", type=int, default=2,
@@ -110,8 +119,10 @@ def main(argv=None) -> dict:
     model_dir = default_model_dir()
     items = w1(load_tokenizer(model_dir), 64 if args.quick else 256)[:args.requests]
     items = [WorkItem(it.id, it.prompt_ids, max(1, round(it.max_tokens * args.scale))) for it in items]
-    workload = "W4" + ("-quick" if args.quick else "") + \
-        (f"-smoke-{len(items)}x{args.scale:g}" if args.requests or args.scale != 1.0 else "")
+    if args.split == "grouped":
+        items = grouped_by_task(items)
+    workload = "W4" + ("-quick" if args.quick else "") + ("-grouped" if args.split == "grouped" else "") \
+        + (f"-smoke-{len(items)}x{args.scale:g}" if args.requests or args.scale != 1.0 else "")
     total = sum(it.max_tokens for it in items)
     print(f"{workload}: {len(items)} requests, {total} output tokens, longest "
           f"{max(it.max_tokens for it in items)}; static split {args.split}", flush=True)
