@@ -257,10 +257,16 @@ class EngineClient:
             self._pull(0.5)
 
     def take(self, request_ids: Iterable[str], timeout: float = 0.0) -> dict[str, Completion]:
-        """Completions of these ids that are done, waiting up to `timeout` for the first."""
+        """Completions of these ids that are done, waiting up to `timeout` for the first.
+
+        Asks the engine before looking: a completion pulled earlier may since have been taken
+        over by another process (Beam handles a key in one place at a time, so once this pull
+        has not reported it taken, no other process takes it before we do)."""
         wanted = set(request_ids)
         deadline = time.monotonic() + timeout
+        wait = 0.0
         while True:
+            self._pull(wait)
             with self._lock:
                 found = {rid: self._done.pop(rid) for rid in wanted & self._done.keys()}
                 for rid in found:
@@ -269,7 +275,7 @@ class EngineClient:
             remaining = deadline - time.monotonic()
             if found or remaining <= 0 or not wanted:
                 return found
-            self._pull(min(remaining, 0.5))
+            wait = min(remaining, 0.5)
 
     def wait_all(self, request_ids: Iterable[str]) -> dict[str, Completion]:
         """Block until every id is done."""

@@ -399,10 +399,29 @@ def test_a_request_resubmitted_by_another_process_runs_once(model_dir, bare_engi
     done = second.wait_all(ids[1:])
     assert sorted(done) == sorted(ids[1:])
     assert second.info()["finished"] - before == len(requests)  # each generated exactly once
-    first.take(ids, timeout=0.5)  # learns that the others were taken over
+    assert first.take(ids, timeout=0.5) == {}  # and learns that the others were taken over
     assert not any(first.knows(rid) for rid in ids)
     expected = {c.id: c.token_ids for c in bare_engine.generate(engine_requests(prompts, "takeover-"))}
     assert {rid: c.token_ids for rid, c in done.items()} == {rid: expected[rid] for rid in ids[1:]}
+
+
+def test_a_completion_pulled_but_not_taken_goes_to_the_process_that_took_it_over(model_dir,
+                                                                                 bare_engine):
+    """A process may already hold a completion it has not emitted when another process takes
+    the request over: only the new owner may emit it, or the record would be output twice."""
+    config = EngineConfig.of(str(model_dir), **ENGINE_ARGS)
+    first, second = EngineClient(config), EngineClient(config)
+    [request] = engine_requests(bundled_prompts(bare_engine.tokenizer, 1, CONTEXT - 40 - 1),
+                                "pulled-")
+    first.submit([request])
+    deadline = time.monotonic() + 60
+    while request.id not in first.done_ids():  # pulled into `first`, not taken
+        assert time.monotonic() < deadline
+    second.submit([request])
+
+    assert list(second.wait_all([request.id])) == [request.id]
+    assert first.take([request.id], timeout=0.5) == {}
+    assert not first.knows(request.id)
 
 
 class Bag:
