@@ -1,9 +1,15 @@
 """The C++ paged decode attention (kernels/cpu_attention.py) against the torch op it replaces on
-CPU tensors."""
+CPU tensors, its dispatch (BATCHGEN_CPU_ATTENTION), its build error, and the engine's greedy
+tokens with it against the torch path and transformers."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils import cpp_extension
 
+import kernels
+from helpers import greedy_requests, make_engine, random_prompts
 from kernels import attention, cpu_attention
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-12, rtol=1e-12),
@@ -126,3 +132,57 @@ def test_bad_inputs_raise(change, message):
     with pytest.raises(RuntimeError, match=message):
         cpu_attention.paged_decode_attention(case["q"], case["k"], case["v"], case["tables"],
                                              case["lens"], 0.3)
+
+
+# ---- dispatch and build ----------------------------------------------------------------------
+
+def test_cpu_tensors_take_the_cpp_kernel_unless_told_otherwise(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "build",
+                        lambda: SimpleNamespace(paged_decode_attention=lambda *args: "cpp"))
+    case = paged_case([5, 20], 4, 2, 8, 16)
+    monkeypatch.delenv("BATCHGEN_CPU_ATTENTION", raising=False)
+    assert kernels.paged_decode_attention(*case, 0.3) == "cpp"
+    monkeypatch.setenv("BATCHGEN_CPU_ATTENTION", "cpp")
+    assert kernels.paged_decode_attention(*case, 0.3) == "cpp"
+    monkeypatch.setenv("BATCHGEN_CPU_ATTENTION", "torch")
+    torch.testing.assert_close(kernels.paged_decode_attention(*case, 0.3),
+                               attention.paged_decode_attention(*case, 0.3))
+    monkeypatch.setenv("BATCHGEN_CPU_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="expected 'cpp' or 'torch'"):
+        kernels.paged_decode_attention(*case, 0.3)
+
+
+def test_a_failed_build_raises_and_names_the_opt_out(monkeypatch):
+    def broken_load(**kwargs):
+        raise RuntimeError("g++: command not found")
+
+    monkeypatch.setattr(cpu_attention, "_module", None)
+    monkeypatch.setattr(cpp_extension, "load", broken_load)
+    monkeypatch.delenv("BATCHGEN_CPU_ATTENTION", raising=False)
+    with pytest.raises(kernels.KernelBuildError, match="g\\+\\+: command not found") as error:
+        kernels.prepare("cpu")
+    assert "BATCHGEN_CPU_ATTENTION=torch" in str(error.value)
+    with pytest.raises(kernels.KernelBuildError):
+        kernels.paged_decode_attention(*paged_case([5], 4, 2, 8, 16), 0.3)
+    # Opted out, or not on a CPU: nothing is built.
+    monkeypatch.setenv("BATCHGEN_CPU_ATTENTION", "torch")
+    kernels.prepare("cpu")
+    monkeypatch.delenv("BATCHGEN_CPU_ATTENTION")
+    kernels.prepare("meta")
+
+
+# ---- the engine --------------------------------------------------------------------------------
+
+PROMPTS = random_prompts((1, 5, 16, 17, 33, 64), seed=4)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "smollm"])  # GQA 2, sliding window, MQA
+def test_engine_greedy_is_token_exact_with_the_torch_path(tiny, family, monkeypatch):
+    completions = {}
+    for choice in ("torch", "cpp"):
+        monkeypatch.setenv("BATCHGEN_CPU_ATTENTION", choice)
+        completions[choice] = make_engine(tiny.dir(family)).generate(greedy_requests(PROMPTS, 20))
+    for prompt, ours, theirs in zip(PROMPTS, completions["cpp"], completions["torch"]):
+        assert ours.token_ids == theirs.token_ids
+        assert ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-5)
+        assert ours.token_ids == tiny.greedy(family, prompt, 20)[0]
