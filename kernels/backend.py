@@ -44,6 +44,13 @@ def uses_cpp(device: torch.device) -> bool:
     return device.type == "cpu" and backend_for(device) == "torch" and cpu_attention() == "cpp"
 
 
+def decode_attention_pads(device: torch.device) -> bool:
+    """Whether paged_decode_attention on `device` is the torch op, which gathers every row's KV
+    padded to the longest context: callers then batch rows of similar length together. The C++
+    and Triton kernels read each row's own context only."""
+    return backend_for(device) == "torch" and not uses_cpp(device)
+
+
 def prepare(device: str | torch.device) -> None:
     """Build (or load from the cache) the C++ kernel where `device` will run it, so no step pays
     for the build. Raises cpu_attention.KernelBuildError where the build fails."""

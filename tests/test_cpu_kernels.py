@@ -176,12 +176,35 @@ def test_a_failed_build_raises_and_names_the_opt_out(monkeypatch):
 PROMPTS = random_prompts((1, 5, 16, 17, 33, 64), seed=4)
 
 
+class DecodeGroupSpy:
+    """Stands in for an engine's model in its runner: records the rows of each decode group of
+    every forward pass."""
+
+    def __init__(self, engine):
+        self.model, self.steps = engine.runner.model, []
+        engine.runner.model = self
+
+    def __call__(self, input_ids, positions, attention, kv_layers):
+        self.steps.append([len(group.context_lens) for group in attention.decodes])
+        return self.model(input_ids, positions, attention, kv_layers)
+
+    def compute_logits(self, hidden):
+        return self.model.compute_logits(hidden)
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "smollm"])  # GQA 2, sliding window, MQA
 def test_engine_greedy_is_token_exact_with_the_torch_path(tiny, family, monkeypatch):
-    completions = {}
+    """The torch path batches decode rows of similar length (it pads to the longest); the C++
+    kernel takes them all in one ragged call."""
+    completions, groups = {}, {}
     for choice in ("torch", "cpp"):
         monkeypatch.setenv("BATCHGEN_CPU_ATTENTION", choice)
-        completions[choice] = make_engine(tiny.dir(family)).generate(greedy_requests(PROMPTS, 20))
+        engine = make_engine(tiny.dir(family))
+        groups[choice] = DecodeGroupSpy(engine).steps
+        completions[choice] = engine.generate(greedy_requests(PROMPTS, 20))
+    assert max(len(step) for step in groups["torch"]) > 1
+    assert all(len(step) <= 1 for step in groups["cpp"])
+    assert max(sum(step) for step in groups["cpp"]) == len(PROMPTS)
     for prompt, ours, theirs in zip(PROMPTS, completions["cpp"], completions["torch"]):
         assert ours.token_ids == theirs.token_ids
         assert ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-5)
