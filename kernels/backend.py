@@ -1,6 +1,6 @@
-"""Which implementation runs an op: the Triton kernels (kernels/triton/) for CUDA tensors; for CPU
-tensors the C++ paged decode attention (kernels/cpu_attention.py) unless BATCHGEN_CPU_ATTENTION=torch,
-and torch for everything else.
+"""Which implementation runs an op: the Triton kernels (kernels/triton/) for CUDA tensors; for
+CPU tensors the C++ paged decode attention (kernels/cpu_attention.py) unless
+BATCHGEN_CPU_ATTENTION=torch; torch for everything else.
 
 The choice follows the tensor's device, never whether `triton` imports: triton is installed on
 many CPU boxes (torch's CUDA wheels pull it in), and launching a kernel there fails with
