@@ -12,10 +12,12 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["batchgen_beam*", "runtime*", "kernels*", "pipelines*", "benchmarks*"]),
-    package_data={"batchgen_beam": ["data/*.jsonl"]},
+    # kernels/csrc: the C++ CPU attention, JIT-built from source at first use.
+    package_data={"batchgen_beam": ["data/*.jsonl"], "kernels": ["csrc/*.cpp"]},
     install_requires=[
         # Never leave torch unpinned: an open range pulls a multi-GB CUDA build on CPU boxes.
         "torch>=2.9,<2.14",  # 2.9: torch._grouped_mm on CPU (MoE experts)
+        "ninja>=1.11,<1.14",  # torch's JIT build of the C++ CPU attention (kernels/cpu_attention.py)
         "transformers>=5.20,<5.25",
         "safetensors>=0.6,<0.9",
         "tokenizers>=0.22,<0.24",

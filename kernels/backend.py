@@ -1,5 +1,6 @@
-"""Which implementation runs an op: the Triton kernels (kernels/triton/) for CUDA tensors, torch
-for every other device.
+"""Which implementation runs an op: the Triton kernels (kernels/triton/) for CUDA tensors; for
+CPU tensors the C++ paged decode attention (kernels/cpu_attention.py) unless
+BATCHGEN_CPU_ATTENTION=torch; torch for everything else.
 
 The choice follows the tensor's device, never whether `triton` imports: triton is installed on
 many CPU boxes (torch's CUDA wheels pull it in), and launching a kernel there fails with
@@ -13,15 +14,48 @@ every op of `kernels` to Triton whatever the device.
 
 import contextlib
 import functools
+import os
 
 import torch
 
+from kernels import cpu_attention as cpp
+
 _forced = False
+CPU_ATTENTION_VAR = "BATCHGEN_CPU_ATTENTION"
 
 
 def backend_for(device: torch.device) -> str:
     """'triton' for CUDA devices (and everywhere inside `forced_triton()`), else 'torch'."""
     return "triton" if _forced or device.type == "cuda" else "torch"
+
+
+def cpu_attention() -> str:
+    """BATCHGEN_CPU_ATTENTION: 'cpp' (the default, the C++ kernel) or 'torch'; read at every call,
+    so a process can switch."""
+    choice = os.environ.get(CPU_ATTENTION_VAR, "cpp")
+    if choice not in ("cpp", "torch"):
+        raise ValueError(f"{CPU_ATTENTION_VAR}={choice!r}: expected 'cpp' or 'torch'")
+    return choice
+
+
+def uses_cpp(device: torch.device) -> bool:
+    """Whether ops with a C++ kernel run it on this device: CPU tensors, outside
+    `forced_triton()`, unless BATCHGEN_CPU_ATTENTION=torch."""
+    return device.type == "cpu" and backend_for(device) == "torch" and cpu_attention() == "cpp"
+
+
+def decode_attention_pads(device: torch.device) -> bool:
+    """Whether paged_decode_attention on `device` is the torch op, which gathers every row's KV
+    padded to the longest context: callers then batch rows of similar length together. The C++
+    and Triton kernels read each row's own context only."""
+    return backend_for(device) == "torch" and not uses_cpp(device)
+
+
+def prepare(device: str | torch.device) -> None:
+    """Build (or load from the cache) the C++ kernel where `device` will run it, so no step pays
+    for the build. Raises cpu_attention.KernelBuildError where the build fails."""
+    if uses_cpp(torch.device(device)):
+        cpp.build()
 
 
 @contextlib.contextmanager
@@ -49,12 +83,15 @@ def triton_ops():
     return kernels.triton
 
 
-def dispatch(torch_op):
+def dispatch(torch_op, cpp_op=None):
     """The public op: torch_op, or the Triton kernel of the same name, by the first argument's
-    device."""
+    device; cpp_op (a C++ kernel) instead of torch_op for CPU tensors, as cpu_attention() says."""
     @functools.wraps(torch_op)
     def op(*args, **kwargs):
-        if backend_for(args[0].device) == "triton":
+        device = args[0].device
+        if backend_for(device) == "triton":
             return getattr(triton_ops(), torch_op.__name__)(*args, **kwargs)
+        if cpp_op is not None and uses_cpp(device):
+            return cpp_op(*args, **kwargs)
         return torch_op(*args, **kwargs)
     return op

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+import kernels
 from runtime.default_model import default_model_dir
 from runtime.estimate import exact_length
 from runtime.kv_cache import BlockManager, HostKVPool, KVCache, block_hash
@@ -97,6 +98,7 @@ class Engine:
             torch.set_num_threads(num_threads)
         self.model_dir = Path(model) if model is not None else default_model_dir()
         self.device = torch.device(device)
+        kernels.prepare(self.device)  # the C++ kernel's build (once per machine) outside any step
         self.model = load_model(self.model_dir, self.device, dtype)
         self.spec = self.model.spec
         self._moe_blocks = moe_blocks(self.model)

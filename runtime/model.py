@@ -26,7 +26,8 @@ class PrefillChunk:
 
 @dataclass
 class DecodeGroup:
-    """Consecutive decode rows of similar context length, attended to as one padded batch."""
+    """Consecutive decode rows attended to in one call: all of them, or where the attention pads
+    to the longest context, rows of similar length (runtime/runner.py)."""
     token_start: int
     block_tables: torch.Tensor  # [rows, max_blocks of the group]
     context_lens: torch.Tensor  # [rows]

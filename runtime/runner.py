@@ -3,13 +3,15 @@ that sample (decodes, and prefill chunks that finish their sequence's pending to
 
 import torch
 
+from kernels.backend import decode_attention_pads
 from runtime.kv_cache import KVCache
 from runtime.model import AttentionBatch, CausalLM, DecodeGroup, PrefillChunk
 from runtime.scheduler import ScheduledBatch
 from runtime.sequence import Sequence
 
-# Decode attention pads each group to its longest context; start a new group rather than
-# waste more than this fraction of a group's gathered KV on padding.
+# The torch decode attention pads each group to its longest context; start a new group rather
+# than waste more than this fraction of a group's gathered KV on padding. The C++ and Triton
+# kernels take all decode rows as one ragged group.
 MAX_DECODE_PADDING = 0.25
 
 
@@ -46,8 +48,13 @@ class ModelRunner:
         input_ids = [s.token_ids[-1] for s in decodes]
         positions = [s.num_tokens - 1 for s in decodes]
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(decodes, positions)]
+        lengths = [len(s.block_table) for s in decodes]
+        if decode_attention_pads(self.device):
+            sizes = group_by_length(lengths)
+        else:
+            sizes = [len(decodes)] if decodes else []
         groups, start = [], 0
-        for size in group_by_length([len(s.block_table) for s in decodes]):
+        for size in sizes:
             members = decodes[start:start + size]
             width = len(members[0].block_table)
             groups.append(DecodeGroup(

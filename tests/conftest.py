@@ -13,12 +13,18 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
+import kernels
+
 pytest_plugins = ["gcs_emulator"]  # the `gcs_emulator` fixture (tests/gcs_emulator.py)
 
 from tiny_models import ALL_FAMILIES, hf_greedy, hf_model, make_tiny_chat_model, make_tiny_model
 
 # The machine is shared: one thread keeps each test process to one core.
 torch.set_num_threads(1)
+
+
+def pytest_sessionstart(session):
+    kernels.prepare("cpu")  # the C++ kernel's first build (~25 s) here, not inside a timed test
 
 
 def pytest_collection_modifyitems(config, items):
