@@ -30,8 +30,10 @@ def _decode_step_seconds(engine: Engine, prompts: list[list[int]], batch: int) -
                 for i in range(batch)]
     for request in requests:
         engine.submit(request)
+    engine.step()  # submitted requests reach the scheduler only when a step drains the inbox
     while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
         engine.step()
+    assert len(engine.scheduler.running) == batch, "not every request is resident"
     engine.step()  # warm-up at this batch size
     times = []
     for _ in range(DECODE_STEPS):
