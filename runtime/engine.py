@@ -16,7 +16,7 @@ import torch
 from runtime.default_model import default_model_dir
 from runtime.estimate import exact_length
 from runtime.kv_cache import BlockManager, HostKVPool, KVCache, block_hash
-from runtime.loader import load_model
+from runtime.loader import build_model, load_model
 from runtime.moe import moe_blocks
 from runtime.request import Completion, CompletionWaiter, Request, SampleOutput, Timings
 from runtime.runner import ModelRunner
@@ -123,8 +123,11 @@ class Engine:
             max_num_seqs = batch["max_num_seqs"]
         if max_num_batched_tokens is None:
             max_num_batched_tokens = batch["max_num_batched_tokens"]
-        self.model = load_model(self.model_dir, self.device, dtype, stream_layers=streaming)
-        self.weights = WeightStreamer(self.model, self.model_dir, weight_budget_bytes) if streaming else None
+        if streaming:
+            self.model = build_model(self.model_dir, self.device, dtype, stream_layers=True)
+            self.weights = WeightStreamer(self.model, self.model_dir, weight_budget_bytes)
+        else:
+            self.model, self.weights = load_model(self.model_dir, self.device, dtype), None
         self.spec = self.model.spec
         self._moe_blocks = moe_blocks(self.model)
         self.tokenizer = load_tokenizer(self.model_dir)

@@ -64,32 +64,36 @@ def hf_sources(our_name: str) -> list[str]:
     return [name]
 
 
-def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32, stream_layers: bool = False) -> CausalLM:
-    """stream_layers: load only the parts outside the decoder layers (embeddings, final norm, LM
-    head); the layers' parameters stay on the meta device for runtime/weight_stream.py to bind."""
-    model_dir = Path(model_dir)
+def build_model(model_dir: str | Path, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32, stream_layers: bool = False) -> CausalLM:
+    """The model's structure with RoPE tables set and parameters allocated, not yet read.
+    stream_layers: the decoder layers' parameters stay on the meta device, for
+    runtime/weight_stream.py to bind to its slots."""
     config = load_hf_config(model_dir)
     spec = model_spec(config)
     cos, sin = rope_cos_sin(config, spec.head_dim, spec.max_position_embeddings)
     with torch.device("meta"):
-        model = CausalLM(spec, cos, sin)
+        model = CausalLM(spec, cos, sin).to(dtype)
     for name, child in model.named_children():
         if not (stream_layers and name == "layers"):
             child.to_empty(device=device)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()
 
+
+def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
+               dtype: torch.dtype = torch.float32) -> CausalLM:
+    model_dir = Path(model_dir)
+    model = build_model(model_dir, device, dtype)
     checkpoint = _Checkpoint(model_dir)
     with torch.no_grad():
         for name, param in model.named_parameters():  # tied weights are listed once
-            if param.is_meta:  # a streamed layer's
-                continue
             if ".experts." in name:  # MoE: [experts, ...], however the checkpoint stores them
                 [hf_name] = hf_sources(name)
-                param.copy_(read_experts(checkpoint, hf_name, spec.moe.num_experts))
+                param.copy_(read_experts(checkpoint, hf_name, model.spec.moe.num_experts))
                 continue
             tensors = [checkpoint.get(src) for src in hf_sources(name)]
             param.copy_(torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0])
-    return model.to(dtype).eval()
+    return model.to(dtype)  # the RoPE tables too

@@ -124,6 +124,7 @@ class WeightStreamer:
         self.expert_bytes = 3 * spec.moe.intermediate_size * spec.hidden_size * self._element if blocks else 0
         self.ring_experts = self._ring_size(budget_bytes, spec.moe.num_experts if blocks else 0)
 
+        self._read_resident(model)
         self._slots = [torch.empty(self.slot_bytes, dtype=torch.uint8) for _ in range(2)]
         self._slot_views = [memoryview(s.numpy()) for s in self._slots]
         self._bound = [[self._params_in(slot, plan) for slot in range(2)] for plan in self._plans]
@@ -150,6 +151,16 @@ class WeightStreamer:
             plan.append(_Binding(model.layers[i].get_submodule(module_name), attr, param, offset, extents))
             offset = _aligned(offset + _nbytes(param))
         return plan
+
+    def _read_resident(self, model: CausalLM) -> None:
+        """The parameters outside the layers, read once like the slots (no mapped pages left)."""
+        for name, param in model.named_parameters():  # tied weights are listed once
+            if not param.is_meta:
+                view, offset = memoryview(param.detach().view(-1).view(torch.uint8).numpy()), 0
+                for extent in (self._index.extent(src) for src in hf_sources(name)):
+                    self._read(extent, view[offset:offset + extent.nbytes])
+                    offset += extent.nbytes
+        self.bytes_read = 0  # counts what streaming reads, from here on
 
     def _ring_size(self, budget: int, num_experts: int) -> int:
         """Experts per ring half: as many as the budget leaves room for, up to all of them."""
