@@ -133,7 +133,9 @@ class WeightStreamer:
 
         self._pool = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix=READER_THREAD)
         self._pending: tuple[int, int, list[Future]] | None = None  # (layer, slot, reads) in flight
-        weakref.finalize(self, self._pool.shutdown)
+        # Queued reads hold this streamer, so it dies with none pending, possibly on a reader
+        # thread, which cannot join itself: no waiting.
+        weakref.finalize(self, self._pool.shutdown, wait=False)
         self._read_resident(model)
         self._slots = [torch.empty(self.slot_bytes, dtype=torch.uint8) for _ in range(2)]
         self._slot_views = [memoryview(s.numpy()) for s in self._slots]
