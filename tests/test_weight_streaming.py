@@ -2,18 +2,23 @@
 that holds every weight, dense and MoE, also with the smallest budget that fits (an expert ring
 of one expert per half, so routed experts stream in many chunks) and under KV preemption to the
 host tier; bytes read counted exactly (each layer once per step; MoE: only the routed experts);
-budgets too small and CUDA refused clearly; reads run on the background reader thread, the next
+checkpoints with experts stored fused stream alike; budgets too small, CUDA, a dtype other
+than the checkpoint's and a truncated checkpoint refused clearly; reads run on the background reader thread, the next
 layer's read issued before the current layer computes."""
 
 import math
+import shutil
 import threading
 
 import pytest
+import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from helpers import CallCounter, assert_idle_and_clean, greedy_requests, make_engine, random_prompts
 from runtime import Engine
 from runtime.weight_stream import READER_THREAD
+from tiny_models import hf_model
 
 MAX_TOKENS = 16
 PROMPTS = random_prompts((1, 5, 17, 33, 64), seed=3)
@@ -128,3 +133,33 @@ def test_reads_run_on_the_reader_thread_one_layer_ahead(tiny, monkeypatch):
     assert readers and all(name.startswith(READER_THREAD) for name in readers)
     layers = engine.spec.num_layers
     assert ahead and all(following == (i + 1) % layers for i, following in ahead)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_experts_stored_fused_stream_alike(tiny, family, tmp_path):
+    """save_pretrained stores one tensor per expert; a checkpoint of transformers 5's in-memory
+    tensors stores them fused ([E, 2I, H]): each expert is then a slice of one stored tensor."""
+    per_expert = tiny.dir(family)
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    shutil.copy(per_expert / "config.json", fused / "config.json")
+    state = hf_model(per_expert).state_dict()
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    save_file({name: t.contiguous() for name, t in state.items()}, str(fused / "model.safetensors"))
+    expected = make_engine(per_expert).generate(greedy_requests(PROMPTS, MAX_TOKENS))
+    engine = make_engine(fused, weight_budget_bytes=smallest_budget(fused))
+    assert_same_tokens(expected, engine.generate(greedy_requests(PROMPTS, MAX_TOKENS)))
+
+
+def test_a_dtype_other_than_the_checkpoints_is_not_implemented(tiny):
+    with pytest.raises(NotImplementedError, match="convert the checkpoint"):
+        make_engine(tiny.dir("llama"), dtype=torch.bfloat16, weight_budget_bytes=PLENTY)
+
+
+def test_a_truncated_checkpoint_fails_loudly(tiny, tmp_path):
+    directory = tmp_path / "truncated"
+    shutil.copytree(tiny.dir("llama"), directory)
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])  # the last tensor's bytes cut short
+    with pytest.raises(EOFError):
+        make_engine(directory, weight_budget_bytes=PLENTY).generate(greedy_requests(PROMPTS[:1], 2))
