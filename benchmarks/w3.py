@@ -1,6 +1,6 @@
 """W3 memory-constrained (DESIGN.md §8): models larger than the weight budget, weights on disk.
 
-    python -m benchmarks.w3 [--quick | --smoke] [--models dense moe]
+    python -m benchmarks.w3 [--quick | --smoke] [--models dense moe] [--systems ours peer resident]
 
 Two random-initialised fp32 models of over 4 GB (a Llama-style dense one and a Qwen3-MoE with 64
 experts, top-8), built once and cached under ~/.cache/batchgen-beam/w3 (--smoke: two tiny ones).
@@ -10,6 +10,7 @@ with accelerate disk offload (device_map="auto", max_memory = the budget, offloa
 greedy `generate` in batches. Same prompts (bundled prompts, chat template), same output lengths
 (ignore_eos), greedy, fp32, two threads. Reports throughput, peak RSS against budget + KV +
 baseline, weight bytes read per generated token, and token agreement; writes results/W3*.json.
+`--systems ours resident` checks streaming against our engine with every weight in memory.
 """
 
 import argparse
@@ -29,6 +30,7 @@ from runtime.default_model import default_model_dir
 CACHE = Path.home() / ".cache" / "batchgen-beam" / "w3"
 BUDGET_FRACTION = 0.25
 PEER_BATCH = 8
+SYSTEMS = ["ours", "peer", "resident"]  # benchmarks/w3_run.py: streaming, accelerate offload, all in memory
 # Vocabulary of the default model, whose tokenizer makes the prompts; embeddings tied.
 _BASE = dict(vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048,
              bos_token_id=1, eos_token_id=2, pad_token_id=2, rms_norm_eps=1e-5)
@@ -114,7 +116,7 @@ def run_child(system: str, work: dict) -> dict:
         return json.loads(result_file.read_text())
 
 
-def run_model(name: str, items: list[WorkItem], threads: int, fraction: float) -> dict:
+def run_model(name: str, items: list[WorkItem], threads: int, fraction: float, systems: list[str]) -> dict:
     model_dir = build_model(name)
     weights = weight_bytes(model_dir)
     work = {"model": str(model_dir), "items": [vars(it) for it in items], "threads": threads,
@@ -123,7 +125,7 @@ def run_model(name: str, items: list[WorkItem], threads: int, fraction: float) -
     print(f"{name}: {weights / 1e9:.2f} GB of weights, budget {work['budget'] / 1e9:.2f} GB, "
           f"KV {work['kv_bytes'] / 1e9:.2f} GB", flush=True)
     results = []
-    for system in ("ours", "peer"):
+    for system in ["ours"] + [s for s in systems if s != "ours"]:  # ours first: the reference
         results.append(run_child(system, work))
         r = results[-1]
         print(f"  {r['system']:<48} {r['batch_completion_s']:7.1f} s  peak RSS {r['peak_rss'] / 1e9:.2f} GB  "
@@ -143,17 +145,19 @@ def main(argv=None) -> dict:
     size.add_argument("--quick", action="store_true", help=f"{SIZES['quick'][0]} requests x {SIZES['quick'][1]} tokens")
     size.add_argument("--smoke", action="store_true", help="tiny models, a few tokens: checks the harness")
     parser.add_argument("--models", nargs="+", choices=["dense", "moe"], default=["dense", "moe"])
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["ours", "peer"])
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
 
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     num_requests, max_tokens = SIZES[mode]
     items = work_items(num_requests, max_tokens)
-    workload = "W3" if mode == "full" else f"W3-{mode}"
+    workload = ("W3" if mode == "full" else f"W3-{mode}") + (
+        "" if args.systems == ["ours", "peer"] else "-" + "-".join(args.systems))
     fraction = SMOKE_BUDGET_FRACTION if args.smoke else BUDGET_FRACTION
     print(f"{workload}: {num_requests} requests x {max_tokens} tokens, weight budget "
           f"{fraction:.0%} of the weights", flush=True)
-    runs = [run_model(name + ("-smoke" if args.smoke else ""), items, args.threads, fraction)
+    runs = [run_model(name + ("-smoke" if args.smoke else ""), items, args.threads, fraction, args.systems)
             for name in args.models]
     summary = {"workload": workload, "requests": num_requests, "output_tokens": num_requests * max_tokens,
                "budget_fraction": fraction, "machine": report.machine(args.threads), "models": runs}

@@ -1,6 +1,6 @@
 """One W3 system on one model, alone in this process, so its peak memory is its own:
 
-    python -m benchmarks.w3_run {ours,peer} WORK_JSON RESULT_JSON
+    python -m benchmarks.w3_run {ours,resident,peer} WORK_JSON RESULT_JSON
 
 WORK_JSON: model dir, items, weight budget, KV bytes, threads, peer batch size, offload folder.
 Peak RSS is the kernel's high-water mark for the process (getrusage ru_maxrss: anonymous and
@@ -44,6 +44,25 @@ def ours(work: dict, items: list[WorkItem]) -> dict:
                             "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
                             "ring_experts_per_half": engine.weights.ring_experts},
             "bytes_read_counted_by": "engine counter: bytes read from the safetensors files (os.preadv)"}
+
+
+def resident(work: dict, items: list[WorkItem]) -> dict:
+    """Our engine with every weight in memory, same batch limits as streaming: the reference for
+    token-exactness and for what streaming costs."""
+    from runtime import Engine
+    from runtime.engine import STREAMING_BATCH
+
+    start = time.perf_counter()
+    engine = Engine(work["model"], kv_cache_bytes=work["kv_bytes"], num_threads=work["threads"],
+                    **STREAMING_BATCH)
+    load = time.perf_counter() - start
+    start = time.perf_counter()
+    completions = engine.generate([it.request() for it in items])
+    elapsed = time.perf_counter() - start
+    return {"system": "batchgen engine (all weights resident)", "load_s": load, "batch_completion_s": elapsed,
+            "tokens": {c.id: c.token_ids for c in completions}, "steps": engine.stats.steps,
+            "generated_tokens": engine.stats.generated_tokens, "weight_bytes_read": 0,
+            "weight_bytes_per_token": 0.0, "kv_cache_bytes": work["kv_bytes"]}
 
 
 class _OffloadCounter:
@@ -93,7 +112,7 @@ def main() -> None:
     import runtime  # noqa: F401  both systems' libraries, so the baseline counts them for both
     import transformers  # noqa: F401
     baseline = psutil.Process().memory_info().rss
-    result = {"ours": ours, "peer": peer}[system](work, items)
+    result = {"ours": ours, "resident": resident, "peer": peer}[system](work, items)
     result.update(output_tokens=sum(len(t) for t in result["tokens"].values()),
                   baseline_rss=baseline, peak_rss=_peak_rss())
     Path(result_file).write_text(json.dumps(result))
