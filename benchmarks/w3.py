@@ -153,7 +153,8 @@ def main(argv=None) -> dict:
     num_requests, max_tokens = SIZES[mode]
     items = work_items(num_requests, max_tokens)
     workload = ("W3" if mode == "full" else f"W3-{mode}") + (
-        "" if args.systems == ["ours", "peer"] else "-" + "-".join(args.systems))
+        "" if args.systems == ["ours", "peer"] else "-" + "-".join(args.systems)) + (
+        "" if args.threads == 2 else f"-{args.threads}thread")
     fraction = SMOKE_BUDGET_FRACTION if args.smoke else BUDGET_FRACTION
     print(f"{workload}: {num_requests} requests x {max_tokens} tokens, weight budget "
           f"{fraction:.0%} of the weights", flush=True)
