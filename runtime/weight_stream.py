@@ -2,9 +2,9 @@
 in the safetensors files and stream, layer by layer, into two preallocated layer slots: while
 layer i computes, background reader threads read layer i+1 into the other slot. An MoE layer's
 slot holds attention, router and any dense or shared expert; its routed experts stream apart,
-only those the step's routing selected, in chunks through a double-buffered expert ring (the next
-chunk reads while the current one computes). Embeddings, final norm, LM head and RoPE tables stay
-resident and count against the budget.
+only those the step's routing selected (so only after the router ran), through a double-buffered
+expert ring: when they fill more than one ring half, the next chunk reads while one computes.
+Embeddings, final norm, LM head and RoPE tables stay resident and count against the budget.
 
 Reads go through os.preadv straight into the slot buffers, not through a memory map: a mapped
 file's touched pages count as this process's resident memory, which would blur the budget. The
