@@ -79,6 +79,20 @@ def hf_padded(model_dir: Path, items: list[WorkItem], batch_size: int) -> dict:
     is done (`min_new_tokens` = `max_new_tokens` = the batch's longest, so no request stops early)."""
     model, load = _load(model_dir)
     counter = _moe_counter(model)
+    tokens, generated, elapsed = padded_generate(model, items, batch_size)
+    result = {"system": f"transformers padded generate (batch {batch_size})", "load_s": load,
+              "batch_completion_s": elapsed, "output_tokens": sum(len(t) for t in tokens.values()),
+              "generated_incl_padding": generated, "tokens": tokens,
+              "experts_implementation": getattr(model.config, "_experts_implementation", None)}
+    if counter:
+        result.update(counter.report())
+    return result
+
+
+@torch.inference_mode()
+def padded_generate(model, items: list[WorkItem], batch_size: int) -> tuple[dict, int, float]:
+    """Greedy `generate` over left-padded batches in item order: (tokens per item, tokens generated
+    including each batch's padding to its longest request, seconds)."""
     pad = model.generation_config.pad_token_id or 0
     tokens, generated = {}, 0
     start = time.perf_counter()
@@ -93,14 +107,7 @@ def hf_padded(model_dir: Path, items: list[WorkItem], batch_size: int) -> dict:
         for row, it in enumerate(batch):
             tokens[it.id] = out[row, width:width + it.max_tokens].tolist()
         generated += len(batch) * longest
-    elapsed = time.perf_counter() - start
-    result = {"system": f"transformers padded generate (batch {batch_size})", "load_s": load,
-              "batch_completion_s": elapsed, "output_tokens": sum(len(t) for t in tokens.values()),
-              "generated_incl_padding": generated, "tokens": tokens,
-              "experts_implementation": getattr(model.config, "_experts_implementation", None)}
-    if counter:
-        result.update(counter.report())
-    return result
+    return tokens, generated, time.perf_counter() - start
 
 
 @torch.inference_mode()

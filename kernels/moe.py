@@ -36,24 +36,41 @@ def grouped_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     Returns the combined output [T, H] and the tokens each expert processed [E] (int64, on the
     CPU: splitting the sorted pairs per expert needs the counts there anyway).
     """
+    order, token_of_pair, counts = sort_by_expert(topk_ids, gate_up_proj.shape[0])
+    out = expert_ffn(hidden[token_of_pair], gate_up_proj, down_proj, counts)
+    return combine(hidden, out, topk_weights, order, token_of_pair), counts
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, expert) pairs sorted by expert: their order in the flat [T*k] ids, the token of
+    each sorted pair, and the pairs per expert [num_experts] (int64, on the CPU)."""
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
     token_of_pair = order // top_k  # pair i of token t sits at flat position t * k + i
-    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).cpu()
+    counts = torch.bincount(flat_ids, minlength=num_experts).cpu()
+    return order, token_of_pair, counts
 
-    gathered = hidden[token_of_pair]
-    if _grouped_mm_fits(gathered, gate_up_proj, down_proj):
+
+def expert_ffn(rows: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+               counts: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of each expert over its contiguous run of rows (counts[e] rows for expert e)."""
+    if _grouped_mm_fits(rows, gate_up_proj, down_proj):
         # One call per projection for all experts: no Python loop, each expert's weights read once.
         offsets = counts.cumsum(0).to(torch.int32)
-        up = torch._grouped_mm(gathered, gate_up_proj.transpose(1, 2), offs=offsets)
-        out = torch._grouped_mm(silu_and_mul(up), down_proj.transpose(1, 2), offs=offsets)
-    else:
-        outputs = [F.linear(silu_and_mul(F.linear(rows, gate_up_proj[expert])), down_proj[expert])
-                   for expert, rows in enumerate(gathered.split(counts.tolist())) if len(rows)]
-        out = torch.cat(outputs) if outputs else gathered  # gathered is empty when there are no tokens
+        up = torch._grouped_mm(rows, gate_up_proj.transpose(1, 2), offs=offsets)
+        return torch._grouped_mm(silu_and_mul(up), down_proj.transpose(1, 2), offs=offsets)
+    outputs = [F.linear(silu_and_mul(F.linear(part, gate_up_proj[expert])), down_proj[expert])
+               for expert, part in enumerate(rows.split(counts.tolist())) if len(part)]
+    return torch.cat(outputs) if outputs else rows  # rows is empty when there are no tokens
+
+
+def combine(hidden: torch.Tensor, out: torch.Tensor, topk_weights: torch.Tensor,
+            order: torch.Tensor, token_of_pair: torch.Tensor) -> torch.Tensor:
+    """Each sorted pair's expert output scaled by its router weight, summed into its token's row."""
     out = out * topk_weights.reshape(-1)[order, None].to(hidden.dtype)
-    return torch.zeros_like(hidden).index_add_(0, token_of_pair, out), counts
+    return torch.zeros_like(hidden).index_add_(0, token_of_pair, out)
 
 
 def _grouped_mm_fits(rows: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:

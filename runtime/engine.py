@@ -17,7 +17,7 @@ import kernels
 from runtime.default_model import default_model_dir
 from runtime.estimate import exact_length
 from runtime.kv_cache import BlockManager, HostKVPool, KVCache, block_hash
-from runtime.loader import load_model
+from runtime.loader import build_model, load_model
 from runtime.moe import moe_blocks
 from runtime.request import Completion, CompletionWaiter, Request, SampleOutput, Timings
 from runtime.runner import ModelRunner
@@ -26,6 +26,12 @@ from runtime.scheduler import Scheduler
 from runtime.sequence import Event, Sequence, Status, StopRule
 from runtime.step_lock import StepLock
 from runtime.tokenizer import load_tokenizer
+from runtime.weight_stream import WeightStreamer
+
+# Batch limits: memory-constrained mode defaults to a large batch, so that each layer read from
+# disk serves as many tokens as possible (module-based batching).
+DEFAULT_BATCH = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
+STREAMING_BATCH = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
 
 
 class InvalidPrompt(ValueError):
@@ -70,6 +76,12 @@ class EngineStats:
     decode_step_seconds: float = 0.0
     decode_step_tokens: int = 0
     decode_step_context: int = 0  # sum of attended context lengths (attention FLOPs)
+    generated_tokens: int = 0  # tokens sampled, all sequences
+    weight_bytes_read: int = 0  # memory-constrained mode: weight bytes read from the checkpoint
+
+    @property
+    def weight_bytes_per_token(self) -> float:
+        return self.weight_bytes_read / self.generated_tokens if self.generated_tokens else 0.0
 
     @property
     def tokens_per_expert_call(self) -> float:
@@ -87,19 +99,37 @@ class RequestLoad:
 
 
 class Engine:
-    def __init__(self, model: str | Path | None = None, *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, block_size: int = 16,
+    def __init__(self, model: str | Path | None = None, *, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, block_size: int = 16,
                  kv_cache_bytes: int = 2 << 30, host_kv_bytes: int = 2 << 30,
                  admission: str = "fifo", preemption: str = "suspend",
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, weight_budget_bytes: int | None = None):
+        """weight_budget_bytes: memory-constrained mode (runtime/weight_stream.py): the decoder
+        layers stream from the safetensors files, and the weights held in memory (resident
+        parts, two layer slots, the MoE expert ring) stay within this many bytes. The KV cache
+        (kv_cache_bytes, host_kv_bytes) is budgeted apart. max_num_seqs and
+        max_num_batched_tokens then default to STREAMING_BATCH."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_dir = Path(model) if model is not None else default_model_dir()
         self.device = torch.device(device)
+        streaming = weight_budget_bytes is not None
+        if streaming and self.device.type != "cpu":
+            raise NotImplementedError("weight streaming runs on CPU only: on CUDA it needs pinned host "
+                                      "buffers and a copy stream, which are not implemented")
         kernels.prepare(self.device)  # the C++ kernel's build (once per machine) outside any step
-        self.model = load_model(self.model_dir, self.device, dtype)
+        batch = STREAMING_BATCH if streaming else DEFAULT_BATCH
+        if max_num_seqs is None:
+            max_num_seqs = batch["max_num_seqs"]
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = batch["max_num_batched_tokens"]
+        if streaming:
+            self.model = build_model(self.model_dir, self.device, dtype, stream_layers=True)
+            self.weights = WeightStreamer(self.model, self.model_dir, weight_budget_bytes)
+        else:
+            self.model, self.weights = load_model(self.model_dir, self.device, dtype), None
         self.spec = self.model.spec
         self._moe_blocks = moe_blocks(self.model)
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -236,6 +266,8 @@ class Engine:
             self.stats.forward_seconds += time.perf_counter() - now
             self.stats.expert_calls = sum(b.expert_calls for b in self._moe_blocks)
             self.stats.expert_tokens = sum(b.expert_tokens for b in self._moe_blocks)
+            if self.weights is not None:
+                self.stats.weight_bytes_read = self.weights.bytes_read
             context = 0 if batch.prefills else sum(s.num_tokens for s in batch.decodes)
             self._postprocess(batch, logits, samplers)
             if not batch.prefills:  # the whole step, sampling included
@@ -272,6 +304,7 @@ class Engine:
         if len(rows) != len(samplers):
             logits = logits[torch.tensor(rows, device=logits.device)]
         tokens = sample(logits, [SampleRow(s.params, s.generator) for s in row_seqs])
+        self.stats.generated_tokens += len(tokens)
         now = time.perf_counter()
         for seq, token in zip(row_seqs, tokens):
             timings = self._requests[seq.request_id].timings

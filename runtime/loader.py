@@ -21,13 +21,13 @@ _PACKED = {
 _RENAMES = {".block_sparse_moe.": ".mlp."}  # Mixtral
 
 
-def _canonical(name: str) -> str:
+def canonical_name(name: str) -> str:
     for old, new in _RENAMES.items():
         name = name.replace(old, new)
     return name
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
+def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -42,8 +42,8 @@ class _Checkpoint:
     """Tensors by HF name across all shards, read lazily (memory-mapped)."""
 
     def __init__(self, model_dir: Path):
-        self._handles = [safe_open(str(f), framework="pt") for f in _safetensors_files(model_dir)]
-        self._where = {_canonical(name): (h, name) for h in self._handles for name in h.keys()}
+        self._handles = [safe_open(str(f), framework="pt") for f in safetensors_files(model_dir)]
+        self._where = {canonical_name(name): (h, name) for h in self._handles for name in h.keys()}
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -55,7 +55,7 @@ class _Checkpoint:
         return handle.get_tensor(stored_name)
 
 
-def _hf_sources(our_name: str) -> list[str]:
+def hf_sources(our_name: str) -> list[str]:
     """HF tensor names that make up one of our parameters."""
     name = our_name if our_name.startswith("lm_head") else "model." + our_name
     for packed, parts in _PACKED.items():
@@ -64,27 +64,36 @@ def _hf_sources(our_name: str) -> list[str]:
     return [name]
 
 
-def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32) -> CausalLM:
-    model_dir = Path(model_dir)
+def build_model(model_dir: str | Path, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32, stream_layers: bool = False) -> CausalLM:
+    """The model's structure with RoPE tables set and parameters allocated, not yet read.
+    stream_layers: the decoder layers' parameters stay on the meta device, for
+    runtime/weight_stream.py to bind to its slots."""
     config = load_hf_config(model_dir)
     spec = model_spec(config)
     cos, sin = rope_cos_sin(config, spec.head_dim, spec.max_position_embeddings)
     with torch.device("meta"):
-        model = CausalLM(spec, cos, sin)
-    model = model.to_empty(device=device)
-    model.rope_cos.copy_(cos)
-    model.rope_sin.copy_(sin)
+        model = CausalLM(spec, cos, sin).to(dtype)
+    for name, child in model.named_children():
+        if not (stream_layers and name == "layers"):
+            child.to_empty(device=device)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()
 
+
+def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
+               dtype: torch.dtype = torch.float32) -> CausalLM:
+    model_dir = Path(model_dir)
+    model = build_model(model_dir, device, dtype)
     checkpoint = _Checkpoint(model_dir)
     with torch.no_grad():
         for name, param in model.named_parameters():  # tied weights are listed once
             if ".experts." in name:  # MoE: [experts, ...], however the checkpoint stores them
-                [hf_name] = _hf_sources(name)
-                param.copy_(read_experts(checkpoint, hf_name, spec.moe.num_experts))
+                [hf_name] = hf_sources(name)
+                param.copy_(read_experts(checkpoint, hf_name, model.spec.moe.num_experts))
                 continue
-            tensors = [checkpoint.get(src) for src in _hf_sources(name)]
+            tensors = [checkpoint.get(src) for src in hf_sources(name)]
             param.copy_(torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0])
-    return model.to(dtype).eval()
+    return model.to(dtype)  # the RoPE tables too

@@ -14,12 +14,18 @@ from runtime.model import MLP
 
 
 class Experts(nn.Module):
-    """num_experts SwiGLU experts, stacked as transformers 5 stores them."""
+    """num_experts SwiGLU experts, stacked as transformers 5 stores them. Memory-constrained mode
+    swaps this module for runtime/weight_stream.py's StreamedExperts (same call)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routed tokens through their experts: (combined output, tokens per expert)."""
+        return grouped_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
 
 
 class SparseMoeBlock(nn.Module):
@@ -43,7 +49,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
-        out, counts = grouped_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        out, counts = self.experts(x, ids, weights)
         self.expert_calls += int((counts > 0).sum())
         self.expert_tokens += int(counts.sum())
         if self.shared_expert is not None:
@@ -56,7 +62,7 @@ def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
 
 
 # Per-expert tensor names of checkpoints that do not store experts fused: (gate, up, down).
-_PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"),  # Qwen2/3-MoE, OLMoE
+PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"),  # Qwen2/3-MoE, OLMoE
                      ("w1", "w3", "w2"))  # Mixtral
 
 
@@ -67,7 +73,7 @@ def read_experts(checkpoint, name: str, num_experts: int) -> torch.Tensor:
     if name in checkpoint:
         return checkpoint.get(name)
     prefix, kind = name.rsplit(".", 1)
-    for gate, up, down in _PER_EXPERT_NAMES:
+    for gate, up, down in PER_EXPERT_NAMES:
         parts = (gate, up) if kind == "gate_up_proj" else (down,)
         if f"{prefix}.0.{parts[0]}.weight" in checkpoint:
             return torch.stack([torch.cat([checkpoint.get(f"{prefix}.{e}.{p}.weight") for p in parts])

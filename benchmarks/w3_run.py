@@ -1,0 +1,122 @@
+"""One W3 system on one model, alone in this process, so its peak memory is its own:
+
+    python -m benchmarks.w3_run {ours,resident,peer} WORK_JSON RESULT_JSON
+
+WORK_JSON: model dir, items, weight budget, KV bytes, threads, peer batch size, offload folder.
+Peak RSS is the kernel's high-water mark for the process (getrusage ru_maxrss: anonymous and
+file-mapped pages, model load included); `baseline_rss` is the RSS after imports, before any
+model is loaded (the interpreter, torch and transformers).
+"""
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from benchmarks.workloads import WorkItem
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def ours(work: dict, items: list[WorkItem]) -> dict:
+    from runtime import Engine
+
+    start = time.perf_counter()
+    engine = Engine(work["model"], weight_budget_bytes=work["budget"], kv_cache_bytes=work["kv_bytes"],
+                    num_threads=work["threads"])
+    load = time.perf_counter() - start
+    start = time.perf_counter()
+    completions = engine.generate([it.request() for it in items])
+    elapsed = time.perf_counter() - start
+    stats = engine.stats
+    return {"system": "batchgen engine (weight streaming)", "load_s": load, "batch_completion_s": elapsed,
+            "tokens": {c.id: c.token_ids for c in completions}, "steps": stats.steps,
+            "generated_tokens": stats.generated_tokens, "weight_bytes_read": stats.weight_bytes_read,
+            "weight_bytes_per_token": stats.weight_bytes_per_token,
+            "weight_bytes_held": engine.weights.budget_used, "kv_cache_bytes": work["kv_bytes"],
+            "engine_args": {"max_num_seqs": engine.scheduler.max_num_seqs,
+                            "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
+                            "ring_experts_per_half": engine.weights.ring_experts},
+            "bytes_read_counted_by": "engine counter: bytes read from the safetensors files (os.preadv)"}
+
+
+def resident(work: dict, items: list[WorkItem]) -> dict:
+    """Our engine with every weight in memory, same batch limits as streaming: the reference for
+    token-exactness and for what streaming costs."""
+    from runtime import Engine
+    from runtime.engine import STREAMING_BATCH
+
+    start = time.perf_counter()
+    engine = Engine(work["model"], kv_cache_bytes=work["kv_bytes"], num_threads=work["threads"],
+                    **STREAMING_BATCH)
+    load = time.perf_counter() - start
+    start = time.perf_counter()
+    completions = engine.generate([it.request() for it in items])
+    elapsed = time.perf_counter() - start
+    return {"system": "batchgen engine (all weights resident)", "load_s": load, "batch_completion_s": elapsed,
+            "tokens": {c.id: c.token_ids for c in completions}, "steps": engine.stats.steps,
+            "generated_tokens": engine.stats.generated_tokens, "weight_bytes_read": 0,
+            "weight_bytes_per_token": 0.0, "kv_cache_bytes": work["kv_bytes"]}
+
+
+class _OffloadCounter:
+    """Bytes of offloaded weights accelerate loads back (every OffloadedWeightsLoader lookup)."""
+
+    def __init__(self):
+        from accelerate.utils import offload
+
+        self.bytes = 0
+        original = offload.OffloadedWeightsLoader.__getitem__
+
+        def counting(loader, key):
+            tensor = original(loader, key)
+            self.bytes += tensor.numel() * tensor.element_size()
+            return tensor
+
+        offload.OffloadedWeightsLoader.__getitem__ = counting
+
+
+def peer(work: dict, items: list[WorkItem]) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.systems import padded_generate
+
+    torch.set_num_threads(work["threads"])
+    counter = _OffloadCounter()
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        work["model"], dtype=torch.float32, device_map="auto", max_memory={"cpu": work["budget"]},
+        offload_folder=work["offload_folder"]).eval()
+    load = time.perf_counter() - start
+    placement = list(model.hf_device_map.values())
+    load_bytes, counter.bytes = counter.bytes, 0
+    tokens, generated, elapsed = padded_generate(model, items, work["peer_batch"])
+    return {"system": f"transformers + accelerate disk offload (batch {work['peer_batch']})",
+            "load_s": load, "batch_completion_s": elapsed, "tokens": tokens,
+            "generated_tokens": generated, "weight_bytes_read": counter.bytes,
+            "weight_bytes_per_token": counter.bytes / generated, "weight_bytes_read_at_load": load_bytes,
+            "modules_on_disk": placement.count("disk"), "modules_in_ram": placement.count("cpu"),
+            "bytes_read_counted_by": "offloaded tensors accelerate loads back (OffloadedWeightsLoader)"}
+
+
+def main() -> None:
+    system, work_file, result_file = sys.argv[1:]
+    work = json.loads(Path(work_file).read_text())
+    items = [WorkItem(**it) for it in work["items"]]
+    import runtime  # noqa: F401  both systems' libraries, so the baseline counts them for both
+    import transformers  # noqa: F401
+    baseline = psutil.Process().memory_info().rss
+    result = {"ours": ours, "resident": resident, "peer": peer}[system](work, items)
+    result.update(output_tokens=sum(len(t) for t in result["tokens"].values()),
+                  baseline_rss=baseline, peak_rss=_peak_rss())
+    Path(result_file).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

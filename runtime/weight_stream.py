@@ -1,0 +1,320 @@
+"""Memory-constrained mode (`Engine(weight_budget_bytes=...)`): the decoder layers' weights stay
+in the safetensors files and stream, layer by layer, into two preallocated layer slots: while
+layer i computes, background reader threads read layer i+1 into the other slot. An MoE layer's
+slot holds attention, router and any dense or shared expert; its routed experts stream apart,
+only those the step's routing selected (so only after the router ran), through a double-buffered
+expert ring: when they fill more than one ring half, the next chunk reads while one computes.
+Embeddings, final norm, LM head and RoPE tables stay resident and count against the budget.
+
+Reads go through os.preadv straight into the slot buffers, not through a memory map: a mapped
+file's touched pages count as this process's resident memory, which would blur the budget. The
+reads do go through the OS page cache (not our RSS); a warm cache makes them memory copies.
+"""
+
+import json
+import os
+import struct
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kernels.moe import combine, expert_ffn, sort_by_expert
+from runtime.loader import canonical_name, hf_sources, safetensors_files
+from runtime.model import CausalLM
+from runtime.moe import PER_EXPERT_NAMES, SparseMoeBlock
+
+READER_THREAD = "batchgen-weights"
+# Reader threads: one copies from the page cache at ~2.6 GB/s here, two at ~3.9 GB/s. Reads are
+# cut into pieces of _PIECE bytes, dealt out in turn, so each thread gets an equal share.
+READERS = 2
+_PIECE = 8 << 20
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+_ALIGN = 64  # bytes: each tensor in a slot starts on a cache line
+
+
+@dataclass(frozen=True)
+class Extent:
+    """A run of bytes in a checkpoint file: one stored tensor, or one expert's slice of a fused one."""
+    fd: int
+    offset: int
+    nbytes: int
+
+
+class _Index:
+    """Where each stored tensor's bytes are, from the safetensors headers."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype):
+        self.dtype = dtype
+        self.fds: list[int] = []
+        weakref.finalize(self, _close_all, self.fds)
+        self._tensors: dict[str, tuple[Extent, str]] = {}
+        for path in safetensors_files(model_dir):
+            fd = os.open(path, os.O_RDONLY)
+            self.fds.append(fd)
+            (size,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+            header = json.loads(os.pread(fd, size, 8))
+            for name, meta in header.items():
+                if name != "__metadata__":
+                    start, end = meta["data_offsets"]
+                    self._tensors[canonical_name(name)] = (Extent(fd, 8 + size + start, end - start), meta["dtype"])
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def extent(self, name: str) -> Extent:
+        if name not in self._tensors:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        extent, stored = self._tensors[name]
+        if _DTYPES.get(stored) != self.dtype:
+            # Bytes go straight from the file into the slots: no conversion pass.
+            raise NotImplementedError(f"weight streaming reads stored bytes as they are: {name} is "
+                                      f"{stored}, the engine runs {self.dtype}; convert the checkpoint")
+        return extent
+
+    def expert_extents(self, hf_name: str, num_experts: int) -> list[list[Extent]]:
+        """Per expert, the extents that make up its slice of the stacked tensor `hf_name`
+        (`….experts.gate_up_proj` or `….experts.down_proj`), stored fused or per expert."""
+        if hf_name in self:
+            whole = self.extent(hf_name)
+            size = whole.nbytes // num_experts
+            return [[Extent(whole.fd, whole.offset + e * size, size)] for e in range(num_experts)]
+        prefix, kind = hf_name.rsplit(".", 1)
+        for gate, up, down in PER_EXPERT_NAMES:
+            parts = (gate, up) if kind == "gate_up_proj" else (down,)
+            if f"{prefix}.0.{parts[0]}.weight" in self:
+                return [[self.extent(f"{prefix}.{e}.{p}.weight") for p in parts] for e in range(num_experts)]
+        raise KeyError(f"checkpoint has no tensor {hf_name!r}, fused or per expert")
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _nbytes(param: torch.Tensor) -> int:
+    return param.numel() * param.element_size()
+
+
+@dataclass
+class _Binding:
+    """One streamed parameter of a layer: where it lives in the module and in a slot."""
+    module: nn.Module
+    attr: str
+    meta: nn.Parameter  # put back after the layer ran: a stale slot is never used silently
+    offset: int
+    extents: list[Extent]
+
+
+class WeightStreamer:
+    """Binds each decoder layer's parameters to a slot just before the layer runs (forward
+    pre-hook) and unbinds them after; reads the next layer meanwhile. `bytes_read` counts every
+    byte read from the checkpoint."""
+
+    def __init__(self, model: CausalLM, model_dir: str | Path, budget_bytes: int):
+        spec = model.spec
+        self.dtype = model.embed_tokens.weight.dtype
+        self._element = torch.empty((), dtype=self.dtype).element_size()
+        self._index = _Index(Path(model_dir), self.dtype)
+        self.bytes_read = 0
+        self._count_lock = threading.Lock()  # reader threads add to bytes_read
+        self.num_layers = spec.num_layers
+        self._plans = [self._plan_layer(model, i) for i in range(spec.num_layers)]
+        self.slot_bytes = max((_aligned(b.offset + _nbytes(b.meta)) for plan in self._plans for b in plan),
+                              default=0)
+        self.resident_bytes = (sum(_nbytes(p) for p in model.parameters() if not p.is_meta)
+                               + sum(_nbytes(b) for b in model.buffers()))
+        blocks = [(i, layer.mlp) for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
+        self.expert_bytes = 3 * spec.moe.intermediate_size * spec.hidden_size * self._element if blocks else 0
+        self.ring_experts = self._ring_size(budget_bytes, spec.moe.num_experts if blocks else 0)
+
+        self._pool = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix=READER_THREAD)
+        self._pending: tuple[int, int, list[Future]] | None = None  # (layer, slot, reads) in flight
+        # Queued reads hold this streamer, so it dies with none pending, possibly on a reader
+        # thread, which cannot join itself: no waiting.
+        weakref.finalize(self, self._pool.shutdown, wait=False)
+        self._read_resident(model)
+        self._slots = [torch.empty(self.slot_bytes, dtype=torch.uint8) for _ in range(2)]
+        self._slot_views = [memoryview(s.numpy()) for s in self._slots]
+        self._bound = [[self._params_in(slot, plan) for slot in range(2)] for plan in self._plans]
+        if blocks:
+            self._init_ring(spec, blocks)
+        for i, layer in enumerate(model.layers):
+            layer.register_forward_pre_hook(lambda module, args, i=i: self._before(i))
+            layer.register_forward_hook(lambda module, args, out, i=i: self._after(i))
+
+    # ---- planning ------------------------------------------------------------------------
+    def _plan_layer(self, model: CausalLM, i: int) -> list[_Binding]:
+        plan, offset = [], 0
+        for name, param in model.layers[i].named_parameters():
+            if ".experts." in name:  # routed experts stream through the ring
+                continue
+            extents = [self._index.extent(src) for src in hf_sources(f"layers.{i}.{name}")]
+            if sum(e.nbytes for e in extents) != _nbytes(param):
+                raise ValueError(f"layers.{i}.{name}: checkpoint holds {sum(e.nbytes for e in extents)} "
+                                 f"bytes, the model expects {_nbytes(param)}")
+            module_name, _, attr = name.rpartition(".")
+            plan.append(_Binding(model.layers[i].get_submodule(module_name), attr, param, offset, extents))
+            offset = _aligned(offset + _nbytes(param))
+        return plan
+
+    def _read_resident(self, model: CausalLM) -> None:
+        """The parameters outside the layers, read once like the slots (no mapped pages left)."""
+        copies = []
+        for name, param in model.named_parameters():  # tied weights are listed once
+            if not param.is_meta:
+                view = memoryview(param.detach().view(-1).view(torch.uint8).numpy())
+                copies += _back_to_back([self._index.extent(src) for src in hf_sources(name)], view, 0)
+        _wait(self._submit(copies))
+        self.bytes_read = 0  # counts what streaming reads, from here on
+
+    def _ring_size(self, budget: int, num_experts: int) -> int:
+        """Experts per ring half: as many as the budget leaves room for, up to all of them."""
+        fixed, expert = self.resident_bytes + 2 * self.slot_bytes, self.expert_bytes
+        per_half = min(num_experts, (budget - fixed) // (2 * expert)) if num_experts else 0
+        if fixed > budget or (num_experts and per_half < 1):
+            ring = f" + expert ring 2 x 1 expert x {expert:,}" if num_experts else ""
+            raise ValueError(f"weight_budget_bytes={budget:,} is too small: resident parts (embeddings, "
+                             f"final norm, LM head, RoPE tables) {self.resident_bytes:,} + 2 layer slots "
+                             f"x {self.slot_bytes:,}{ring} = {fixed + 2 * expert:,} bytes")
+        return per_half
+
+    @property
+    def budget_used(self) -> int:
+        """Bytes of weights this mode holds in memory: resident parts, layer slots, expert ring."""
+        return self.resident_bytes + 2 * self.slot_bytes + 2 * self.ring_experts * self.expert_bytes
+
+    def _init_ring(self, spec, blocks) -> None:
+        moe, hidden, count = spec.moe, spec.hidden_size, self.ring_experts
+        self._experts = {}  # layer -> (gate_up extents per expert, down extents per expert)
+        for i, block in blocks:
+            self._experts[i] = tuple(self._index.expert_extents(f"model.layers.{i}.mlp.experts.{kind}",
+                                                                moe.num_experts)
+                                     for kind in ("gate_up_proj", "down_proj"))
+            block.experts = StreamedExperts(self, i, moe.num_experts)
+        self._gate_up_bytes = 2 * moe.intermediate_size * hidden * self._element
+        ring = torch.empty(2, count * self.expert_bytes, dtype=torch.uint8)
+        self._ring_views = [memoryview(half.numpy()) for half in ring]
+        split = count * self._gate_up_bytes
+        self._ring_tensors = [(half[:split].view(self.dtype).view(count, 2 * moe.intermediate_size, hidden),
+                               half[split:].view(self.dtype).view(count, hidden, moe.intermediate_size))
+                              for half in ring]
+
+    def _params_in(self, slot: int, plan: list[_Binding]) -> list[nn.Parameter]:
+        return [nn.Parameter(self._slots[slot][b.offset:b.offset + _nbytes(b.meta)].view(self.dtype)
+                             .view(b.meta.shape), requires_grad=False) for b in plan]
+
+    # ---- reading (on the reader threads) -------------------------------------------------
+    def _submit(self, copies: list[tuple[Extent, memoryview]]) -> list[Future]:
+        """Start reading each extent into its destination, spread over the reader threads."""
+        pieces = [(Extent(e.fd, e.offset + at, min(_PIECE, e.nbytes - at)), dest[at:at + _PIECE])
+                  for e, dest in copies for at in range(0, e.nbytes, _PIECE)]
+        return [self._pool.submit(self._read_all, pieces[r::READERS]) for r in range(READERS)]
+
+    def _read_all(self, pieces: list[tuple[Extent, memoryview]]) -> None:
+        for extent, dest in pieces:
+            self._read(extent, dest)
+
+    def _read(self, extent: Extent, dest: memoryview) -> None:
+        done = 0
+        while done < extent.nbytes:  # preadv may return short
+            n = os.preadv(extent.fd, [dest[done:extent.nbytes]], extent.offset + done)
+            if n == 0:
+                raise EOFError(f"checkpoint file ended {extent.nbytes - done} bytes early")
+            done += n
+        with self._count_lock:
+            self.bytes_read += extent.nbytes
+
+    def _read_layer(self, i: int, slot: int) -> list[Future]:
+        view = self._slot_views[slot]
+        return self._submit([copy for binding in self._plans[i]  # packed parameters: parts back to back
+                             for copy in _back_to_back(binding.extents, view, binding.offset)])
+
+    def _read_experts(self, layer: int, experts: list[int], half: int) -> list[Future]:
+        view, gate_ups, downs = self._ring_views[half], *self._experts[layer]
+        down_start = self.ring_experts * self._gate_up_bytes
+        down_bytes = self._gate_up_bytes // 2
+        copies = []
+        for pos, expert in enumerate(experts):
+            copies += _back_to_back(gate_ups[expert], view, pos * self._gate_up_bytes)
+            copies += _back_to_back(downs[expert], view, down_start + pos * down_bytes)
+        return self._submit(copies)
+
+    # ---- the compute side ----------------------------------------------------------------
+    def _before(self, i: int) -> None:
+        slot = self._wait_for(i)
+        for binding, param in zip(self._plans[i], self._bound[i][slot]):
+            binding.module._parameters[binding.attr] = param
+        following = (i + 1) % self.num_layers  # after the last layer: the next step's first
+        self._pending = (following, 1 - slot, self._read_layer(following, 1 - slot))
+
+    def _after(self, i: int) -> None:
+        for binding in self._plans[i]:
+            binding.module._parameters[binding.attr] = binding.meta
+
+    def _wait_for(self, i: int) -> int:
+        """The slot holding layer i, once read: the prefetched one, or (first step, or after a
+        step failed part-way) read now."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            layer, slot, reads = pending
+            _wait(reads)
+            if layer == i:
+                return slot
+        _wait(self._read_layer(i, 0))
+        return 0
+
+    def experts(self, layer: int, chosen: list[int]):
+        """Yields (chunk of expert ids, their gate_up [n, 2I, H], their down [n, H, I]) for the
+        chosen experts in order, reading the next chunk into the other ring half meanwhile."""
+        chunks = [chosen[j:j + self.ring_experts] for j in range(0, len(chosen), self.ring_experts)]
+        if not chunks:
+            return
+        reads = self._read_experts(layer, chunks[0], 0)
+        for j, chunk in enumerate(chunks):
+            _wait(reads)
+            if j + 1 < len(chunks):  # its half held chunk j-1, computed by now
+                reads = self._read_experts(layer, chunks[j + 1], (j + 1) % 2)
+            gate_up, down = self._ring_tensors[j % 2]
+            yield chunk, gate_up[:len(chunk)], down[:len(chunk)]
+
+
+class StreamedExperts(nn.Module):
+    """runtime.moe.Experts' call over streamed weights: only experts with routed tokens are read."""
+
+    def __init__(self, streamer: WeightStreamer, layer: int, num_experts: int):
+        super().__init__()
+        self.streamer, self.layer, self.num_experts = streamer, layer, num_experts
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        order, token_of_pair, counts = sort_by_expert(ids, self.num_experts)
+        rows = x[token_of_pair]
+        out = torch.empty_like(rows)
+        starts = [0] + counts.cumsum(0).tolist()
+        for chunk, gate_up, down in self.streamer.experts(self.layer, counts.nonzero().flatten().tolist()):
+            lo, hi = starts[chunk[0]], starts[chunk[-1] + 1]  # sorted by expert: one run of rows
+            out[lo:hi] = expert_ffn(rows[lo:hi], gate_up, down, counts[chunk])
+        return combine(x, out, weights, order, token_of_pair), counts
+
+
+def _back_to_back(extents: list[Extent], dest: memoryview, offset: int) -> list[tuple[Extent, memoryview]]:
+    """Copies of the extents into dest one after another from offset (packed q|k|v, gate|up)."""
+    copies = []
+    for extent in extents:
+        copies.append((extent, dest[offset:offset + extent.nbytes]))
+        offset += extent.nbytes
+    return copies
+
+
+def _wait(reads: list[Future]) -> None:
+    for read in reads:
+        read.result()  # a reader's exception surfaces here
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)

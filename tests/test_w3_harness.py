@@ -1,0 +1,33 @@
+"""W3's harness (benchmarks/w3.py): the KV it gives our engine covers every request at once, and
+(slow: the default model's tokenizer, model builds, four child processes) a smoke run of both
+systems reports identical tokens, bytes read and peak memory."""
+
+import json
+
+import pytest
+
+from benchmarks import report, w3
+from benchmarks.workloads import WorkItem
+from helpers import kv_block_bytes
+
+
+def test_kv_bytes_hold_every_request_whole(tiny):
+    directory = tiny.dir("llama")
+    items = [WorkItem("a", [5] * 20, 12), WorkItem("b", [5] * 3, 13)]  # 32 and 16 tokens
+    assert w3.kv_bytes(directory, items) == ((2 + 1) + (1 + 1)) * kv_block_bytes(directory)  # blocks + 1 each
+
+
+@pytest.mark.slow
+def test_smoke_run_of_both_systems(tmp_path, monkeypatch):
+    monkeypatch.setattr(w3, "CACHE", tmp_path / "models")
+    monkeypatch.setattr(report, "RESULTS_DIR", tmp_path / "results")
+    summary = w3.main(["--smoke", "--models", "dense"])
+    [run] = summary["models"]
+    ours, peer = run["results"]
+    assert peer["requests_token_identical_to_ours"] == f"{summary['requests']}/{summary['requests']}"
+    for result in (ours, peer):
+        assert result["output_tokens"] == summary["output_tokens"]
+        assert result["weight_bytes_per_token"] > 0
+        assert result["peak_rss"] > result["baseline_rss"]
+    assert ours["weight_bytes_held"] <= run["weight_budget_bytes"]
+    assert json.loads((tmp_path / "results" / "W3-smoke.json").read_text())["workload"] == "W3-smoke"

@@ -1,0 +1,165 @@
+"""Memory-constrained mode (runtime/weight_stream.py): greedy output token-exact with the engine
+that holds every weight, dense and MoE, also with the smallest budget that fits (an expert ring
+of one expert per half, so routed experts stream in many chunks) and under KV preemption to the
+host tier; bytes read counted exactly (each layer once per step; MoE: only the routed experts);
+checkpoints with experts stored fused stream alike; budgets too small, CUDA, a dtype other
+than the checkpoint's and a truncated checkpoint refused clearly; reads run on the background reader thread, the next
+layer's read issued before the current layer computes."""
+
+import math
+import shutil
+import threading
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from helpers import CallCounter, assert_idle_and_clean, greedy_requests, make_engine, random_prompts
+from runtime import Engine
+from runtime.weight_stream import READER_THREAD
+from tiny_models import hf_model
+
+MAX_TOKENS = 16
+PROMPTS = random_prompts((1, 5, 17, 33, 64), seed=3)
+DENSE, MOE = ["llama", "smollm"], ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
+PLENTY = 1 << 30
+
+
+def smallest_budget(model_dir) -> int:
+    """The budget that just fits: resident parts, two layer slots and (MoE) one expert per ring half."""
+    streamer = make_engine(model_dir, weight_budget_bytes=PLENTY).weights
+    return streamer.resident_bytes + 2 * streamer.slot_bytes + 2 * streamer.expert_bytes
+
+
+def stored_layer_bytes(model_dir, experts: bool) -> int:
+    """fp32 bytes of the decoder layers' tensors in the checkpoint, routed experts included or not."""
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        return sum(math.prod(f.get_slice(n).get_shape()) * 4 for n in f.keys()
+                   if n.startswith("model.layers.") and (experts or ".experts." not in n))
+
+
+def assert_same_tokens(expected, completions):
+    for want, got in zip(expected, completions):
+        assert got.token_ids == want.token_ids, got.id
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("family", DENSE + MOE)
+def test_streamed_output_matches_the_resident_engine(tiny, family):
+    directory = tiny.dir(family)
+    expected = make_engine(directory).generate(greedy_requests(PROMPTS, MAX_TOKENS))
+    budget = smallest_budget(directory)
+    engine = make_engine(directory, weight_budget_bytes=budget)
+    assert engine.weights.budget_used == budget
+    assert engine.weights.ring_experts == (1 if family in MOE else 0)
+    assert_same_tokens(expected, engine.generate(greedy_requests(PROMPTS, MAX_TOKENS)))
+    assert engine.stats.generated_tokens == sum(c.completion_tokens for c in expected)
+    assert_idle_and_clean(engine)
+
+
+def test_streamed_output_matches_under_kv_preemption_to_the_host_tier(tiny):
+    directory = tiny.dir("qwen3_moe")
+    prompts = random_prompts((10, 15, 20, 15, 30, 12, 14, 40, 100), seed=21)  # 30 blocks of KV at the end
+    expected = make_engine(directory).generate(greedy_requests(prompts, 40))
+    engine = make_engine(directory, num_blocks=10, weight_budget_bytes=PLENTY)
+    suspend = CallCounter(engine.scheduler, "suspend")
+    assert_same_tokens(expected, engine.generate(greedy_requests(prompts, 40)))
+    assert len(suspend) >= 1
+    assert_idle_and_clean(engine)
+
+
+def test_dense_reads_every_layer_once_per_step(tiny):
+    directory = tiny.dir("llama")
+    engine = make_engine(directory, weight_budget_bytes=PLENTY)
+    engine.generate(greedy_requests(PROMPTS, MAX_TOKENS))
+    per_step = stored_layer_bytes(directory, experts=True)
+    first_layer = stored_layer_bytes(directory, experts=True) // engine.spec.num_layers  # equal layers
+    stats = engine.stats
+    # The last layer of each step also starts reading the next step's first layer.
+    assert stats.steps * per_step <= stats.weight_bytes_read <= stats.steps * per_step + first_layer
+    assert stats.weight_bytes_per_token == stats.weight_bytes_read / stats.generated_tokens
+
+
+def test_moe_reads_only_the_routed_experts(tiny):
+    """One sequence, one token per step: each sparse layer reads exactly top_k experts a step."""
+    directory = tiny.dir("qwen3_moe")
+    engine = make_engine(directory, weight_budget_bytes=PLENTY)
+    engine.generate(greedy_requests([PROMPTS[0]], MAX_TOKENS))  # a one-token prompt
+    moe, stats = engine.spec.moe, engine.stats
+    experts_per_step = sum(moe.sparse_layers) * moe.top_k * engine.weights.expert_bytes
+    per_step = stored_layer_bytes(directory, experts=False) + experts_per_step
+    assert stats.steps == MAX_TOKENS
+    assert stats.steps * per_step <= stats.weight_bytes_read <= (stats.steps + 1) * per_step
+    assert moe.top_k < moe.num_experts
+    assert stats.weight_bytes_read < stats.steps * stored_layer_bytes(directory, experts=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_a_budget_too_small_names_each_term(tiny, family):
+    directory = tiny.dir(family)
+    with pytest.raises(ValueError) as error:
+        make_engine(directory, weight_budget_bytes=smallest_budget(directory) - 1)
+    message = str(error.value)
+    assert "resident parts" in message and "2 layer slots" in message
+    assert ("expert ring" in message) == (family == "qwen3_moe")
+
+
+def test_streaming_on_cuda_is_not_implemented(tiny):
+    with pytest.raises(NotImplementedError, match="pinned host"):
+        Engine(tiny.dir("llama"), device="cuda", weight_budget_bytes=PLENTY)
+
+
+def test_streaming_defaults_to_a_large_batch(tiny):
+    engine = make_engine(tiny.dir("llama"), weight_budget_bytes=PLENTY)
+    assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (256, 2048)
+
+
+def test_reads_run_on_the_reader_thread_one_layer_ahead(tiny, monkeypatch):
+    engine = make_engine(tiny.dir("qwen3_moe"), weight_budget_bytes=PLENTY)
+    streamer = engine.weights
+    readers, ahead = set(), []
+    read = streamer._read
+
+    def recording_read(*args):
+        readers.add(threading.current_thread().name)
+        read(*args)
+
+    monkeypatch.setattr(streamer, "_read", recording_read)
+    for i, layer in enumerate(engine.model.layers):
+        # While layer i computes, the read of the layer after it has been issued.
+        layer.self_attn.register_forward_hook(lambda *_, i=i: ahead.append((i, streamer._pending[0])))
+    engine.generate(greedy_requests(PROMPTS, 4))
+    assert readers and all(name.startswith(READER_THREAD) for name in readers)
+    layers = engine.spec.num_layers
+    assert ahead and all(following == (i + 1) % layers for i, following in ahead)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_experts_stored_fused_stream_alike(tiny, family, tmp_path):
+    """save_pretrained stores one tensor per expert; a checkpoint of transformers 5's in-memory
+    tensors stores them fused ([E, 2I, H]): each expert is then a slice of one stored tensor."""
+    per_expert = tiny.dir(family)
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    shutil.copy(per_expert / "config.json", fused / "config.json")
+    state = hf_model(per_expert).state_dict()
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    save_file({name: t.contiguous() for name, t in state.items()}, str(fused / "model.safetensors"))
+    expected = make_engine(per_expert).generate(greedy_requests(PROMPTS, MAX_TOKENS))
+    engine = make_engine(fused, weight_budget_bytes=smallest_budget(fused))
+    assert_same_tokens(expected, engine.generate(greedy_requests(PROMPTS, MAX_TOKENS)))
+
+
+def test_a_dtype_other_than_the_checkpoints_is_not_implemented(tiny):
+    with pytest.raises(NotImplementedError, match="convert the checkpoint"):
+        make_engine(tiny.dir("llama"), dtype=torch.bfloat16, weight_budget_bytes=PLENTY)
+
+
+def test_a_truncated_checkpoint_fails_loudly(tiny, tmp_path):
+    directory = tmp_path / "truncated"
+    shutil.copytree(tiny.dir("llama"), directory)
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])  # the last tensor's bytes cut short
+    with pytest.raises(EOFError):
+        make_engine(directory, weight_budget_bytes=PLENTY).generate(greedy_requests(PROMPTS[:1], 2))
