@@ -4,18 +4,16 @@ expert runs once per layer and step, on the tokens of every resident sequence) c
 the counts the grouped-experts kernel returns; the kernel against a per-token reference; and
 checkpoints that store experts fused or one by one load the same weights."""
 
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import runtime.moe
 from helpers import BatchSpy, assert_idle_and_clean, assert_matches, greedy_requests, make_engine, random_prompts
 from kernels import grouped_experts, route, silu_and_mul
 from runtime.config import MoESpec, load_hf_config, model_spec
 from runtime.loader import load_model
-from tiny_models import MOE_FAMILIES, hf_model
+from tiny_models import MOE_FAMILIES, save_fused_experts
 
 MAX_TOKENS = 16
 LENGTHS = (1, 5, 17, 33, 64)
@@ -167,12 +165,7 @@ def test_fused_and_per_expert_checkpoints_load_the_same(tiny, family, tmp_path):
     the others' `mlp.experts.{e}.gate_proj`); transformers 5 holds them fused
     (`mlp.experts.gate_up_proj` [E, 2I, H]). A checkpoint of its in-memory tensors loads alike."""
     per_expert = tiny.dir(family)
-    fused = tmp_path / "fused"
-    fused.mkdir()
-    shutil.copy(per_expert / "config.json", fused / "config.json")
-    state = hf_model(per_expert).state_dict()
-    assert "model.layers.1.mlp.experts.gate_up_proj" in state
-    save_file({name: t.contiguous() for name, t in state.items()}, str(fused / "model.safetensors"))
+    fused = save_fused_experts(per_expert, tmp_path / "fused")
 
     ours = load_model(per_expert).state_dict()
     from_fused = load_model(fused).state_dict()

@@ -13,12 +13,11 @@ import threading
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from helpers import CallCounter, assert_idle_and_clean, greedy_requests, make_engine, random_prompts
 from runtime import Engine
 from runtime.weight_stream import READER_THREAD
-from tiny_models import hf_model
+from tiny_models import save_fused_experts
 
 MAX_TOKENS = 16
 PROMPTS = random_prompts((1, 5, 17, 33, 64), seed=3)
@@ -140,12 +139,7 @@ def test_experts_stored_fused_stream_alike(tiny, family, tmp_path):
     """save_pretrained stores one tensor per expert; a checkpoint of transformers 5's in-memory
     tensors stores them fused ([E, 2I, H]): each expert is then a slice of one stored tensor."""
     per_expert = tiny.dir(family)
-    fused = tmp_path / "fused"
-    fused.mkdir()
-    shutil.copy(per_expert / "config.json", fused / "config.json")
-    state = hf_model(per_expert).state_dict()
-    assert "model.layers.1.mlp.experts.gate_up_proj" in state
-    save_file({name: t.contiguous() for name, t in state.items()}, str(fused / "model.safetensors"))
+    fused = save_fused_experts(per_expert, tmp_path / "fused")
     expected = make_engine(per_expert).generate(greedy_requests(PROMPTS, MAX_TOKENS))
     engine = make_engine(fused, weight_budget_bytes=smallest_budget(fused))
     assert_same_tokens(expected, engine.generate(greedy_requests(PROMPTS, MAX_TOKENS)))

@@ -1,10 +1,12 @@
 """Tiny random-initialised models of each family, saved as HF safetensors directories, and
 transformers as the oracle on the same weights."""
 
+import shutil
 from pathlib import Path
 
 import torch
 import transformers
+from safetensors.torch import save_file
 
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -56,6 +58,17 @@ def make_tiny_model(family: str, directory: Path, seed: int = 0, **overrides) ->
 
 def hf_model(directory: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def save_fused_experts(per_expert: Path, fused: Path) -> Path:
+    """The same MoE checkpoint as transformers 5 holds it in memory: experts fused per layer
+    (`mlp.experts.gate_up_proj` [E, 2I, H]) where save_pretrained wrote one tensor per expert."""
+    fused.mkdir()
+    shutil.copy(per_expert / "config.json", fused / "config.json")
+    state = hf_model(per_expert).state_dict()
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    save_file({name: t.contiguous() for name, t in state.items()}, str(fused / "model.safetensors"))
+    return fused
 
 
 @torch.inference_mode()
