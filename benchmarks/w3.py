@@ -100,11 +100,11 @@ def work_items(num_requests: int, max_tokens: int) -> list[WorkItem]:
 
 def kv_bytes(model_dir: Path, items: list[WorkItem]) -> int:
     """fp32 KV for every request's whole context at once, in 16-token blocks, plus a block each."""
-    config = json.loads((model_dir / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
-    blocks = sum(-(-(len(it.prompt_ids) + it.max_tokens) // 16) + 1 for it in items)
-    return blocks * 16 * per_token
+    from runtime.config import load_hf_config, model_spec
+    from runtime.kv_cache import KVCache
+
+    per_block = KVCache.bytes_per_block(model_spec(load_hf_config(model_dir)), 16, torch.float32)
+    return sum(-(-(len(it.prompt_ids) + it.max_tokens) // 16) + 1 for it in items) * per_block
 
 
 def run_child(system: str, work: dict) -> dict:

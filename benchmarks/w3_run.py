@@ -24,22 +24,30 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def ours(work: dict, items: list[WorkItem]) -> dict:
+def _engine_run(work: dict, items: list[WorkItem], **engine_args) -> tuple[object, dict]:
+    """Our engine built for the work and timed on it: (the engine, the common result fields)."""
     from runtime import Engine
 
     start = time.perf_counter()
-    engine = Engine(work["model"], weight_budget_bytes=work["budget"], kv_cache_bytes=work["kv_bytes"],
-                    num_threads=work["threads"])
+    engine = Engine(work["model"], kv_cache_bytes=work["kv_bytes"], num_threads=work["threads"],
+                    **engine_args)
     load = time.perf_counter() - start
     start = time.perf_counter()
     completions = engine.generate([it.request() for it in items])
     elapsed = time.perf_counter() - start
     stats = engine.stats
-    return {"system": "batchgen engine (weight streaming)", "load_s": load, "batch_completion_s": elapsed,
-            "tokens": {c.id: c.token_ids for c in completions}, "steps": stats.steps,
-            "generated_tokens": stats.generated_tokens, "weight_bytes_read": stats.weight_bytes_read,
-            "weight_bytes_per_token": stats.weight_bytes_per_token,
-            "weight_bytes_held": engine.weights.budget_used, "kv_cache_bytes": work["kv_bytes"],
+    return engine, {"load_s": load, "batch_completion_s": elapsed,
+                    "tokens": {c.id: c.token_ids for c in completions}, "steps": stats.steps,
+                    "generated_tokens": stats.generated_tokens,
+                    "weight_bytes_read": stats.weight_bytes_read,
+                    "weight_bytes_per_token": stats.weight_bytes_per_token,
+                    "kv_cache_bytes": work["kv_bytes"]}
+
+
+def ours(work: dict, items: list[WorkItem]) -> dict:
+    engine, result = _engine_run(work, items, weight_budget_bytes=work["budget"])
+    return {"system": "batchgen engine (weight streaming)", **result,
+            "weight_bytes_held": engine.weights.budget_used,
             "engine_args": {"max_num_seqs": engine.scheduler.max_num_seqs,
                             "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
                             "ring_experts_per_half": engine.weights.ring_experts},
@@ -49,20 +57,10 @@ def ours(work: dict, items: list[WorkItem]) -> dict:
 def resident(work: dict, items: list[WorkItem]) -> dict:
     """Our engine with every weight in memory, same batch limits as streaming: the reference for
     token-exactness and for what streaming costs."""
-    from runtime import Engine
     from runtime.engine import STREAMING_BATCH
 
-    start = time.perf_counter()
-    engine = Engine(work["model"], kv_cache_bytes=work["kv_bytes"], num_threads=work["threads"],
-                    **STREAMING_BATCH)
-    load = time.perf_counter() - start
-    start = time.perf_counter()
-    completions = engine.generate([it.request() for it in items])
-    elapsed = time.perf_counter() - start
-    return {"system": "batchgen engine (all weights resident)", "load_s": load, "batch_completion_s": elapsed,
-            "tokens": {c.id: c.token_ids for c in completions}, "steps": engine.stats.steps,
-            "generated_tokens": engine.stats.generated_tokens, "weight_bytes_read": 0,
-            "weight_bytes_per_token": 0.0, "kv_cache_bytes": work["kv_bytes"]}
+    _, result = _engine_run(work, items, **STREAMING_BATCH)
+    return {"system": "batchgen engine (all weights resident)", **result}
 
 
 class _OffloadCounter:

@@ -62,20 +62,29 @@ def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
 
 
 # Per-expert tensor names of checkpoints that do not store experts fused: (gate, up, down).
-PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"),  # Qwen2/3-MoE, OLMoE
+_PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"),  # Qwen2/3-MoE, OLMoE
                      ("w1", "w3", "w2"))  # Mixtral
+
+
+def per_expert_names(checkpoint, name: str, num_experts: int) -> list[list[str]] | None:
+    """Where the stacked tensor `name` (`….experts.gate_up_proj` or `….experts.down_proj`) is
+    stored one expert at a time (what `save_pretrained` writes, and older checkpoints): each
+    expert's stored tensors, concatenated in this order to form its slice. None where the
+    checkpoint stores it fused (transformers 5)."""
+    if name in checkpoint:
+        return None
+    prefix, kind = name.rsplit(".", 1)
+    for gate, up, down in _PER_EXPERT_NAMES:
+        parts = (gate, up) if kind == "gate_up_proj" else (down,)
+        if f"{prefix}.0.{parts[0]}.weight" in checkpoint:
+            return [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(num_experts)]
+    raise KeyError(f"checkpoint has no tensor {name!r}, fused or per expert")
 
 
 def read_experts(checkpoint, name: str, num_experts: int) -> torch.Tensor:
     """The stacked tensor `name` (`….experts.gate_up_proj` [E, 2I, H] or `….experts.down_proj`
-    [E, H, I]) from a checkpoint that stores it fused (transformers 5) or one expert at a time
-    (what `save_pretrained` writes, and older checkpoints)."""
-    if name in checkpoint:
+    [E, H, I]), however the checkpoint stores it."""
+    per_expert = per_expert_names(checkpoint, name, num_experts)
+    if per_expert is None:
         return checkpoint.get(name)
-    prefix, kind = name.rsplit(".", 1)
-    for gate, up, down in PER_EXPERT_NAMES:
-        parts = (gate, up) if kind == "gate_up_proj" else (down,)
-        if f"{prefix}.0.{parts[0]}.weight" in checkpoint:
-            return torch.stack([torch.cat([checkpoint.get(f"{prefix}.{e}.{p}.weight") for p in parts])
-                                for e in range(num_experts)])
-    raise KeyError(f"checkpoint has no tensor {name!r}, fused or per expert")
+    return torch.stack([torch.cat([checkpoint.get(part) for part in parts]) for parts in per_expert])

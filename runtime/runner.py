@@ -48,9 +48,8 @@ class ModelRunner:
         input_ids = [s.token_ids[-1] for s in decodes]
         positions = [s.num_tokens - 1 for s in decodes]
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(decodes, positions)]
-        lengths = [len(s.block_table) for s in decodes]
         if decode_attention_pads(self.device):
-            sizes = group_by_length(lengths)
+            sizes = group_by_length([len(s.block_table) for s in decodes])
         else:
             sizes = [len(decodes)] if decodes else []
         groups, start = [], 0

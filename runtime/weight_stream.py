@@ -26,7 +26,7 @@ from torch import nn
 from kernels.moe import combine, expert_ffn, sort_by_expert
 from runtime.loader import canonical_name, hf_sources, safetensors_files
 from runtime.model import CausalLM
-from runtime.moe import PER_EXPERT_NAMES, SparseMoeBlock
+from runtime.moe import SparseMoeBlock, per_expert_names
 
 READER_THREAD = "batchgen-weights"
 # Reader threads: one copies from the page cache at ~2.6 GB/s here, two at ~3.9 GB/s. Reads are
@@ -79,16 +79,12 @@ class _Index:
     def expert_extents(self, hf_name: str, num_experts: int) -> list[list[Extent]]:
         """Per expert, the extents that make up its slice of the stacked tensor `hf_name`
         (`….experts.gate_up_proj` or `….experts.down_proj`), stored fused or per expert."""
-        if hf_name in self:
-            whole = self.extent(hf_name)
-            size = whole.nbytes // num_experts
-            return [[Extent(whole.fd, whole.offset + e * size, size)] for e in range(num_experts)]
-        prefix, kind = hf_name.rsplit(".", 1)
-        for gate, up, down in PER_EXPERT_NAMES:
-            parts = (gate, up) if kind == "gate_up_proj" else (down,)
-            if f"{prefix}.0.{parts[0]}.weight" in self:
-                return [[self.extent(f"{prefix}.{e}.{p}.weight") for p in parts] for e in range(num_experts)]
-        raise KeyError(f"checkpoint has no tensor {hf_name!r}, fused or per expert")
+        per_expert = per_expert_names(self, hf_name, num_experts)
+        if per_expert is not None:
+            return [[self.extent(part) for part in parts] for parts in per_expert]
+        whole = self.extent(hf_name)
+        size = whole.nbytes // num_experts
+        return [[Extent(whole.fd, whole.offset + e * size, size)] for e in range(num_experts)]
 
 
 def _aligned(nbytes: int) -> int:
