@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import kernels
+from benchmarks.step_costs import start_decoding
 from benchmarks.workloads import bundled_prompts
 from kernels import attention, cpu_attention
 from runtime import Engine, Request, SamplingParams
@@ -80,14 +81,7 @@ def engine_steps(model_dir: Path) -> dict:
         requests = [Request(f"b{batch}-{i}", prompt_token_ids=(text[i:] + text[:i])[:CONTEXT - 1],
                             params=SamplingParams(max_tokens=CONTEXT, ignore_eos=True))
                     for i in range(batch)]
-        for request in requests:
-            engine.submit(request)
-        # Submitted requests wait in the engine's inbox until a step: step until all decode.
-        engine.step()
-        while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
-            engine.step()
-        engine.step()  # warm-up: every sequence decoding
-        assert len(engine.scheduler.running) == batch
+        start_decoding(engine, requests)
         decode_steps = engine.stats.decode_steps
         times = {choice: [] for choice in CHOICES}
         for _ in range(REPEATS):

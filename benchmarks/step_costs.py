@@ -23,18 +23,24 @@ DECODE_STEPS = 8  # timed decode steps per batch size, after one untimed warm-up
 PREFILL_TOKENS = 512  # one chunk: W1's prompt set concatenated, cut to this length
 
 
-def _decode_step_seconds(engine: Engine, prompts: list[list[int]], batch: int) -> float:
-    """Median decode step time with `batch` sequences resident, all past their prefill."""
-    requests = [Request(f"d{batch}-{i}", prompt_token_ids=prompts[i % len(prompts)],
-                        params=SamplingParams(max_tokens=DECODE_STEPS + 2, ignore_eos=True))
-                for i in range(batch)]
+def start_decoding(engine: Engine, requests: list[Request]) -> None:
+    """Submit the requests and step until every one is resident and past its prefill, then one
+    untimed warm-up step with all of them decoding."""
     for request in requests:
         engine.submit(request)
     engine.step()  # submitted requests reach the scheduler only when a step drains the inbox
     while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
         engine.step()
-    assert len(engine.scheduler.running) == batch, "not every request is resident"
-    engine.step()  # warm-up at this batch size
+    assert len(engine.scheduler.running) == len(requests), "not every request is resident"
+    engine.step()
+
+
+def _decode_step_seconds(engine: Engine, prompts: list[list[int]], batch: int) -> float:
+    """Median decode step time with `batch` sequences resident, all past their prefill."""
+    requests = [Request(f"d{batch}-{i}", prompt_token_ids=prompts[i % len(prompts)],
+                        params=SamplingParams(max_tokens=DECODE_STEPS + 2, ignore_eos=True))
+                for i in range(batch)]
+    start_decoding(engine, requests)
     times = []
     for _ in range(DECODE_STEPS):
         start = time.perf_counter()
