@@ -17,7 +17,7 @@ setup(
     install_requires=[
         # Never leave torch unpinned: an open range pulls a multi-GB CUDA build on CPU boxes.
         "torch>=2.9,<2.14",  # 2.9: torch._grouped_mm on CPU (MoE experts)
-        "ninja>=1.11,<1.14",  # torch's JIT build of the C++ CPU attention (kernels/cpu_attention.py)
+        "ninja>=1.11,<1.14",  # torch's JIT build of the C++ CPU kernels (kernels/cpu_kernels.py)
         "transformers>=5.20,<5.25",
         "safetensors>=0.6,<0.9",
         "tokenizers>=0.22,<0.24",

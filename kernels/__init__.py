@@ -1,21 +1,21 @@
-"""Compute ops. Each op has a torch implementation: the CPU path and the reference for the
-Triton kernels (kernels/triton/) that run CUDA tensors and for the C++ paged decode attention
-(kernels/cpu_attention.py) that runs CPU tensors. kernels/backend.py picks one per call, by
-device (and BATCHGEN_CPU_ATTENTION); `prepare(device)` builds the C++ kernel ahead of use."""
+"""Compute ops. Each op has a torch implementation, the reference for the Triton kernels
+(kernels/triton/) that run CUDA tensors and for the C++ kernels (kernels/cpu_kernels.py) that
+run CPU tensors. kernels/backend.py picks one per call, by device (and BATCHGEN_CPU_KERNELS);
+`prepare(device)` builds the C++ kernels ahead of use."""
 
-from kernels import activation, attention, cpu_attention, moe, norm, rope
+from kernels import activation, attention, cpu_kernels as cpp, matmul, moe, norm, rope
 from kernels.backend import dispatch, prepare
-from kernels.cpu_attention import KernelBuildError
+from kernels.cpu_kernels import KernelBuildError
 from kernels.moe import route  # softmax and top-k: torch's own kernels on every device
 
-add_rms_norm = dispatch(norm.add_rms_norm)
-apply_rope = dispatch(rope.apply_rope)
+add_rms_norm = dispatch(norm.add_rms_norm, cpp.add_rms_norm)
+apply_rope = dispatch(rope.apply_rope, cpp.apply_rope)
 grouped_experts = dispatch(moe.grouped_experts)
-paged_decode_attention = dispatch(attention.paged_decode_attention,
-                                  cpu_attention.paged_decode_attention)
+linear = dispatch(matmul.linear, cpp.linear, triton=False)
+paged_decode_attention = dispatch(attention.paged_decode_attention, cpp.paged_decode_attention)
 paged_prefill_attention = dispatch(attention.paged_prefill_attention)
-rms_norm = dispatch(norm.rms_norm)
-silu_and_mul = dispatch(activation.silu_and_mul)
+rms_norm = dispatch(norm.rms_norm, cpp.rms_norm)
+silu_and_mul = dispatch(activation.silu_and_mul, cpp.silu_and_mul)
 write_kv = dispatch(attention.write_kv)
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "apply_rope",
     "grouped_experts",
     "KernelBuildError",
+    "linear",
     "paged_decode_attention",
     "paged_prefill_attention",
     "prepare",

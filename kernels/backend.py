@@ -1,6 +1,6 @@
-"""Which implementation runs an op: the Triton kernels (kernels/triton/) for CUDA tensors; for
-CPU tensors the C++ paged decode attention (kernels/cpu_attention.py) unless
-BATCHGEN_CPU_ATTENTION=torch; torch for everything else.
+"""Which implementation runs an op: the Triton kernels (kernels/triton/) for CUDA tensors (torch
+for the linear, which cuBLAS does well); for CPU tensors the C++ kernels (kernels/cpu_kernels.py)
+unless BATCHGEN_CPU_KERNELS=torch; torch for everything else.
 
 The choice follows the tensor's device, never whether `triton` imports: triton is installed on
 many CPU boxes (torch's CUDA wheels pull it in), and launching a kernel there fails with
@@ -18,10 +18,10 @@ import os
 
 import torch
 
-from kernels import cpu_attention as cpp
+from kernels import cpu_kernels as cpp
 
 _forced = False
-CPU_ATTENTION_VAR = "BATCHGEN_CPU_ATTENTION"
+CPU_KERNELS_VAR = "BATCHGEN_CPU_KERNELS"
 
 
 def backend_for(device: torch.device) -> str:
@@ -29,19 +29,19 @@ def backend_for(device: torch.device) -> str:
     return "triton" if _forced or device.type == "cuda" else "torch"
 
 
-def cpu_attention() -> str:
-    """BATCHGEN_CPU_ATTENTION: 'cpp' (the default, the C++ kernel) or 'torch'; read at every call,
+def cpu_kernels() -> str:
+    """BATCHGEN_CPU_KERNELS: 'cpp' (the default, the C++ kernels) or 'torch'; read at every call,
     so a process can switch."""
-    choice = os.environ.get(CPU_ATTENTION_VAR, "cpp")
+    choice = os.environ.get(CPU_KERNELS_VAR, "cpp")
     if choice not in ("cpp", "torch"):
-        raise ValueError(f"{CPU_ATTENTION_VAR}={choice!r}: expected 'cpp' or 'torch'")
+        raise ValueError(f"{CPU_KERNELS_VAR}={choice!r}: expected 'cpp' or 'torch'")
     return choice
 
 
 def uses_cpp(device: torch.device) -> bool:
     """Whether ops with a C++ kernel run it on this device: CPU tensors, outside
-    `forced_triton()`, unless BATCHGEN_CPU_ATTENTION=torch."""
-    return device.type == "cpu" and backend_for(device) == "torch" and cpu_attention() == "cpp"
+    `forced_triton()`, unless BATCHGEN_CPU_KERNELS=torch."""
+    return device.type == "cpu" and backend_for(device) == "torch" and cpu_kernels() == "cpp"
 
 
 def decode_attention_pads(device: torch.device) -> bool:
@@ -52,8 +52,8 @@ def decode_attention_pads(device: torch.device) -> bool:
 
 
 def prepare(device: str | torch.device) -> None:
-    """Build (or load from the cache) the C++ kernel where `device` will run it, so no step pays
-    for the build. Raises cpu_attention.KernelBuildError where the build fails."""
+    """Build (or load from the cache) the C++ kernels where `device` will run them, so no step
+    pays for the build. Raises cpu_kernels.KernelBuildError where the build fails."""
     if uses_cpp(torch.device(device)):
         cpp.build()
 
@@ -83,13 +83,14 @@ def triton_ops():
     return kernels.triton
 
 
-def dispatch(torch_op, cpp_op=None):
-    """The public op: torch_op, or the Triton kernel of the same name, by the first argument's
-    device; cpp_op (a C++ kernel) instead of torch_op for CPU tensors, as cpu_attention() says."""
+def dispatch(torch_op, cpp_op=None, triton=True):
+    """The public op: torch_op, or (where `triton`) the Triton kernel of the same name, by the
+    first argument's device; cpp_op (a C++ kernel) instead of torch_op for CPU tensors, as
+    cpu_kernels() says."""
     @functools.wraps(torch_op)
     def op(*args, **kwargs):
         device = args[0].device
-        if backend_for(device) == "triton":
+        if backend_for(device) == "triton" and triton:
             return getattr(triton_ops(), torch_op.__name__)(*args, **kwargs)
         if cpp_op is not None and uses_cpp(device):
             return cpp_op(*args, **kwargs)

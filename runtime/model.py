@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import (add_rms_norm, apply_rope, paged_decode_attention, paged_prefill_attention,
-                     rms_norm, silu_and_mul, write_kv)
+from kernels import (add_rms_norm, apply_rope, linear, paged_decode_attention,
+                     paged_prefill_attention, rms_norm, silu_and_mul, write_kv)
 from runtime.config import ModelSpec
 
 
@@ -41,6 +41,14 @@ class AttentionBatch:
     prefills: list[PrefillChunk]
 
 
+class Linear(nn.Linear):
+    """nn.Linear through kernels.linear: on CPU, decode steps' few rows take a C++ kernel that
+    reads the weights once for all of them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -61,8 +69,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
         # Qwen3 normalises each head's q and k; OLMoE all heads' at once (before the head split).
         self.qk_norm_per_head = spec.qk_norm_per_head
         q_norm_size, k_norm_size = (spec.head_dim,) * 2 if spec.qk_norm_per_head else (self.q_size, self.kv_size)
@@ -102,8 +110,8 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec, intermediate_size: int | None = None):
         super().__init__()
         size = intermediate_size or spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * size, bias=spec.mlp_bias)
+        self.down_proj = Linear(size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -138,7 +146,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, w, i) for i, w in enumerate(spec.sliding_windows))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("rope_cos", rope_cos, persistent=False)

@@ -40,6 +40,8 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         moe = spec.moe
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        # The router stays on torch's matmul: top-k is discontinuous, so its logits keep the
+        # summation order transformers computes them in.
         self.gate = nn.Linear(spec.hidden_size, moe.num_experts, bias=False)
         self.experts = Experts(moe.num_experts, spec.hidden_size, moe.intermediate_size)
         self.shared_expert = MLP(spec, moe.shared_expert_size) if moe.shared_expert_size else None

@@ -1,16 +1,18 @@
-"""The C++ paged decode attention (kernels/cpu_attention.py) against the torch op it replaces on
-CPU tensors, its dispatch (BATCHGEN_CPU_ATTENTION), its build error, and the engine's greedy
-tokens with it against the torch path and transformers."""
+"""The C++ CPU kernels (kernels/cpu_kernels.py) against the torch ops they replace on CPU tensors
+— paged decode attention, the few-row linear, RMSNorm (with and without the residual add),
+RoPE, SiLU-and-mul — their dispatch (BATCHGEN_CPU_KERNELS), their build error, and the engine's
+greedy tokens with them against the torch path and transformers."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils import cpp_extension
 
 import kernels
 from helpers import greedy_requests, make_engine, random_prompts
-from kernels import attention, cpu_attention
+from kernels import activation, attention, cpu_kernels, norm, rope
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-12, rtol=1e-12),
              torch.bfloat16: dict(atol=1e-2, rtol=1e-2), torch.float16: dict(atol=1e-2, rtol=1e-2)}
@@ -45,7 +47,7 @@ def reference(q, k, v, tables, lens, scale, window=None):
 
 
 def check(q, k, v, tables, lens, scale=0.3, window=None):
-    out = cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale, window)
+    out = cpu_kernels.paged_decode_attention(q, k, v, tables, lens, scale, window)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.to(torch.float64),
                                reference(q, k, v, tables, lens, scale, window).to(torch.float64),
@@ -79,7 +81,7 @@ def test_large_ragged_batch_at_the_default_models_shape():
 
 def test_empty_batch():
     q, k, v, _, _ = paged_case([5], 4, 2, 8, 4)
-    out = cpu_attention.paged_decode_attention(q[:0], k, v, torch.zeros(0, 2, dtype=torch.long),
+    out = cpu_kernels.paged_decode_attention(q[:0], k, v, torch.zeros(0, 2, dtype=torch.long),
                                                torch.zeros(0, dtype=torch.long), 0.3)
     assert out.shape == (0, 4, 8)
 
@@ -102,7 +104,7 @@ def test_strided_inputs_and_int32_indices():
     wide_k[..., :16], wide_v[..., :16] = k, v
     strided_k, strided_v = wide_k[..., :16], wide_v[..., :16]
     assert not (strided_q.is_contiguous() or strided_k.is_contiguous())
-    out = cpu_attention.paged_decode_attention(strided_q, strided_k, strided_v, tables.int(),
+    out = cpu_kernels.paged_decode_attention(strided_q, strided_k, strided_v, tables.int(),
                                                lens.int(), 0.3)
     torch.testing.assert_close(out, attention.paged_decode_attention(q, k, v, tables, lens, 0.3),
                                **TOLERANCE[torch.float32])
@@ -112,7 +114,7 @@ def test_padding_past_the_context_is_never_read():
     q, k, v, tables, lens = paged_case([5, 40], 4, 2, 16, 16, seed=11)
     want = attention.paged_decode_attention(q, k, v, tables, lens, 0.3)
     tables[0, 1:] = -1  # not a block at all
-    out = cpu_attention.paged_decode_attention(q, k, v, tables, lens, 0.3)
+    out = cpu_kernels.paged_decode_attention(q, k, v, tables, lens, 0.3)
     torch.testing.assert_close(out, want, **TOLERANCE[torch.float32])
 
 
@@ -130,24 +132,169 @@ def test_bad_inputs_raise(change, message):
     case = dict(q=q, k=k, v=v, tables=tables, lens=lens)
     change(case)
     with pytest.raises(RuntimeError, match=message):
-        cpu_attention.paged_decode_attention(case["q"], case["k"], case["v"], case["tables"],
+        cpu_kernels.paged_decode_attention(case["q"], case["k"], case["v"], case["tables"],
                                              case["lens"], 0.3)
+
+
+# ---- the few-row linear -------------------------------------------------------------------------
+
+# fp32 sums of up to 576 products of N(0, 1) values, in another order than MKL's.
+LINEAR_TOLERANCE = dict(atol=1e-4, rtol=1e-5)
+
+
+def small_rows_linear(x, weight, bias=None):
+    return cpu_kernels.build().small_rows_linear(x, weight, bias)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 24, 40])
+@pytest.mark.parametrize("in_features,out_features", [(64, 96), (576, 960), (70, 33), (5, 3), (17, 1)])
+def test_linear_matches_torch(rows, in_features, out_features):
+    """The kernel at any row count (dispatch sends it 4-24): both weight-tile shapes and their
+    remainders; feature sizes that are and are not multiples of the 16 lanes and of the tiles."""
+    g = gen(rows * 1000 + in_features + out_features)
+    x = torch.randn(rows, in_features, generator=g)
+    weight = torch.randn(out_features, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g)
+    torch.testing.assert_close(small_rows_linear(x, weight, bias), F.linear(x, weight, bias),
+                               **LINEAR_TOLERANCE)
+    torch.testing.assert_close(small_rows_linear(x, weight), F.linear(x, weight), **LINEAR_TOLERANCE)
+
+
+def test_linear_takes_strided_inputs():
+    """x as a slice of a wider activation, the weight as a view of a packed projection."""
+    g = gen(3)
+    wide = torch.randn(4, 100, generator=g)
+    packed = torch.randn(50, 64, generator=g)
+    x, weight = wide[:, 10:74], packed[10:40]
+    assert not x.is_contiguous()
+    torch.testing.assert_close(small_rows_linear(x, weight), F.linear(x, weight), **LINEAR_TOLERANCE)
+
+
+def test_linear_takes_the_kernel_only_for_the_row_counts_where_it_is_faster(monkeypatch):
+    g = gen(4)
+    weight = torch.randn(8, 16, generator=g)
+    for rows in (4, 24):
+        x = torch.randn(rows, 16, generator=g)
+        torch.testing.assert_close(cpu_kernels.linear(x, weight), F.linear(x, weight), **LINEAR_TOLERANCE)
+    # Fewer or more rows, other dtypes and batched 3-d inputs: torch's matmul, never the kernel.
+    monkeypatch.setattr(cpu_kernels, "build", lambda: pytest.fail("the C++ linear was called"))
+    for x in (torch.randn(3, 16, generator=g), torch.randn(25, 16, generator=g), torch.randn(0, 16),
+              torch.randn(2, 5, 16, generator=g)):
+        torch.testing.assert_close(cpu_kernels.linear(x, weight), F.linear(x, weight))
+    x = torch.randn(3, 16, generator=g).bfloat16()
+    assert torch.equal(cpu_kernels.linear(x, weight.bfloat16()), F.linear(x, weight.bfloat16()))
+
+
+def test_linear_bad_inputs_raise():
+    with pytest.raises(RuntimeError, match=r"x must be \[rows, in\]"):
+        small_rows_linear(torch.randn(2, 16), torch.randn(8, 15))
+    with pytest.raises(RuntimeError, match="bias must be fp32"):
+        small_rows_linear(torch.randn(2, 16), torch.randn(8, 16), torch.randn(7))
+
+
+# ---- the per-token ops -----------------------------------------------------------------------------
+
+POINTWISE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+# The torch ops round where these do; only the order of the norm's sum of squares differs.
+POINTWISE_TOLERANCE = {torch.float32: dict(atol=1e-6, rtol=1e-6), torch.float64: dict(atol=1e-12, rtol=1e-12),
+                       torch.bfloat16: dict(atol=1e-2, rtol=1e-2), torch.float16: dict(atol=1e-3, rtol=1e-3)}
+
+
+@pytest.mark.parametrize("dtype", POINTWISE_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 576), (3, 5, 24), (0, 16)])
+def test_norms_match_torch(dtype, shape):
+    g = gen(sum(shape))
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    residual = torch.randn(*shape, generator=g).to(dtype)
+    weight = torch.randn(shape[-1], generator=g).to(dtype)
+    # The norm computes in fp32 for every dtype (fp64 too): fp32's tolerance there.
+    tolerance = POINTWISE_TOLERANCE[torch.float32 if dtype == torch.float64 else dtype]
+    out = cpu_kernels.rms_norm(x, weight, 1e-5)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out, norm.rms_norm(x, weight, 1e-5), **tolerance)
+    normed, summed = cpu_kernels.add_rms_norm(x, residual, weight, 1e-5)
+    want_normed, want_summed = norm.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, want_summed)
+    torch.testing.assert_close(normed, want_normed, **tolerance)
+
+
+def test_norms_with_a_weight_of_another_dtype_promote_as_torch_does():
+    x, weight = torch.randn(3, 32).bfloat16(), torch.randn(32)
+    assert torch.equal(cpu_kernels.rms_norm(x, weight, 1e-6), norm.rms_norm(x, weight, 1e-6))
+    for ours, want in zip(cpu_kernels.add_rms_norm(x, x, weight, 1e-6), norm.add_rms_norm(x, x, weight, 1e-6)):
+        assert torch.equal(ours, want)
+
+
+@pytest.mark.parametrize("dtype", POINTWISE_DTYPES)
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 9, 64), (5, 3, 64), (4, 2, 6), (0, 2, 8)])
+def test_rope_matches_torch(dtype, tokens, heads, head_dim):
+    g = gen(tokens * heads + head_dim)
+    x = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
+    cos, sin = (torch.randn(tokens, head_dim, generator=g).to(dtype) for _ in range(2))
+    torch.testing.assert_close(cpu_kernels.apply_rope(x, cos, sin), rope.apply_rope(x, cos, sin),
+                               **POINTWISE_TOLERANCE[dtype])
+
+
+def test_rope_takes_the_heads_of_a_packed_projection():
+    """q and k are views into the packed q|k|v projection, as the model splits them."""
+    g = gen(9)
+    qkv = torch.randn(3, 4 * 16 + 2 * 2 * 16, generator=g)
+    k = qkv[:, 64:96].view(3, 2, 16)
+    cos, sin = torch.randn(3, 16, generator=g), torch.randn(3, 16, generator=g)
+    assert not k.is_contiguous()
+    torch.testing.assert_close(cpu_kernels.apply_rope(k, cos, sin), rope.apply_rope(k, cos, sin),
+                               **POINTWISE_TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", POINTWISE_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 3072), (6, 40), (2, 3, 10), (0, 8)])
+def test_silu_and_mul_matches_torch(dtype, shape):
+    gate_up = (torch.randn(*shape, generator=gen(sum(shape))) * 4).to(dtype)
+    out = cpu_kernels.silu_and_mul(gate_up)
+    assert out.shape == (*shape[:-1], shape[-1] // 2)
+    torch.testing.assert_close(out, activation.silu_and_mul(gate_up), **POINTWISE_TOLERANCE[dtype])
+
+
+def test_pointwise_bad_inputs_raise():
+    with pytest.raises(RuntimeError, match="weight must be \\[hidden\\]"):
+        cpu_kernels.rms_norm(torch.randn(2, 16), torch.randn(15), 1e-6)
+    with pytest.raises(RuntimeError, match="same shape and dtype"):
+        cpu_kernels.add_rms_norm(torch.randn(2, 16), torch.randn(3, 16), torch.randn(16), 1e-6)
+    with pytest.raises(RuntimeError, match="head_dim even"):
+        cpu_kernels.apply_rope(torch.randn(2, 3, 7), torch.randn(2, 7), torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="must be even"):
+        cpu_kernels.silu_and_mul(torch.randn(2, 7))
 
 
 # ---- dispatch and build ----------------------------------------------------------------------
 
-def test_cpu_tensors_take_the_cpp_kernel_unless_told_otherwise(monkeypatch):
-    monkeypatch.setattr(cpu_attention, "build",
-                        lambda: SimpleNamespace(paged_decode_attention=lambda *args: "cpp"))
+def test_cpu_tensors_take_the_cpp_kernels_unless_told_otherwise(monkeypatch):
+    ops = ["paged_decode_attention", "small_rows_linear", "rms_norm", "add_rms_norm", "apply_rope",
+           "silu_and_mul"]
+    monkeypatch.setattr(cpu_kernels, "build",
+                        lambda: SimpleNamespace(**{op: (lambda *args, op=op: op) for op in ops}))
+    g = gen(1)
+    x, weight = torch.randn(4, 16, generator=g), torch.randn(16, generator=g)
+    q, cos, sin = torch.randn(4, 2, 8, generator=g), torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
     case = paged_case([5, 20], 4, 2, 8, 16)
-    monkeypatch.delenv("BATCHGEN_CPU_ATTENTION", raising=False)
-    assert kernels.paged_decode_attention(*case, 0.3) == "cpp"
-    monkeypatch.setenv("BATCHGEN_CPU_ATTENTION", "cpp")
-    assert kernels.paged_decode_attention(*case, 0.3) == "cpp"
-    monkeypatch.setenv("BATCHGEN_CPU_ATTENTION", "torch")
-    torch.testing.assert_close(kernels.paged_decode_attention(*case, 0.3),
-                               attention.paged_decode_attention(*case, 0.3))
-    monkeypatch.setenv("BATCHGEN_CPU_ATTENTION", "fast")
+    calls = {
+        "paged_decode_attention": (kernels.paged_decode_attention, (*case, 0.3), attention.paged_decode_attention),
+        "small_rows_linear": (kernels.linear, (x, torch.randn(4, 16, generator=g)), F.linear),
+        "rms_norm": (kernels.rms_norm, (x, weight, 1e-6), norm.rms_norm),
+        "add_rms_norm": (kernels.add_rms_norm, (x, x, weight, 1e-6), norm.add_rms_norm),
+        "apply_rope": (kernels.apply_rope, (q, cos, sin), rope.apply_rope),
+        "silu_and_mul": (kernels.silu_and_mul, (x,), activation.silu_and_mul),
+    }
+    for choice in (None, "cpp"):
+        if choice is None:
+            monkeypatch.delenv("BATCHGEN_CPU_KERNELS", raising=False)
+        else:
+            monkeypatch.setenv("BATCHGEN_CPU_KERNELS", choice)
+        assert {name: op(*args) for name, (op, args, _) in calls.items()} == {op: op for op in ops}
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "torch")
+    for op, args, torch_op in calls.values():
+        torch.testing.assert_close(op(*args), torch_op(*args))
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "fast")
     with pytest.raises(ValueError, match="expected 'cpp' or 'torch'"):
         kernels.paged_decode_attention(*case, 0.3)
 
@@ -156,18 +303,18 @@ def test_a_failed_build_raises_and_names_the_opt_out(monkeypatch):
     def broken_load(**kwargs):
         raise RuntimeError("g++: command not found")
 
-    monkeypatch.setattr(cpu_attention, "_module", None)
+    monkeypatch.setattr(cpu_kernels, "_module", None)
     monkeypatch.setattr(cpp_extension, "load", broken_load)
-    monkeypatch.delenv("BATCHGEN_CPU_ATTENTION", raising=False)
+    monkeypatch.delenv("BATCHGEN_CPU_KERNELS", raising=False)
     with pytest.raises(kernels.KernelBuildError, match="g\\+\\+: command not found") as error:
         kernels.prepare("cpu")
-    assert "BATCHGEN_CPU_ATTENTION=torch" in str(error.value)
+    assert "BATCHGEN_CPU_KERNELS=torch" in str(error.value)
     with pytest.raises(kernels.KernelBuildError):
         kernels.paged_decode_attention(*paged_case([5], 4, 2, 8, 16), 0.3)
     # Opted out, or not on a CPU: nothing is built.
-    monkeypatch.setenv("BATCHGEN_CPU_ATTENTION", "torch")
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "torch")
     kernels.prepare("cpu")
-    monkeypatch.delenv("BATCHGEN_CPU_ATTENTION")
+    monkeypatch.delenv("BATCHGEN_CPU_KERNELS")
     kernels.prepare("meta")
 
 
@@ -192,13 +339,14 @@ class DecodeGroupSpy:
         return self.model.compute_logits(hidden)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "smollm"])  # GQA 2, sliding window, MQA
+@pytest.mark.parametrize("family", ["llama", "mistral", "smollm", "qwen3_moe"])  # GQA 2, sliding window, MQA, MoE
 def test_engine_greedy_is_token_exact_with_the_torch_path(tiny, family, monkeypatch):
-    """The torch path batches decode rows of similar length (it pads to the longest); the C++
-    kernel takes them all in one ragged call."""
+    """Every C++ kernel against the torch ops in a whole engine. The torch path batches decode
+    rows of similar length (it pads to the longest); the C++ kernel takes them all in one
+    ragged call."""
     completions, groups = {}, {}
     for choice in ("torch", "cpp"):
-        monkeypatch.setenv("BATCHGEN_CPU_ATTENTION", choice)
+        monkeypatch.setenv("BATCHGEN_CPU_KERNELS", choice)
         engine = make_engine(tiny.dir(family))
         groups[choice] = DecodeGroupSpy(engine).steps
         completions[choice] = engine.generate(greedy_requests(PROMPTS, 20))

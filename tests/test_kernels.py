@@ -63,12 +63,12 @@ class PagedSequences:
 
 
 @pytest.fixture(params=["cpp", "torch"])
-def both_cpu_attentions(request, monkeypatch):
-    """Runs the test with the C++ decode attention and with the torch op (kernels/backend.py)."""
-    monkeypatch.setenv("BATCHGEN_CPU_ATTENTION", request.param)
+def both_cpu_kernel_choices(request, monkeypatch):
+    """Runs the test with the C++ kernels and with the torch ops (kernels/backend.py)."""
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", request.param)
 
 
-@pytest.mark.usefixtures("both_cpu_attentions")
+@pytest.mark.usefixtures("both_cpu_kernel_choices")
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("window", [None, 5, 20])
 def test_paged_decode_attention_matches_dense(heads, kv_heads, window):
@@ -87,7 +87,7 @@ def test_paged_decode_attention_matches_dense(heads, kv_heads, window):
         torch.testing.assert_close(out[i:i + 1], want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.usefixtures("both_cpu_attentions")
+@pytest.mark.usefixtures("both_cpu_kernel_choices")
 def test_paged_decode_attention_ignores_cache_beyond_context_len():
     paged = PagedSequences([20], kv_heads=2, seed=3)
     q = torch.randn(1, 4, HEAD_DIM, generator=gen(2))

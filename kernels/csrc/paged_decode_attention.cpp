@@ -189,8 +189,3 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Paged decode attention over a block-table KV cache (CPU)");
-}

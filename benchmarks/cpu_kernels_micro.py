@@ -1,9 +1,10 @@
-"""CPU decode attention, the torch op against the C++ kernel (kernels/cpu_attention.py): the
-attention alone at the default model's shape (all its layers, batch 64 x context 300), and one
-engine decode step at batch 32 and 64 with contexts of about 300. Writes
-results/attention_micro.json.
+"""The C++ CPU kernels (kernels/cpu_kernels.py) against the torch ops they replace: decode
+attention alone at the default model's shape (all its layers, batch 64 x context 300); all the
+default model's linears (its 30 layers' projections and the lm_head) at decode row counts, C++
+against MKL's sgemm; and one engine decode step, every C++ kernel against every torch op, at
+batch 3, 8, 32 and 64 with contexts of about 300. Writes results/cpu_kernels_micro.json.
 
-    python -m benchmarks.attention_micro [--threads 2] [--out benchmarks/results/attention_micro.json]
+    python -m benchmarks.cpu_kernels_micro [--threads 2] [--out benchmarks/results/cpu_kernels_micro.json]
 
 Both implementations run in the same process, alternating, so the machine's drift hits both.
 """
@@ -20,14 +21,17 @@ import torch
 import kernels
 from benchmarks.step_costs import start_decoding
 from benchmarks.workloads import bundled_prompts
-from kernels import attention, cpu_attention
+import torch.nn.functional as F
+
+from kernels import attention, cpu_kernels
 from runtime import Engine, Request, SamplingParams
 from runtime.config import ModelSpec, load_hf_config, model_spec
 from runtime.default_model import default_model_dir
 from runtime.tokenizer import load_tokenizer
 
 BATCH, CONTEXT, BLOCK_SIZE = 64, 300, 16
-ENGINE_BATCHES = (32, 64)
+ENGINE_BATCHES = (3, 8, 32, 64)
+LINEAR_ROWS = (1, 2, 3, 4, 8, 12, 16, 24, 32, 64)
 REPEATS = 7  # timed repeats per implementation
 CHOICES = ("torch", "cpp")
 
@@ -49,7 +53,7 @@ def attention_layers(spec: ModelSpec) -> dict:
     tables = torch.randperm(BATCH * width, generator=g).view(BATCH, width)
     lens = torch.full((BATCH,), CONTEXT)
     q = torch.randn(BATCH, spec.num_heads, spec.head_dim, generator=g)
-    ops = {"torch": attention.paged_decode_attention, "cpp": cpu_attention.paged_decode_attention}
+    ops = {"torch": attention.paged_decode_attention, "cpp": cpu_kernels.paged_decode_attention}
     scale = spec.head_dim ** -0.5
 
     def all_layers(op):
@@ -66,6 +70,32 @@ def attention_layers(spec: ModelSpec) -> dict:
             "heads": spec.num_heads, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
             "ms": {name: _summary_ms(t) for name, t in times.items()},
             "max_abs_diff": max((a - b).abs().max().item() for a, b in zip(*outs.values()))}
+
+
+def linears(model_dir: Path) -> dict:
+    """Time to run all of the default model's linears once (what a decode step reads: every
+    weight), x rows at a time, C++ kernel against MKL's sgemm. Random weights of its shapes."""
+    spec = model_spec(load_hf_config(model_dir))
+    g = torch.Generator().manual_seed(1)
+    hidden, qkv = spec.hidden_size, (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    shapes = [(qkv, hidden), (spec.num_heads * spec.head_dim, hidden), (2 * spec.intermediate_size, hidden),
+              (hidden, spec.intermediate_size)]
+    weights = [torch.randn(shape, generator=g) for _ in range(spec.num_layers) for shape in shapes]
+    weights.append(torch.randn(spec.vocab_size, hidden, generator=g))
+    ops = {"mkl": F.linear, "cpp": cpu_kernels.build().small_rows_linear}
+    results = {}
+    for rows in LINEAR_ROWS:
+        inputs = {k: torch.randn(rows, k, generator=g) for k in {w.shape[1] for w in weights}}
+        times = {name: [] for name in ops}
+        for repeat in range(REPEATS + 1):  # the first round warms up
+            for name, op in ops.items():
+                start = time.perf_counter()
+                for w in weights:
+                    op(inputs[w.shape[1]], w, None)
+                if repeat:
+                    times[name].append(time.perf_counter() - start)
+        results[str(rows)] = {name: _summary_ms(t) for name, t in times.items()}
+    return {"weights_mb": round(sum(w.numel() for w in weights) * 4 / 1e6, 1), "ms": results}
 
 
 def engine_steps(model_dir: Path) -> dict:
@@ -86,11 +116,11 @@ def engine_steps(model_dir: Path) -> dict:
         times = {choice: [] for choice in CHOICES}
         for _ in range(REPEATS):
             for choice in CHOICES:
-                os.environ["BATCHGEN_CPU_ATTENTION"] = choice
+                os.environ["BATCHGEN_CPU_KERNELS"] = choice
                 start = time.perf_counter()
                 engine.step()
                 times[choice].append(time.perf_counter() - start)
-        os.environ.pop("BATCHGEN_CPU_ATTENTION")
+        os.environ.pop("BATCHGEN_CPU_KERNELS")
         assert engine.stats.decode_steps - decode_steps == REPEATS * len(CHOICES), "a timed step prefilled"
         for request in requests:  # dropped, not run to the end
             engine.migrate_out(request.id)
@@ -102,14 +132,16 @@ def engine_steps(model_dir: Path) -> dict:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "attention_micro.json")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu_kernels_micro.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     kernels.prepare("cpu")
     model_dir = default_model_dir()
     with torch.inference_mode():
         layers = attention_layers(model_spec(load_hf_config(model_dir)))
-    report = {"threads": args.threads, "attention": layers, "engine": engine_steps(model_dir)}
+        linear = linears(model_dir)
+    report = {"threads": args.threads, "attention": layers, "linears": linear,
+              "engine": engine_steps(model_dir)}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     return report

@@ -1,0 +1,106 @@
+"""The C++ kernels for CPU tensors (kernels/csrc/): paged decode attention, the few-row linear
+of decode steps, and the per-token ops of a decoder layer (RMSNorm, RMSNorm with the residual
+add, RoPE, SiLU-and-mul), each with the contract of its torch op.
+
+torch's extension loader JIT-builds them into one module on first use (about a minute; needs
+g++, ninja and the Python headers) and caches the build in TORCH_EXTENSIONS_DIR (default
+~/.cache/torch_extensions), so later processes only load it. A failed build raises
+KernelBuildError: the torch ops are an explicit opt-out (BATCHGEN_CPU_KERNELS=torch), never a
+silent fallback.
+"""
+
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels import norm
+
+SOURCES = [Path(__file__).parent / "csrc" / name for name in
+           ("bindings.cpp", "paged_decode_attention.cpp", "small_rows_linear.cpp", "pointwise.cpp")]
+# Row counts where the C++ linear beats MKL's sgemm (benchmarks/cpu_kernels_micro.py, all the
+# default model's linears: 36 vs 49 ms at 4 rows, 40 vs 62 at 8, 65 vs 70 at 24); at 1-3 rows
+# MKL's path is as close to the memory floor, and past 24 its packed GEMM is the faster.
+SMALL_ROWS = range(4, 25)
+_module = None
+_lock = threading.Lock()  # engines may first step on different threads: build once
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ CPU kernels could not be built."""
+
+
+def _simd_flags() -> list[str]:
+    """The widest of AVX-512 and AVX2 + FMA this CPU has (the build is cached per machine's home)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            flags = set(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
+    except FileNotFoundError:  # not Linux: build for the compiler's default target
+        return []
+    chosen = ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else []
+    return chosen + (["-mavx512f"] if chosen and "avx512f" in flags else [])
+
+
+def _load():
+    from torch.utils import cpp_extension
+    try:
+        return cpp_extension.load(name="batchgen_cpu_kernels", sources=[str(s) for s in SOURCES],
+                                  extra_cflags=["-O3", "-fopenmp", *_simd_flags()],
+                                  extra_ldflags=["-fopenmp"])
+    except Exception as error:
+        raise KernelBuildError(
+            f"building the C++ CPU kernels ({SOURCES[0].parent}) failed: {error}. They need g++, "
+            "ninja and the Python headers; or set BATCHGEN_CPU_KERNELS=torch to run the torch "
+            "implementations instead") from error
+
+
+def build():
+    """The compiled extension module, built (or loaded from the cache) on the first call."""
+    global _module
+    with _lock:
+        if _module is None:
+            _module = _load()
+    return _module
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           sliding_window: int | None = None) -> torch.Tensor:
+    """kernels.attention.paged_decode_attention, reading the cache in place; block table entries
+    past a sequence's context are never read, so any padding value works."""
+    return build().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                          sliding_window)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """kernels.matmul.linear: the C++ kernel for fp32 [rows, in] inputs with SMALL_ROWS rows,
+    MKL's sgemm (torch) for other inputs, where it is the faster of the two."""
+    if x.dim() == 2 and x.shape[0] in SMALL_ROWS and x.dtype == weight.dtype == torch.float32:
+        return build().small_rows_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+# The norms' C++ kernels take weights of the activations' dtype, as the engine keeps them; a
+# weight of another dtype promotes the output (transformers' fp32 norm weights on bf16
+# activations), which the torch op does.
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype != weight.dtype:
+        return norm.rms_norm(x, weight, eps)
+    return build().rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dtype != weight.dtype:
+        return norm.add_rms_norm(x, residual, weight, eps)
+    return build().add_rms_norm(x, residual, weight, eps)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return build().apply_rope(x, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return build().silu_and_mul(gate_up)

@@ -1,0 +1,29 @@
+// The one extension module of the C++ CPU kernels (kernels/cpu_kernels.py builds it).
+
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                     const torch::Tensor& context_lens, double scale,
+                                     std::optional<int64_t> sliding_window);
+torch::Tensor small_rows_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                                const std::optional<torch::Tensor>& bias);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
+                                                      const torch::Tensor& residual,
+                                                      const torch::Tensor& weight, double eps);
+torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Paged decode attention over a block-table KV cache");
+  m.def("small_rows_linear", &small_rows_linear, "x @ weight^T + bias for few rows of x (fp32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
+  m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual)");
+  m.def("apply_rope", &apply_rope, "Rotary embedding, half-rotation layout");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up on a packed gate|up projection");
+}

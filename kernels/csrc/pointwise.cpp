@@ -1,0 +1,147 @@
+// The small per-token ops of a decoder layer, each one pass over its rows instead of the five to
+// eight torch ops (and as many temporaries) of kernels/norm.py, rope.py and activation.py, whose
+// contracts and rounding they keep: math in fp32 (RoPE and SiLU in fp64 for fp64, as torch), rounded to the input dtype wherever the torch
+// op rounds. A decode step runs about 150 of them; at small batch their dispatch costs as much
+// as their arithmetic.
+
+#include <torch/extension.h>
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+namespace {
+
+// Rows are independent: split them across threads only where there is enough work to pay for it.
+constexpr int64_t kGrain = 1 << 14;  // elements
+
+template <typename F>
+void for_rows(int64_t rows, int64_t row_size, const F& body) {
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, row_size));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) body(r);
+  });
+}
+
+// The math type (fp32 for fp32, bf16 and fp16; fp64 for fp64) and back.
+template <typename scalar_t>
+using acc_t = at::opmath_type<scalar_t>;
+
+template <typename scalar_t>
+inline acc_t<scalar_t> up(scalar_t v) { return static_cast<acc_t<scalar_t>>(v); }
+
+// kernels.norm.rms_norm on one row: x * rsqrt(mean(x^2) + eps) in fp32 (for every dtype, fp64
+// too, as transformers' Llama norm computes it), rounded to the dtype, times weight (rounded again).
+template <typename scalar_t>
+inline void norm_row(const scalar_t* x, const scalar_t* weight, int64_t h, double eps, scalar_t* out) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < h; ++i) sum += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(h) + static_cast<float>(eps));
+  for (int64_t i = 0; i < h; ++i)
+    out[i] = static_cast<scalar_t>(up(weight[i]) * up(static_cast<scalar_t>(static_cast<float>(x[i]) * inv)));
+}
+
+void check_norm(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "the C++ pointwise ops run CPU tensors");
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1),
+              "weight must be [hidden], x [..., hidden]");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must have the same dtype");
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_norm(x, weight);
+  const auto xc = x.contiguous(), wc = weight.contiguous();
+  auto out = torch::empty_like(xc);
+  const int64_t h = x.size(-1), rows = h ? xc.numel() / h : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    const scalar_t* wp = wc.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for_rows(rows, h, [&](int64_t r) { norm_row(xp + r * h, wp, h, eps, op + r * h); });
+  });
+  return out;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
+                                                      const torch::Tensor& residual,
+                                                      const torch::Tensor& weight, double eps) {
+  check_norm(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "x and residual must have the same shape and dtype");
+  const auto xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
+  auto out = torch::empty_like(xc), sum = torch::empty_like(xc);
+  const int64_t h = x.size(-1), rows = h ? xc.numel() / h : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    const scalar_t* rp = rc.data_ptr<scalar_t>();
+    const scalar_t* wp = wc.data_ptr<scalar_t>();
+    scalar_t *op = out.data_ptr<scalar_t>(), *sp = sum.data_ptr<scalar_t>();
+    for_rows(rows, h, [&](int64_t r) {
+      for (int64_t i = r * h; i < (r + 1) * h; ++i)  // rounded to the dtype, as `x + residual` is
+        sp[i] = static_cast<scalar_t>(up(xp[i]) + up(rp[i]));
+      norm_row(sp + r * h, wp, h, eps, op + r * h);
+    });
+  });
+  return {out, sum};
+}
+
+// kernels.rope.apply_rope: x [tokens, heads, head_dim], cos and sin [tokens, head_dim];
+// out = x * cos + rotate_half(x) * sin, each product and the sum rounded as torch rounds them.
+torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(),
+              "the C++ pointwise ops run CPU tensors");
+  TORCH_CHECK(x.dim() == 3 && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
+              cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && x.size(2) % 2 == 0,
+              "x must be [tokens, heads, head_dim] (head_dim even), cos and sin [tokens, head_dim]");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "x, cos and sin must have the same dtype");
+  const auto xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  auto out = torch::empty_like(xc);
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "apply_rope", [&] {
+    const scalar_t *xp = xc.data_ptr<scalar_t>(), *cp = cc.data_ptr<scalar_t>(),
+                   *sp = sc.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for_rows(tokens, heads * d, [&](int64_t t) {
+      const scalar_t *c = cp + t * d, *s = sp + t * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        const scalar_t* xh = xp + (t * heads + h) * d;
+        scalar_t* oh = op + (t * heads + h) * d;
+        for (int64_t i = 0; i < d; ++i) {
+          const auto rotated = i < half ? -up(xh[i + half]) : up(xh[i - half]);
+          const scalar_t a = static_cast<scalar_t>(up(xh[i]) * up(c[i]));
+          const scalar_t b = static_cast<scalar_t>(rotated * up(s[i]));
+          oh[i] = static_cast<scalar_t>(up(a) + up(b));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// kernels.activation.silu_and_mul: gate_up [..., 2 * size] -> silu(gate) * up [..., size].
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu(), "the C++ pointwise ops run CPU tensors");
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "gate_up's last dim must be even");
+  const auto gc = gate_up.contiguous();
+  const int64_t size = gate_up.size(-1) / 2, rows = size ? gc.numel() / (2 * size) : 0;
+  auto shape = gate_up.sizes().vec();
+  shape.back() = size;
+  auto out = torch::empty(shape, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* gp = gc.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for_rows(rows, 2 * size, [&](int64_t r) {
+      const scalar_t *gate = gp + r * 2 * size, *up_half = gate + size;
+      for (int64_t i = 0; i < size; ++i) {
+        const auto g = up(gate[i]);
+        const scalar_t silu = static_cast<scalar_t>(g / (1 + std::exp(-g)));
+        op[r * size + i] = static_cast<scalar_t>(up(silu) * up(up_half[i]));
+      }
+    });
+  });
+  return out;
+}

@@ -1,0 +1,109 @@
+// y = x @ weight^T + bias for the few rows of a decode step (fp32). A step's linears are
+// memory-bound at small batch: what counts is reading each weight once. This kernel streams
+// every weight row once and reuses it, from registers, for all rows of x. MKL's sgemm costs far
+// more at 4-24 rows than at one, though it reads the same bytes (benchmarks/cpu_kernels_micro.py;
+// kernels/cpu_kernels.py picks between the two by row count).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline vec load(const float* p) {
+  vec v;
+  __builtin_memcpy(&v, p, sizeof(vec));
+  return v;
+}
+
+inline float lane_sum(vec v) {
+#ifdef __AVX512F__
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  float sum = 0;
+  for (int64_t j = 0; j < kLanes; ++j) sum += v[j];
+  return sum;
+#endif
+}
+
+// y[m][n] = dot(x[m], w[n]) + bias[n] for an nb x mb tile: nb weight rows meet mb input rows,
+// nb * mb accumulators in registers.
+template <int nb, int mb>
+inline void tile(const float* x, const float* w, int64_t k, float* y, int64_t n_total,
+                 const float* bias) {
+  vec acc[nb][mb] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= k; i += kLanes) {
+    vec wv[nb], xv[mb];
+    for (int n = 0; n < nb; ++n) wv[n] = load(w + n * k + i);
+    for (int m = 0; m < mb; ++m) xv[m] = load(x + m * k + i);
+    for (int n = 0; n < nb; ++n)
+      for (int m = 0; m < mb; ++m) acc[n][m] += wv[n] * xv[m];
+  }
+  for (int n = 0; n < nb; ++n)
+    for (int m = 0; m < mb; ++m) {
+      float sum = lane_sum(acc[n][m]);
+      for (int64_t j = i; j < k; ++j) sum += w[n * k + j] * x[m * k + j];
+      y[m * n_total + n] = sum + (bias ? bias[n] : 0.f);
+    }
+}
+
+// All rows of x against nb weight rows, 4 input rows at a time (the weight rows stay in L1).
+template <int nb>
+void weight_rows(const float* x, int64_t rows, int64_t k, const float* w, float* y,
+                 int64_t n_total, const float* bias) {
+  int64_t m = 0;
+  for (; m + 4 <= rows; m += 4) tile<nb, 4>(x + m * k, w, k, y + m * n_total, n_total, bias);
+  const float* xm = x + m * k;
+  float* ym = y + m * n_total;
+  switch (rows - m) {
+    case 3: tile<nb, 3>(xm, w, k, ym, n_total, bias); break;
+    case 2: tile<nb, 2>(xm, w, k, ym, n_total, bias); break;
+    case 1: tile<nb, 1>(xm, w, k, ym, n_total, bias); break;
+  }
+}
+
+}  // namespace
+
+torch::Tensor small_rows_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                                const std::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "small_rows_linear runs CPU tensors");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "small_rows_linear is fp32 only");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "x must be [rows, in] and weight [out, in]");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == weight.size(0) &&
+                        bias->scalar_type() == at::kFloat),
+              "bias must be fp32 [out]");
+  const auto xc = x.contiguous(), wc = weight.contiguous();
+  const auto bc = bias ? bias->contiguous() : torch::Tensor();
+  const int64_t rows = x.size(0), k = x.size(1), n_total = weight.size(0);
+  auto y = torch::empty({rows, n_total}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  const float* bp = bias ? bc.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // Four weight rows per tile: with 4 input rows, 16 accumulators plus their operands fill the
+  // registers.
+  constexpr int64_t nb = 4;
+  const int64_t tiles = (n_total + nb - 1) / nb;
+  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = t * nb;
+      if (n + nb <= n_total) {
+        weight_rows<nb>(xp, rows, k, wp + n * k, yp + n, n_total, bp ? bp + n : nullptr);
+      } else {  // the last, partial tile: one weight row at a time
+        for (int64_t j = n; j < n_total; ++j)
+          weight_rows<1>(xp, rows, k, wp + j * k, yp + j, n_total, bp ? bp + j : nullptr);
+      }
+    }
+  });
+  return y;
+}
