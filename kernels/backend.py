@@ -87,12 +87,15 @@ def dispatch(torch_op, cpp_op=None, triton=True):
     """The public op: torch_op, or (where `triton`) the Triton kernel of the same name, by the
     first argument's device; cpp_op (a C++ kernel) instead of torch_op for CPU tensors, as
     cpu_kernels() says."""
+    name = torch_op.__name__
+
     @functools.wraps(torch_op)
-    def op(*args, **kwargs):
-        device = args[0].device
-        if backend_for(device) == "triton" and triton:
-            return getattr(triton_ops(), torch_op.__name__)(*args, **kwargs)
-        if cpp_op is not None and uses_cpp(device):
+    def op(*args, **kwargs):  # runs ~300 times a decode step: one device test, one env lookup
+        device_type = args[0].device.type
+        if _forced or device_type == "cuda":
+            if triton:
+                return getattr(triton_ops(), name)(*args, **kwargs)
+        elif cpp_op is not None and device_type == "cpu" and cpu_kernels() == "cpp":
             return cpp_op(*args, **kwargs)
         return torch_op(*args, **kwargs)
     return op

@@ -58,9 +58,10 @@ def _load():
 def build():
     """The compiled extension module, built (or loaded from the cache) on the first call."""
     global _module
-    with _lock:
-        if _module is None:
-            _module = _load()
+    if _module is None:
+        with _lock:
+            if _module is None:
+                _module = _load()
     return _module
 
 
