@@ -10,7 +10,8 @@ from kernels.moe import route  # softmax and top-k: torch's own kernels on every
 
 add_rms_norm = dispatch(norm.add_rms_norm, cpp.add_rms_norm)
 apply_rope = dispatch(rope.apply_rope, cpp.apply_rope)
-grouped_experts = dispatch(moe.grouped_experts)
+expert_ffn = dispatch(moe.expert_ffn, cpp.expert_ffn, triton=False)  # streamed experts (CPU)
+grouped_experts = dispatch(moe.grouped_experts, cpp.grouped_experts)
 linear = dispatch(matmul.linear, cpp.linear, triton=False)
 paged_decode_attention = dispatch(attention.paged_decode_attention, cpp.paged_decode_attention)
 paged_prefill_attention = dispatch(attention.paged_prefill_attention)
@@ -21,6 +22,7 @@ write_kv = dispatch(attention.write_kv)
 __all__ = [
     "add_rms_norm",
     "apply_rope",
+    "expert_ffn",
     "grouped_experts",
     "KernelBuildError",
     "linear",

@@ -1,5 +1,5 @@
 """The C++ kernels for CPU tensors (kernels/csrc/): paged decode attention, the few-row linear
-of decode steps, and the per-token ops of a decoder layer (RMSNorm, RMSNorm with the residual
+of decode steps (and its grouped form for MoE experts), and the per-token ops of a decoder layer (RMSNorm, RMSNorm with the residual
 add, RoPE, SiLU-and-mul), each with the contract of its torch op.
 
 torch's extension loader JIT-builds them into one module on first use (about a minute; needs
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import norm
+from kernels import moe, norm
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in
            ("bindings.cpp", "paged_decode_attention.cpp", "small_rows_linear.cpp", "pointwise.cpp")]
@@ -80,6 +80,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.dim() == 2 and x.shape[0] in SMALL_ROWS and x.dtype == weight.dtype == torch.float32:
         return build().small_rows_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def expert_ffn(rows: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+               counts: torch.Tensor) -> torch.Tensor:
+    """kernels.moe.expert_ffn: in C++ where no expert has more than SMALL_ROWS rows (decode
+    steps: a few tokens per expert), torch's grouped matmul otherwise."""
+    if (rows.dtype == gate_up_proj.dtype == torch.float32 and len(rows)
+            and int(counts.max()) < SMALL_ROWS.stop):
+        module = build()
+        up = module.grouped_small_rows_linear(rows, gate_up_proj, counts)
+        return module.grouped_small_rows_linear(module.silu_and_mul(up), down_proj, counts)
+    return moe.expert_ffn(rows, gate_up_proj, down_proj, counts)
+
+
+def grouped_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.moe.grouped_experts with the experts run by `expert_ffn` above."""
+    return moe.grouped_experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, ffn=expert_ffn)
 
 
 # The norms' C++ kernels take weights of the activations' dtype, as the engine keeps them; a

@@ -22,7 +22,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
 
 
 def grouped_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor, ffn=None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """SwiGLU experts over routed tokens, one matmul pair per expert that has tokens.
 
@@ -34,10 +34,11 @@ def grouped_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     nothing. Each output is scaled by its router weight and added back to its token's row.
 
     Returns the combined output [T, H] and the tokens each expert processed [E] (int64, on the
-    CPU: splitting the sorted pairs per expert needs the counts there anyway).
+    CPU: splitting the sorted pairs per expert needs the counts there anyway). `ffn` runs the
+    experts over their rows (default `expert_ffn`; kernels/cpu_kernels.py passes its own).
     """
     order, token_of_pair, counts = sort_by_expert(topk_ids, gate_up_proj.shape[0])
-    out = expert_ffn(hidden[token_of_pair], gate_up_proj, down_proj, counts)
+    out = (ffn or expert_ffn)(hidden[token_of_pair], gate_up_proj, down_proj, counts)
     return combine(hidden, out, topk_weights, order, token_of_pair), counts
 
 

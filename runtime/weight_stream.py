@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kernels.moe import combine, expert_ffn, sort_by_expert
+from kernels import expert_ffn
+from kernels.moe import combine, sort_by_expert
 from runtime.loader import canonical_name, hf_sources, safetensors_files
 from runtime.model import CausalLM
 from runtime.moe import SparseMoeBlock, per_expert_names

@@ -12,7 +12,7 @@ from torch.utils import cpp_extension
 
 import kernels
 from helpers import greedy_requests, make_engine, random_prompts
-from kernels import activation, attention, cpu_kernels, norm, rope
+from kernels import activation, attention, cpu_kernels, moe, norm, rope
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-12, rtol=1e-12),
              torch.bfloat16: dict(atol=1e-2, rtol=1e-2), torch.float16: dict(atol=1e-2, rtol=1e-2)}
@@ -192,6 +192,42 @@ def test_linear_bad_inputs_raise():
         small_rows_linear(torch.randn(2, 16), torch.randn(8, 16), torch.randn(7))
 
 
+@pytest.mark.parametrize("counts", [[1, 0, 2, 3], [0, 0, 5, 0], [4, 24, 1, 30], [0, 0, 0, 0]])
+@pytest.mark.parametrize("in_features,out_features", [(64, 96), (70, 33)])
+def test_grouped_linear_matches_each_experts_matmul(counts, in_features, out_features):
+    """Experts with no rows, one, a tile's worth and more than the dispatch gives it (30)."""
+    g = gen(sum(counts) + in_features)
+    weight = torch.randn(len(counts), out_features, in_features, generator=g)
+    x = torch.randn(sum(counts), in_features, generator=g)
+    out = cpu_kernels.build().grouped_small_rows_linear(x, weight, torch.tensor(counts))
+    want = torch.cat([F.linear(part, weight[e]) for e, part in enumerate(x.split(counts))])
+    torch.testing.assert_close(out, want, **LINEAR_TOLERANCE)
+
+
+def test_grouped_linear_bad_counts_raise():
+    kernel = cpu_kernels.build().grouped_small_rows_linear
+    x, weight = torch.randn(5, 16), torch.randn(3, 8, 16)
+    with pytest.raises(RuntimeError, match="counts sum to 4, x has 5 rows"):
+        kernel(x, weight, torch.tensor([1, 1, 2]))
+    with pytest.raises(RuntimeError, match="one row count per expert"):
+        kernel(x, weight, torch.tensor([5]))
+    with pytest.raises(RuntimeError, match="is negative"):
+        kernel(x, weight, torch.tensor([6, -1, 0]))
+
+
+@pytest.mark.parametrize("largest", [1, 24, 25])
+def test_expert_ffn_takes_the_kernel_while_every_expert_has_few_rows(largest, monkeypatch):
+    g = gen(largest)
+    counts = torch.tensor([largest, 0, 3, 1])
+    gate_up, down = torch.randn(4, 2 * 24, 32, generator=g), torch.randn(4, 32, 24, generator=g)
+    rows = torch.randn(int(counts.sum()), 32, generator=g)
+    want = moe.expert_ffn(rows, gate_up, down, counts)
+    if largest >= cpu_kernels.SMALL_ROWS.stop:  # torch's grouped matmul: the kernel is never called
+        monkeypatch.setattr(cpu_kernels, "build", lambda: pytest.fail("the C++ kernel was called"))
+    torch.testing.assert_close(cpu_kernels.expert_ffn(rows, gate_up, down, counts), want,
+                               **LINEAR_TOLERANCE)
+
+
 # ---- the per-token ops -----------------------------------------------------------------------------
 
 POINTWISE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -270,7 +306,7 @@ def test_pointwise_bad_inputs_raise():
 
 def test_cpu_tensors_take_the_cpp_kernels_unless_told_otherwise(monkeypatch):
     ops = ["paged_decode_attention", "small_rows_linear", "rms_norm", "add_rms_norm", "apply_rope",
-           "silu_and_mul"]
+           "silu_and_mul", "grouped_small_rows_linear"]
     monkeypatch.setattr(cpu_kernels, "build",
                         lambda: SimpleNamespace(**{op: (lambda *args, op=op: op) for op in ops}))
     g = gen(1)
@@ -284,6 +320,10 @@ def test_cpu_tensors_take_the_cpp_kernels_unless_told_otherwise(monkeypatch):
         "add_rms_norm": (kernels.add_rms_norm, (x, x, weight, 1e-6), norm.add_rms_norm),
         "apply_rope": (kernels.apply_rope, (q, cos, sin), rope.apply_rope),
         "silu_and_mul": (kernels.silu_and_mul, (x,), activation.silu_and_mul),
+        # the experts' first matmul, which the stand-in answers
+        "grouped_small_rows_linear": (kernels.expert_ffn, (x, torch.randn(2, 8, 16, generator=g),
+                                                           torch.randn(2, 16, 4, generator=g),
+                                                           torch.tensor([1, 3])), moe.expert_ffn),
     }
     for choice in (None, "cpp"):
         if choice is None:

@@ -11,6 +11,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      std::optional<int64_t> sliding_window);
 torch::Tensor small_rows_linear(const torch::Tensor& x, const torch::Tensor& weight,
                                 const std::optional<torch::Tensor>& bias);
+torch::Tensor grouped_small_rows_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                                        const torch::Tensor& counts);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
                                                       const torch::Tensor& residual,
@@ -22,6 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Paged decode attention over a block-table KV cache");
   m.def("small_rows_linear", &small_rows_linear, "x @ weight^T + bias for few rows of x (fp32)");
+  m.def("grouped_small_rows_linear", &grouped_small_rows_linear,
+        "Each expert's few rows (sorted by expert) @ its weight^T (fp32)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual)");
   m.def("apply_rope", &apply_rope, "Rotary embedding, half-rotation layout");

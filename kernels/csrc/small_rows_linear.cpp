@@ -8,6 +8,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <vector>
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -102,6 +104,55 @@ torch::Tensor small_rows_linear(const torch::Tensor& x, const torch::Tensor& wei
       } else {  // the last, partial tile: one weight row at a time
         for (int64_t j = n; j < n_total; ++j)
           weight_rows<1>(xp, rows, k, wp + j * k, yp + j, n_total, bp ? bp + j : nullptr);
+      }
+    }
+  });
+  return y;
+}
+
+// The experts of an MoE layer over their routed rows: x [pairs, in] sorted by expert, counts[e]
+// rows for expert e; weight [experts, out, in]. Each expert's few rows meet its weights as in
+// small_rows_linear; experts without rows cost nothing.
+torch::Tensor grouped_small_rows_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                                        const torch::Tensor& counts) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && counts.device().is_cpu(),
+              "grouped_small_rows_linear runs CPU tensors");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "grouped_small_rows_linear is fp32 only");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 3 && x.size(1) == weight.size(2),
+              "x must be [pairs, in] and weight [experts, out, in]");
+  TORCH_CHECK(counts.dim() == 1 && counts.size(0) == weight.size(0),
+              "counts must hold one row count per expert");
+  const auto xc = x.contiguous(), wc = weight.contiguous();
+  const auto cc = counts.to(torch::kLong).contiguous();
+  const int64_t experts = weight.size(0), n_total = weight.size(1), k = x.size(1);
+  const int64_t* count = cc.data_ptr<int64_t>();
+  std::vector<int64_t> first(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) {
+    TORCH_CHECK(count[e] >= 0, "counts[", e, "] is negative");
+    first[e + 1] = first[e] + count[e];
+  }
+  TORCH_CHECK(first[experts] == x.size(0), "counts sum to ", first[experts], ", x has ",
+              x.size(0), " rows");
+  auto y = torch::empty({x.size(0), n_total}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t nb = 4;
+  const int64_t tiles = (n_total + nb - 1) / nb;
+  at::parallel_for(0, experts * tiles, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = item / tiles, n = (item % tiles) * nb;
+      const int64_t rows = count[e];
+      if (rows == 0) continue;
+      const float* xe = xp + first[e] * k;
+      const float* we = wp + e * n_total * k;
+      float* ye = yp + first[e] * n_total;
+      if (n + nb <= n_total) {
+        weight_rows<nb>(xe, rows, k, we + n * k, ye + n, n_total, nullptr);
+      } else {
+        for (int64_t j = n; j < n_total; ++j)
+          weight_rows<1>(xe, rows, k, we + j * k, ye + j, n_total, nullptr);
       }
     }
   });
