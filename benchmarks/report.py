@@ -39,13 +39,20 @@ def compare(results: list[dict], items: list[WorkItem]) -> list[str]:
             mismatches.append(f"{r['system']}: {len(wrong)} request(s) with a different output "
                               f"length, e.g. {wrong[:3]}")
         if r is not ours:
-            same = sum(r["tokens"].get(it.id) == ours["tokens"][it.id] for it in items)
-            r["requests_token_identical_to_ours"] = f"{same}/{len(items)}"
+            differing = [it.id for it in items if r["tokens"].get(it.id) != ours["tokens"][it.id]]
+            r["requests_token_identical_to_ours"] = f"{len(items) - len(differing)}/{len(items)}"
+            # where each one first differs: a late near-tie flip reads apart from a broken model
+            r["first_differing_token"] = {rid: _first_difference(r["tokens"].get(rid) or [], ours["tokens"][rid])
+                                          for rid in differing}
         print(f"{r['system']:<52} {r['batch_completion_s']:8.1f} s {r['tokens_per_s']:7.1f} tok/s  "
               f"ours faster x{r['ours_faster_by']:.2f}  (load {r['load_s']:.1f} s)", flush=True)
     for line in mismatches:
         print(f"WORK MISMATCH {line}", flush=True)
     return mismatches
+
+
+def _first_difference(theirs: list[int], ours: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
 
 
 def write(name: str, report: dict, results: list[dict]) -> Path:

@@ -1,6 +1,7 @@
 """The C++ kernels for CPU tensors (kernels/csrc/): paged decode attention, the few-row linear
-of decode steps (and its grouped form for MoE experts), and the per-token ops of a decoder layer (RMSNorm, RMSNorm with the residual
-add, RoPE, SiLU-and-mul), each with the contract of its torch op.
+of decode steps (and its grouped form for MoE experts), and the per-token ops of a decoder
+layer (RMSNorm, RMSNorm with the residual add, RoPE, SiLU-and-mul), each with the contract of
+its torch op.
 
 torch's extension loader JIT-builds them into one module on first use (about a minute; needs
 g++, ninja and the Python headers) and caches the build in TORCH_EXTENSIONS_DIR (default
@@ -20,7 +21,7 @@ from kernels import moe, norm
 SOURCES = [Path(__file__).parent / "csrc" / name for name in
            ("bindings.cpp", "paged_decode_attention.cpp", "small_rows_linear.cpp", "pointwise.cpp")]
 # Row counts where the C++ linear beats MKL's sgemm (benchmarks/cpu_kernels_micro.py, all the
-# default model's linears: 36 vs 49 ms at 4 rows, 40 vs 62 at 8, 65 vs 70 at 24); at 1-3 rows
+# default model's linears: 36 vs 48 ms at 4 rows, 41 vs 61 at 8, 62 vs 69 at 24); at 1-3 rows
 # MKL's path is as close to the memory floor, and past 24 its packed GEMM is the faster.
 SMALL_ROWS = range(4, 25)
 _module = None

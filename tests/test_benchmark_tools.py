@@ -62,3 +62,4 @@ def test_same_work_check_names_the_system_that_did_different_work():
     assert len(mismatches) == 1 and mismatches[0].startswith("peer: 1 request")
     assert peer["ours_faster_by"] == pytest.approx(2.0)
     assert peer["requests_token_identical_to_ours"] == "1/2"
+    assert peer["first_differing_token"] == {"b": 1}
