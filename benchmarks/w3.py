@@ -153,6 +153,7 @@ def main(argv=None) -> dict:
     num_requests, max_tokens = SIZES[mode]
     items = work_items(num_requests, max_tokens)
     workload = ("W3" if mode == "full" else f"W3-{mode}") + (
+        "" if args.models == ["dense", "moe"] else "-" + "-".join(args.models)) + (
         "" if args.systems == ["ours", "peer"] else "-" + "-".join(args.systems)) + (
         "" if args.threads == 2 else f"-{args.threads}thread")
     fraction = SMOKE_BUDGET_FRACTION if args.smoke else BUDGET_FRACTION
