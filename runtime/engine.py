@@ -8,6 +8,7 @@ import queue
 import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,17 @@ from runtime.weight_stream import WeightStreamer
 # disk serves as many tokens as possible (module-based batching).
 DEFAULT_BATCH = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
 STREAMING_BATCH = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
+
+
+def on_a_passing_thread(build, *args, **kwargs):
+    """build(*args, **kwargs) on a thread that ends with it, for the parallel work of setting up
+    (copying weights in, zeroing the KV cache). OpenMP keeps a pool of workers for every thread
+    that has run a parallel region, as long as that thread lives; with two pools on these cores
+    every parallel region waits on sleeping workers (a decode step at batch 3: 42 → 59 ms when
+    the loop of `start()` stepped on a thread other than the one that loaded the model). So only
+    the thread that steps keeps a pool."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgen-setup") as setup:
+        return setup.submit(build, *args, **kwargs).result()
 
 
 class InvalidPrompt(ValueError):
@@ -126,10 +138,12 @@ class Engine:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = batch["max_num_batched_tokens"]
         if streaming:
-            self.model = build_model(self.model_dir, self.device, dtype, stream_layers=True)
+            self.model = on_a_passing_thread(build_model, self.model_dir, self.device, dtype,
+                                             stream_layers=True)
             self.weights = WeightStreamer(self.model, self.model_dir, weight_budget_bytes)
         else:
-            self.model, self.weights = load_model(self.model_dir, self.device, dtype), None
+            self.model = on_a_passing_thread(load_model, self.model_dir, self.device, dtype)
+            self.weights = None
         self.spec = self.model.spec
         self._moe_blocks = moe_blocks(self.model)
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -139,7 +153,7 @@ class Engine:
         if num_blocks < 2:
             raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds fewer than 2 blocks "
                              f"of {block_bytes} bytes")
-        self.kv = KVCache(self.spec, num_blocks, block_size, dtype, self.device)
+        self.kv = on_a_passing_thread(KVCache, self.spec, num_blocks, block_size, dtype, self.device)
         self.scheduler = Scheduler(
             BlockManager(num_blocks, block_size, enable_prefix_caching), self.kv,
             HostKVPool(host_kv_bytes // block_bytes, pin_memory=self.device.type == "cuda"),
