@@ -1,7 +1,7 @@
 // The small per-token ops of a decoder layer, each one pass over its rows instead of the five to
 // eight torch ops (and as many temporaries) of kernels/norm.py, rope.py and activation.py, whose
-// contracts and rounding they keep: math in fp32 (RoPE and SiLU in fp64 for fp64, as torch), rounded to the input dtype wherever the torch
-// op rounds. A decode step runs about 150 of them; at small batch their dispatch costs as much
+// contracts and rounding they keep: math in fp32 (RoPE and SiLU in fp64 for fp64, as torch),
+// rounded to the input dtype wherever the torch op rounds. A decode step runs about 150 of them; at small batch their dispatch costs as much
 // as their arithmetic.
 
 #include <torch/extension.h>

@@ -72,6 +72,25 @@ void weight_rows(const float* x, int64_t rows, int64_t k, const float* w, float*
   }
 }
 
+// Four weight rows per tile: with 4 input rows, 16 accumulators plus their operands fill the
+// registers.
+constexpr int64_t kTile = 4;
+
+int64_t num_tiles(int64_t n_total) { return (n_total + kTile - 1) / kTile; }
+
+// Output columns of tile t: all rows of x against its weight rows (the last tile, if partial,
+// one weight row at a time).
+void column_tile(const float* x, int64_t rows, int64_t k, const float* w, float* y,
+                 int64_t n_total, const float* bias, int64_t t) {
+  const int64_t n = t * kTile;
+  if (n + kTile <= n_total) {
+    weight_rows<kTile>(x, rows, k, w + n * k, y + n, n_total, bias ? bias + n : nullptr);
+    return;
+  }
+  for (int64_t j = n; j < n_total; ++j)
+    weight_rows<1>(x, rows, k, w + j * k, y + j, n_total, bias ? bias + j : nullptr);
+}
+
 }  // namespace
 
 torch::Tensor small_rows_linear(const torch::Tensor& x, const torch::Tensor& weight,
@@ -92,20 +111,8 @@ torch::Tensor small_rows_linear(const torch::Tensor& x, const torch::Tensor& wei
   const float* wp = wc.data_ptr<float>();
   const float* bp = bias ? bc.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  // Four weight rows per tile: with 4 input rows, 16 accumulators plus their operands fill the
-  // registers.
-  constexpr int64_t nb = 4;
-  const int64_t tiles = (n_total + nb - 1) / nb;
-  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n = t * nb;
-      if (n + nb <= n_total) {
-        weight_rows<nb>(xp, rows, k, wp + n * k, yp + n, n_total, bp ? bp + n : nullptr);
-      } else {  // the last, partial tile: one weight row at a time
-        for (int64_t j = n; j < n_total; ++j)
-          weight_rows<1>(xp, rows, k, wp + j * k, yp + j, n_total, bp ? bp + j : nullptr);
-      }
-    }
+  at::parallel_for(0, num_tiles(n_total), 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) column_tile(xp, rows, k, wp, yp, n_total, bp, t);
   });
   return y;
 }
@@ -138,22 +145,13 @@ torch::Tensor grouped_small_rows_linear(const torch::Tensor& x, const torch::Ten
   const float* xp = xc.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  constexpr int64_t nb = 4;
-  const int64_t tiles = (n_total + nb - 1) / nb;
+  const int64_t tiles = num_tiles(n_total);
   at::parallel_for(0, experts * tiles, 8, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t e = item / tiles, n = (item % tiles) * nb;
-      const int64_t rows = count[e];
-      if (rows == 0) continue;
-      const float* xe = xp + first[e] * k;
-      const float* we = wp + e * n_total * k;
-      float* ye = yp + first[e] * n_total;
-      if (n + nb <= n_total) {
-        weight_rows<nb>(xe, rows, k, we + n * k, ye + n, n_total, nullptr);
-      } else {
-        for (int64_t j = n; j < n_total; ++j)
-          weight_rows<1>(xe, rows, k, we + j * k, ye + j, n_total, nullptr);
-      }
+      const int64_t e = item / tiles;
+      if (count[e] == 0) continue;
+      column_tile(xp + first[e] * k, count[e], k, wp + e * n_total * k, yp + first[e] * n_total,
+                  n_total, nullptr, item % tiles);
     }
   });
   return y;
