@@ -52,10 +52,12 @@ def decode_attention_pads(device: torch.device) -> bool:
 
 
 def prepare(device: str | torch.device) -> None:
-    """Build (or load from the cache) the C++ kernels where `device` will run them, so no step
-    pays for the build. Raises cpu_kernels.KernelBuildError where the build fails."""
+    """Build (or load from the cache) the C++ kernels where `device` will run them, and measure
+    which linears the few-row kernel takes, so no step pays for either. Raises
+    cpu_kernels.KernelBuildError where the build fails."""
     if uses_cpp(torch.device(device)):
         cpp.build()
+        cpp.linear_span()
 
 
 @contextlib.contextmanager

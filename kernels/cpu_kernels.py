@@ -16,14 +16,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import moe, norm
+from kernels import linear_rows, moe, norm
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in
            ("bindings.cpp", "paged_decode_attention.cpp", "small_rows_linear.cpp", "pointwise.cpp")]
-# Row counts where the C++ linear beats MKL's sgemm (benchmarks/cpu_kernels_micro.py, all the
-# default model's linears: 36 vs 48 ms at 4 rows, 41 vs 61 at 8, 62 vs 69 at 24); at 1-3 rows
-# MKL's path is as close to the memory floor, and past 24 its packed GEMM is the faster.
-SMALL_ROWS = range(4, 25)
 _module = None
 _lock = threading.Lock()  # engines may first step on different threads: build once
 
@@ -75,20 +71,26 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                           sliding_window)
 
 
+def linear_span() -> range:
+    """The row counts of fp32 linears the C++ kernel takes on this machine (kernels/linear_rows.py:
+    where it beats MKL's sgemm, measured once per process)."""
+    return linear_rows.span(lambda x, weight: build().small_rows_linear(x, weight, None))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """kernels.matmul.linear: the C++ kernel for fp32 [rows, in] inputs with SMALL_ROWS rows,
-    MKL's sgemm (torch) for other inputs, where it is the faster of the two."""
-    if x.dim() == 2 and x.shape[0] in SMALL_ROWS and x.dtype == weight.dtype == torch.float32:
+    """kernels.matmul.linear: the C++ kernel for fp32 [rows, in] inputs with rows in
+    `linear_span()`, MKL's sgemm (torch) for other inputs, where it is the faster of the two."""
+    if x.dim() == 2 and x.dtype == weight.dtype == torch.float32 and x.shape[0] in linear_span():
         return build().small_rows_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def expert_ffn(rows: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                counts: torch.Tensor) -> torch.Tensor:
-    """kernels.moe.expert_ffn: in C++ where no expert has more than SMALL_ROWS rows (decode
-    steps: a few tokens per expert), torch's grouped matmul otherwise."""
+    """kernels.moe.expert_ffn: in C++ where no expert has more rows than `linear_span()` holds
+    (decode steps: a few tokens per expert), torch's grouped matmul otherwise."""
     if (rows.dtype == gate_up_proj.dtype == torch.float32 and len(rows)
-            and int(counts.max()) < SMALL_ROWS.stop):
+            and int(counts.max()) < linear_span().stop):
         module = build()
         up = module.grouped_small_rows_linear(rows, gate_up_proj, counts)
         return module.grouped_small_rows_linear(module.silu_and_mul(up), down_proj, counts)

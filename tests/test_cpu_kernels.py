@@ -12,7 +12,7 @@ from torch.utils import cpp_extension
 
 import kernels
 from helpers import greedy_requests, make_engine, random_prompts
-from kernels import activation, attention, cpu_kernels, moe, norm, rope
+from kernels import activation, attention, cpu_kernels, linear_rows, moe, norm, rope
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-12, rtol=1e-12),
              torch.bfloat16: dict(atol=1e-2, rtol=1e-2), torch.float16: dict(atol=1e-2, rtol=1e-2)}
@@ -149,8 +149,9 @@ def small_rows_linear(x, weight, bias=None):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 24, 40])
 @pytest.mark.parametrize("in_features,out_features", [(64, 96), (576, 960), (70, 33), (5, 3), (17, 1)])
 def test_linear_matches_torch(rows, in_features, out_features):
-    """The kernel at any row count (dispatch sends it 4-24): both weight-tile shapes and their
-    remainders; feature sizes that are and are not multiples of the 16 lanes and of the tiles."""
+    """The kernel at any row count (dispatch sends it the span kernels/linear_rows.py measures):
+    both weight-tile shapes and their remainders; feature sizes that are and are not multiples
+    of the 16 lanes and of the tiles."""
     g = gen(rows * 1000 + in_features + out_features)
     x = torch.randn(rows, in_features, generator=g)
     weight = torch.randn(out_features, in_features, generator=g)
@@ -170,7 +171,8 @@ def test_linear_takes_strided_inputs():
     torch.testing.assert_close(small_rows_linear(x, weight), F.linear(x, weight), **LINEAR_TOLERANCE)
 
 
-def test_linear_takes_the_kernel_only_for_the_row_counts_where_it_is_faster(monkeypatch):
+def test_linear_takes_the_kernel_only_for_the_row_counts_of_its_span(monkeypatch):
+    monkeypatch.setattr(linear_rows, "_span", range(4, 25))
     g = gen(4)
     weight = torch.randn(8, 16, generator=g)
     for rows in (4, 24):
@@ -217,12 +219,13 @@ def test_grouped_linear_bad_counts_raise():
 
 @pytest.mark.parametrize("largest", [1, 24, 25])
 def test_expert_ffn_takes_the_kernel_while_every_expert_has_few_rows(largest, monkeypatch):
+    monkeypatch.setattr(linear_rows, "_span", range(4, 25))
     g = gen(largest)
     counts = torch.tensor([largest, 0, 3, 1])
     gate_up, down = torch.randn(4, 2 * 24, 32, generator=g), torch.randn(4, 32, 24, generator=g)
     rows = torch.randn(int(counts.sum()), 32, generator=g)
     want = moe.expert_ffn(rows, gate_up, down, counts)
-    if largest >= cpu_kernels.SMALL_ROWS.stop:  # torch's grouped matmul: the kernel is never called
+    if largest >= 25:  # torch's grouped matmul: the kernel is never called
         monkeypatch.setattr(cpu_kernels, "build", lambda: pytest.fail("the C++ kernel was called"))
     torch.testing.assert_close(cpu_kernels.expert_ffn(rows, gate_up, down, counts), want,
                                **LINEAR_TOLERANCE)
