@@ -69,6 +69,14 @@ def test_head_dims(head_dim):
     check(*paged_case([1, 17, 40], 4, 2, head_dim, 16, seed=head_dim), scale=head_dim ** -0.5)
 
 
+@pytest.mark.parametrize("scale", [4.0, 40.0])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_peaked_softmax(scale, block_size):
+    """Scores spread over hundreds: the fp32 path's vector exp across its range, down to where it
+    clamps, and rescaling as the running max jumps."""
+    check(*paged_case([3, 17, 40, 90], 8, 2, 64, block_size, seed=int(scale)), scale=scale)
+
+
 @pytest.mark.parametrize("lengths", [[1], [37], [16]])
 def test_batch_of_one(lengths):
     check(*paged_case(lengths, 9, 3, 64, 16, seed=lengths[0]))

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -129,6 +130,136 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
   });
 }
 
+// The fp32 path for head dims of DV x 16 lanes: each score is one vector dot folded by a shuffle
+// tree (a 16-long scalar chain per score was most of the generic path's time), and each query
+// head's output row stays in registers while it takes a block's values. Same contract and the
+// same online softmax as `attend`, which serves the other dtypes and head dims.
+typedef float vec16 __attribute__((vector_size(16 * sizeof(float))));
+typedef int32_t lanes16 __attribute__((vector_size(16 * sizeof(int32_t))));
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, vec16 v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+inline float lane_sum(vec16 v) {
+  v += __builtin_shuffle(v, lanes16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, lanes16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v += __builtin_shuffle(v, lanes16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v += __builtin_shuffle(v, lanes16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return v[0];
+}
+
+// exp of 16 lanes at once (std::exp one score at a time was a fifth of a step's attention):
+// exp(x) = 2^k exp(r), k = round(x / ln 2), r = x - k ln 2 in two parts (Cody-Waite), exp(r) by
+// its degree-7 Taylor polynomial, within 2 ulp of std::exp on |r| <= ln 2 / 2. x is clamped
+// below at -87.3, where exp is ~1e-38: softmax inputs are x - max <= 0, and lanes that small
+// weigh nothing against the max's exp(0) = 1.
+inline vec16 exp16(vec16 x) {
+  const vec16 lowest = vec16{} - 87.3f, magic = vec16{} + 12582912.f;  // 1.5 * 2^23: rounds
+  x = x < lowest ? lowest : x;
+  const vec16 k = (x * 1.44269504f + magic) - magic;
+  const vec16 r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
+  vec16 p = vec16{} + 1.f / 5040;
+  p = p * r + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const lanes16 two_to_k = (__builtin_convertvector(k, lanes16) + 127) << 23;
+  vec16 scale;
+  __builtin_memcpy(&scale, &two_to_k, sizeof(scale));
+  return p * scale;
+}
+
+template <int DV>
+void attend_f32(const float* q, const float* k_cache, const float* v_cache,
+                const int64_t* block_tables, const int64_t* context_lens, float* out,
+                const Shape& s, int64_t batch, double scale, std::optional<int64_t> sliding_window) {
+  const int64_t tasks = batch * s.kv_heads, G = s.group, B = s.block_size;
+  std::atomic<int64_t> next{0};  // one task at a time, as in `attend`
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<vec16> qs(G * DV), acc(G * DV);
+    const int64_t width = (B + 15) / 16 * 16;  // a block's scores, padded to whole vectors
+    std::vector<float> scores(G * width), m(G), l(G);
+    for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
+      const int64_t seq = task / s.kv_heads, kvh = task % s.kv_heads;
+      const int64_t context = context_lens[seq];
+      const int64_t first = sliding_window ? std::max<int64_t>(0, context - *sliding_window) : 0;
+      const int64_t* table = block_tables + seq * s.max_blocks;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qh = q + seq * s.q_strides[0] + (kvh * G + g) * s.q_strides[1];
+        for (int c = 0; c < DV; ++c)
+          for (int j = 0; j < 16; ++j)
+            qs[g * DV + c][j] = qh[(c * 16 + j) * s.q_strides[2]] * static_cast<float>(scale);
+      }
+      std::fill(acc.begin(), acc.end(), vec16{});
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+
+      for (int64_t start = first; start < context;) {
+        const int64_t end = std::min(context, (start / B + 1) * B);
+        const int64_t offset = table[start / B] * s.cache_strides[0] + kvh * s.cache_strides[2];
+        const int64_t n = end - start, slot0 = start % B, row = s.cache_strides[1];
+        const float* k_rows = k_cache + offset + slot0 * row;
+        const float* v_rows = v_cache + offset + slot0 * row;
+        if (end < context) {
+          const int64_t ahead = table[end / B] * s.cache_strides[0] + kvh * s.cache_strides[2];
+          prefetch_rows(k_cache + ahead, v_cache + ahead, std::min(B, context - end), row, DV * 16);
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          vec16 k[DV];
+          for (int c = 0; c < DV; ++c) k[c] = load16(k_rows + t * row + c * 16);
+          for (int64_t g = 0; g < G; ++g) {
+            const vec16* qg = &qs[g * DV];
+            vec16 p = qg[0] * k[0];
+            for (int c = 1; c < DV; ++c) p += qg[c] * k[c];
+            scores[g * width + t] = lane_sum(p);
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = &scores[g * width];
+          vec16 a[DV];
+          for (int c = 0; c < DV; ++c) a[c] = acc[g * DV + c];
+          const float block_max = *std::max_element(sg, sg + n);
+          if (block_max > m[g]) {  // rescale what was summed under the old max
+            const float alpha = std::exp(m[g] - block_max);
+            l[g] *= alpha;
+            for (int c = 0; c < DV; ++c) a[c] *= alpha;
+            m[g] = block_max;
+          }
+          for (int64_t t0 = 0; t0 < n; t0 += 16) {
+            const lanes16 in_block = lanes16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} <
+                                      static_cast<int32_t>(n - t0);
+            const vec16 e = exp16(load16(sg + t0) - m[g]);
+            lanes16 bits;
+            __builtin_memcpy(&bits, &e, sizeof(bits));
+            bits &= in_block;  // lanes past the block's last token weigh nothing
+            vec16 weights;
+            __builtin_memcpy(&weights, &bits, sizeof(weights));
+            store16(sg + t0, weights);
+            l[g] += lane_sum(weights);
+          }
+          for (int64_t t = 0; t < n; ++t)
+            for (int c = 0; c < DV; ++c) a[c] += sg[t] * load16(v_rows + t * row + c * 16);
+          for (int c = 0; c < DV; ++c) acc[g * DV + c] = a[c];
+        }
+        start = end;
+      }
+
+      for (int64_t g = 0; g < G; ++g) {
+        float* o = out + (seq * s.heads + kvh * G + g) * DV * 16;
+        for (int c = 0; c < DV; ++c) store16(o + c * 16, acc[g * DV + c] / l[g]);
+      }
+    }
+  });
+}
+
 // Every block a sequence reads must exist: a bad table or length would read outside the cache.
 void check_tables(const int64_t* tables, const int64_t* context_lens, int64_t batch,
                   int64_t max_blocks, int64_t block_size, int64_t num_blocks,
@@ -181,6 +312,25 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const Shape shape{heads, kv_heads, heads / kv_heads, head_dim, block_size, tables.size(1),
                     {q.stride(0), q.stride(1), q.stride(2)},
                     {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)}};
+  if (q.scalar_type() == at::kFloat && head_dim % 16 == 0 && head_dim <= 16 * 8) {
+    const auto run = [&](auto dv) {
+      attend_f32<decltype(dv)::value>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
+                                      v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
+                                      lens.data_ptr<int64_t>(), out.data_ptr<float>(), shape, batch,
+                                      scale, sliding_window);
+    };
+    switch (head_dim / 16) {
+      case 1: run(std::integral_constant<int, 1>{}); break;
+      case 2: run(std::integral_constant<int, 2>{}); break;
+      case 3: run(std::integral_constant<int, 3>{}); break;
+      case 4: run(std::integral_constant<int, 4>{}); break;
+      case 5: run(std::integral_constant<int, 5>{}); break;
+      case 6: run(std::integral_constant<int, 6>{}); break;
+      case 7: run(std::integral_constant<int, 7>{}); break;
+      case 8: run(std::integral_constant<int, 8>{}); break;
+    }
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     attend<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                      v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
