@@ -86,7 +86,8 @@ def span(kernel) -> range:
                 else:
                     with ThreadPoolExecutor(1, thread_name_prefix="batchgen-calibrate") as timer:
                         times = timer.submit(measure, kernel).result()
-                    _span = span_of_wins({rows: t["cpp"] < MARGIN * t["mkl"] for rows, t in times.items()})
+                    _span = span_of_wins({rows: t["cpp"] < MARGIN * t["mkl"]
+                                          for rows, t in times.items()})
                     log.info("C++ few-row linear takes rows %s (ms, cpp/mkl: %s)",
                              f"{_span.start}-{_span.stop - 1}" if _span else "none",
                              ", ".join(f"{rows}: {t['cpp'] * 1e3:.1f}/{t['mkl'] * 1e3:.1f}"

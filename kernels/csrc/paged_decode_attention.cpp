@@ -57,22 +57,40 @@ struct Shape {
   int64_t q_strides[3], cache_strides[3];  // q: batch, head, dim; caches: block, slot, kv head
 };
 
+// body(scratch, seq, kv_head, first, context, table) for every (sequence, kv head) task, each
+// thread with its own scratch from make_scratch(). Tasks are handed out one at a time: contexts
+// are ragged and the cores may be shared, so a static split would leave threads idle behind the
+// one holding the longest sequences.
+template <typename MakeScratch, typename Body>
+void for_each_task(const Shape& s, int64_t batch, const int64_t* block_tables,
+                   const int64_t* context_lens, std::optional<int64_t> sliding_window,
+                   const MakeScratch& make_scratch, const Body& body) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    auto scratch = make_scratch();
+    for (int64_t task; (task = next.fetch_add(1)) < batch * s.kv_heads;) {
+      const int64_t seq = task / s.kv_heads, context = context_lens[seq];
+      const int64_t first = sliding_window ? std::max<int64_t>(0, context - *sliding_window) : 0;
+      body(scratch, seq, task % s.kv_heads, first, context, block_tables + seq * s.max_blocks);
+    }
+  });
+}
+
 template <typename scalar_t>
 void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
             const int64_t* block_tables, const int64_t* context_lens, scalar_t* out,
             const Shape& s, int64_t batch, double scale, std::optional<int64_t> sliding_window) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t tasks = batch * s.kv_heads, G = s.group, D = s.head_dim, B = s.block_size;
-  // Tasks are handed out one at a time: contexts are ragged and the cores may be shared, so a
-  // static split would leave threads idle behind the one holding the longest sequences.
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<acc_t> qs(G * D), acc(G * D), scores(G * B), m(G), l(G);
-    for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
-      const int64_t seq = task / s.kv_heads, kvh = task % s.kv_heads;
-      const int64_t context = context_lens[seq];
-      const int64_t first = sliding_window ? std::max<int64_t>(0, context - *sliding_window) : 0;
-      const int64_t* table = block_tables + seq * s.max_blocks;
+  const int64_t G = s.group, D = s.head_dim, B = s.block_size;
+  struct Scratch {
+    std::vector<acc_t> qs, acc, scores, m, l;
+    Scratch(int64_t G, int64_t D, int64_t B) : qs(G * D), acc(G * D), scores(G * B), m(G), l(G) {}
+  };
+  for_each_task(s, batch, block_tables, context_lens, sliding_window,
+                [&] { return Scratch(G, D, B); },
+                [&](Scratch& scratch, int64_t seq, int64_t kvh, int64_t first, int64_t context,
+                    const int64_t* table) {
+      auto& [qs, acc, scores, m, l] = scratch;
       for (int64_t g = 0; g < G; ++g) {
         const scalar_t* qh = q + seq * s.q_strides[0] + (kvh * G + g) * s.q_strides[1];
         for (int64_t d = 0; d < D; ++d)
@@ -126,7 +144,6 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
         scalar_t* o = out + (seq * s.heads + kvh * G + g) * D;
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[g * D + d] / l[g]);
       }
-    }
   });
 }
 
@@ -181,17 +198,18 @@ template <int DV>
 void attend_f32(const float* q, const float* k_cache, const float* v_cache,
                 const int64_t* block_tables, const int64_t* context_lens, float* out,
                 const Shape& s, int64_t batch, double scale, std::optional<int64_t> sliding_window) {
-  const int64_t tasks = batch * s.kv_heads, G = s.group, B = s.block_size;
-  std::atomic<int64_t> next{0};  // one task at a time, as in `attend`
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<vec16> qs(G * DV), acc(G * DV);
-    const int64_t width = (B + 15) / 16 * 16;  // a block's scores, padded to whole vectors
-    std::vector<float> scores(G * width), m(G), l(G);
-    for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
-      const int64_t seq = task / s.kv_heads, kvh = task % s.kv_heads;
-      const int64_t context = context_lens[seq];
-      const int64_t first = sliding_window ? std::max<int64_t>(0, context - *sliding_window) : 0;
-      const int64_t* table = block_tables + seq * s.max_blocks;
+  const int64_t G = s.group, B = s.block_size;
+  const int64_t width = (B + 15) / 16 * 16;  // a block's scores, padded to whole vectors
+  struct Scratch {
+    std::vector<vec16> qs, acc;
+    std::vector<float> scores, m, l;
+    Scratch(int64_t G, int64_t width) : qs(G * DV), acc(G * DV), scores(G * width), m(G), l(G) {}
+  };
+  for_each_task(s, batch, block_tables, context_lens, sliding_window,
+                [&] { return Scratch(G, width); },
+                [&](Scratch& scratch, int64_t seq, int64_t kvh, int64_t first, int64_t context,
+                    const int64_t* table) {
+      auto& [qs, acc, scores, m, l] = scratch;
       for (int64_t g = 0; g < G; ++g) {
         const float* qh = q + seq * s.q_strides[0] + (kvh * G + g) * s.q_strides[1];
         for (int c = 0; c < DV; ++c)
@@ -256,7 +274,6 @@ void attend_f32(const float* q, const float* k_cache, const float* v_cache,
         float* o = out + (seq * s.heads + kvh * G + g) * DV * 16;
         for (int c = 0; c < DV; ++c) store16(o + c * 16, acc[g * DV + c] / l[g]);
       }
-    }
   });
 }
 
