@@ -3,13 +3,12 @@
     python -m benchmarks.w3_run {ours,resident,peer} WORK_JSON RESULT_JSON
 
 WORK_JSON: model dir, items, weight budget, KV bytes, threads, peer batch size, offload folder.
-Peak RSS is the kernel's high-water mark for the process (getrusage ru_maxrss: anonymous and
-file-mapped pages, model load included); `baseline_rss` is the RSS after imports, before any
-model is loaded (the interpreter, torch and transformers).
+Peak RSS is the kernel's high-water mark for this program (VmHWM: anonymous and file-mapped
+pages, model load included); `baseline_rss` is the RSS after imports, before any model is loaded
+(the interpreter, torch and transformers).
 """
 
 import json
-import resource
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,11 @@ from benchmarks.workloads import WorkItem
 
 
 def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    """VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss across fork and exec, so a child
+    started right after benchmarks.w3 built a model reported the parent's peak (5 GB for 1.8)."""
+    with open("/proc/self/status", encoding="ascii") as status:
+        kib = next(line.split()[1] for line in status if line.startswith("VmHWM:"))
+    return int(kib) * 1024
 
 
 def _engine_run(work: dict, items: list[WorkItem], **engine_args) -> tuple[object, dict]:
