@@ -13,7 +13,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["batchgen_beam*", "runtime*", "kernels*", "pipelines*", "benchmarks*"]),
     # kernels/csrc: the C++ CPU attention, JIT-built from source at first use.
-    package_data={"batchgen_beam": ["data/*.jsonl"], "kernels": ["csrc/*.cpp"]},
+    package_data={"batchgen_beam": ["data/*.jsonl"], "kernels": ["csrc/*.cpp", "csrc/*.h"]},
     install_requires=[
         # Never leave torch unpinned: an open range pulls a multi-GB CUDA build on CPU boxes.
         "torch>=2.9,<2.14",  # 2.9: torch._grouped_mm on CPU (MoE experts)

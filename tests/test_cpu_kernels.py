@@ -302,6 +302,16 @@ def test_silu_and_mul_matches_torch(dtype, shape):
     torch.testing.assert_close(out, activation.silu_and_mul(gate_up), **POINTWISE_TOLERANCE[dtype])
 
 
+def test_silu_and_mul_at_gates_where_exp_leaves_fp32s_range():
+    """The vectorised exp clamps its input: silu must still be ~0 far below zero and the gate
+    itself far above (exp(-g) over- and underflows there)."""
+    gate = torch.tensor([-120.0, -100.0, -89.0, -88.5, -87.5, -20.0, -1e-3, 0.0, 1e-3, 20.0, 87.5,
+                         88.5, 89.0, 100.0, 120.0, 3.0] * 2)
+    gate_up = torch.cat([gate, torch.linspace(-2, 2, len(gate))])[None]
+    torch.testing.assert_close(cpu_kernels.silu_and_mul(gate_up), activation.silu_and_mul(gate_up),
+                               **POINTWISE_TOLERANCE[torch.float32])
+
+
 def test_pointwise_bad_inputs_raise():
     with pytest.raises(RuntimeError, match="weight must be \\[hidden\\]"):
         cpu_kernels.rms_norm(torch.randn(2, 16), torch.randn(15), 1e-6)

@@ -22,6 +22,8 @@
 #include <utility>
 #include <vector>
 
+#include "vec16.h"
+
 namespace {
 
 // Independent partial sums, so the compiler vectorises the loop without reassociating floats.
@@ -164,49 +166,6 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
 // tree (a 16-long scalar chain per score was most of the generic path's time), and each query
 // head's output row stays in registers while it takes a block's values. Same contract and the
 // same online softmax as `attend`, which serves the other dtypes and head dims.
-typedef float vec16 __attribute__((vector_size(16 * sizeof(float))));
-typedef int32_t lanes16 __attribute__((vector_size(16 * sizeof(int32_t))));
-
-inline vec16 load16(const float* p) {
-  vec16 v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store16(float* p, vec16 v) { __builtin_memcpy(p, &v, sizeof(v)); }
-
-inline float lane_sum(vec16 v) {
-  v += __builtin_shuffle(v, lanes16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v += __builtin_shuffle(v, lanes16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  v += __builtin_shuffle(v, lanes16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  v += __builtin_shuffle(v, lanes16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-  return v[0];
-}
-
-// exp of 16 lanes at once (std::exp one score at a time was a fifth of a step's attention):
-// exp(x) = 2^k exp(r), k = round(x / ln 2), r = x - k ln 2 in two parts (Cody-Waite), exp(r) by
-// its degree-7 Taylor polynomial, within 2 ulp of std::exp on |r| <= ln 2 / 2. x is clamped
-// below at -87.3, where exp is ~1e-38: softmax inputs are x - max <= 0, and lanes that small
-// weigh nothing against the max's exp(0) = 1.
-inline vec16 exp16(vec16 x) {
-  const vec16 lowest = vec16{} - 87.3f, magic = vec16{} + 12582912.f;  // 1.5 * 2^23: rounds
-  x = x < lowest ? lowest : x;
-  const vec16 k = (x * 1.44269504f + magic) - magic;
-  const vec16 r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
-  vec16 p = vec16{} + 1.f / 5040;
-  p = p * r + 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const lanes16 two_to_k = (__builtin_convertvector(k, lanes16) + 127) << 23;
-  vec16 scale;
-  __builtin_memcpy(&scale, &two_to_k, sizeof(scale));
-  return p * scale;
-}
-
 template <int DV>
 void attend_f32(const float* q, const float* k_cache, const float* v_cache,
                 const int64_t* block_tables, const int64_t* context_lens, float* out,
