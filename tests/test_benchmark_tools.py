@@ -63,3 +63,21 @@ def test_same_work_check_names_the_system_that_did_different_work():
     assert peer["ours_faster_by"] == pytest.approx(2.0)
     assert peer["requests_token_identical_to_ours"] == "1/2"
     assert peer["first_differing_token"] == {"b": 1}
+
+
+def test_rounds_alternate_the_order_and_keep_each_systems_best(monkeypatch):
+    from benchmarks import w1
+
+    sgemms = iter([100e9, 150e9, 120e9])
+    monkeypatch.setattr(mfu, "sgemm_flops_per_s", lambda: next(sgemms))
+    calls, times = [], {"a": iter([3.0, 2.0, 4.0]), "b": iter([5.0, 6.0, 1.0])}
+
+    def run(name):
+        calls.append(name)
+        return {"system": name, "batch_completion_s": next(times[name])}
+
+    results, measured = w1._best_of_rounds({n: (lambda n=n: run(n)) for n in "ab"}, ["a", "b"], 3)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert [r["batch_completion_s"] for r in results] == [2.0, 1.0]
+    assert results[0]["rounds_batch_completion_s"] == [3.0, 2.0, 4.0]
+    assert measured == [100e9, 150e9, 120e9]
