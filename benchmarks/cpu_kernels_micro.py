@@ -1,7 +1,7 @@
 """The C++ CPU kernels (kernels/cpu_kernels.py) against the torch ops they replace: decode
 attention alone at the default model's shape (all its layers, batch 64 x context 300); all the
 default model's linears (its 30 layers' projections and the lm_head) at decode row counts, C++
-against MKL's sgemm; and one engine decode step, every C++ kernel against every torch op, at
+against MKL's sgemm and oneDNN's on packed weights; and one engine decode step, every C++ kernel against every torch op, at
 batch 3, 8, 32 and 64 with contexts of about 300. Writes results/cpu_kernels_micro.json.
 
     python -m benchmarks.cpu_kernels_micro [--threads 2] [--out benchmarks/results/cpu_kernels_micro.json]
@@ -23,7 +23,7 @@ from benchmarks.step_costs import start_decoding
 from benchmarks.workloads import bundled_prompts
 import torch.nn.functional as F
 
-from kernels import attention, cpu_kernels
+from kernels import attention, cpu_kernels, onednn
 from runtime import Engine, Request, SamplingParams
 from runtime.config import ModelSpec, load_hf_config, model_spec
 from runtime.default_model import default_model_dir
@@ -31,7 +31,7 @@ from runtime.tokenizer import load_tokenizer
 
 BATCH, CONTEXT, BLOCK_SIZE = 64, 300, 16
 ENGINE_BATCHES = (3, 8, 32, 64)
-LINEAR_ROWS = (1, 2, 3, 4, 8, 12, 16, 24, 32, 64)
+LINEAR_ROWS = (1, 2, 3, 4, 8, 12, 16, 24, 32, 64, 128, 256)
 REPEATS = 7  # timed repeats per implementation
 CHOICES = ("torch", "cpp")
 
@@ -74,7 +74,8 @@ def attention_layers(spec: ModelSpec) -> dict:
 
 def linears(model_dir: Path) -> dict:
     """Time to run all of the default model's linears once (what a decode step reads: every
-    weight), x rows at a time, C++ kernel against MKL's sgemm. Random weights of its shapes."""
+    weight), x rows at a time: C++ kernel, MKL's sgemm, and (where torch has it) oneDNN's on
+    weights packed into its layout. Random weights of its shapes."""
     spec = model_spec(load_hf_config(model_dir))
     g = torch.Generator().manual_seed(1)
     hidden, qkv = spec.hidden_size, (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
@@ -82,16 +83,18 @@ def linears(model_dir: Path) -> dict:
               (hidden, spec.intermediate_size)]
     weights = [torch.randn(shape, generator=g) for _ in range(spec.num_layers) for shape in shapes]
     weights.append(torch.randn(spec.vocab_size, hidden, generator=g))
-    ops = {"mkl": F.linear, "cpp": cpu_kernels.build().small_rows_linear}
+    ops = {"mkl": (F.linear, weights), "cpp": (cpu_kernels.build().small_rows_linear, weights)}
+    if onednn.available():
+        ops["onednn"] = (onednn.linear, [onednn.pack(w) for w in weights])
     results = {}
     for rows in LINEAR_ROWS:
         inputs = {k: torch.randn(rows, k, generator=g) for k in {w.shape[1] for w in weights}}
         times = {name: [] for name in ops}
         for repeat in range(REPEATS + 1):  # the first round warms up
-            for name, op in ops.items():
+            for name, (op, op_weights) in ops.items():
                 start = time.perf_counter()
-                for w in weights:
-                    op(inputs[w.shape[1]], w, None)
+                for w, plain in zip(op_weights, weights):
+                    op(inputs[plain.shape[1]], w, None)
                 if repeat:
                     times[name].append(time.perf_counter() - start)
         results[str(rows)] = {name: _summary_ms(t) for name, t in times.items()}

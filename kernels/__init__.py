@@ -13,6 +13,7 @@ apply_rope = dispatch(rope.apply_rope, cpp.apply_rope)
 expert_ffn = dispatch(moe.expert_ffn, cpp.expert_ffn, triton=False)  # streamed experts (CPU)
 grouped_experts = dispatch(moe.grouped_experts, cpp.grouped_experts)
 linear = dispatch(matmul.linear, cpp.linear, triton=False)
+pack_linear_weight = dispatch(matmul.pack_linear_weight, cpp.pack_linear_weight, triton=False)
 paged_decode_attention = dispatch(attention.paged_decode_attention, cpp.paged_decode_attention)
 paged_prefill_attention = dispatch(attention.paged_prefill_attention)
 rms_norm = dispatch(norm.rms_norm, cpp.rms_norm)
@@ -26,6 +27,7 @@ __all__ = [
     "grouped_experts",
     "KernelBuildError",
     "linear",
+    "pack_linear_weight",
     "paged_decode_attention",
     "paged_prefill_attention",
     "prepare",

@@ -53,11 +53,11 @@ def decode_attention_pads(device: torch.device) -> bool:
 
 def prepare(device: str | torch.device) -> None:
     """Build (or load from the cache) the C++ kernels where `device` will run them, and measure
-    which linears the few-row kernel takes, so no step pays for either. Raises
+    which fp32 linears the few-row kernel and which sgemm take, so no step pays for either. Raises
     cpu_kernels.KernelBuildError where the build fails."""
     if uses_cpp(torch.device(device)):
         cpp.build()
-        cpp.linear_span()
+        cpp.linear_plan()
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import linear_rows, moe, norm
+from kernels import linear_rows, moe, norm, onednn
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in
            ("bindings.cpp", "paged_decode_attention.cpp", "small_rows_linear.cpp", "pointwise.cpp")]
@@ -71,26 +71,39 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                           sliding_window)
 
 
-def linear_span() -> range:
-    """The row counts of fp32 linears the C++ kernel takes on this machine (kernels/linear_rows.py:
-    where it beats MKL's sgemm, measured once per process)."""
-    return linear_rows.span(lambda x, weight: build().small_rows_linear(x, weight, None))
+def linear_plan() -> linear_rows.Plan:
+    """Which fp32 linears the C++ kernel takes on this machine and which sgemm takes the others
+    (kernels/linear_rows.py: measured once per process)."""
+    return linear_rows.plan(lambda x, weight: build().small_rows_linear(x, weight, None))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """kernels.matmul.linear: the C++ kernel for fp32 [rows, in] inputs with rows in
-    `linear_span()`, MKL's sgemm (torch) for other inputs, where it is the faster of the two."""
-    if x.dim() == 2 and x.dtype == weight.dtype == torch.float32 and x.shape[0] in linear_span():
-        return build().small_rows_linear(x, weight, bias)
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """kernels.matmul.pack_linear_weight: where oneDNN is this machine's sgemm, an fp32 weight in
+    its blocked layout (a second copy of the weight); else None."""
+    if weight.dim() == 2 and weight.dtype == torch.float32 and linear_plan().sgemm == "onednn":
+        return onednn.pack(weight)
+    return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """kernels.matmul.linear: for fp32 [rows, in] inputs the C++ kernel at the row counts it
+    takes, else oneDNN on `packed` where given; MKL's sgemm (torch) otherwise."""
+    if x.dim() == 2 and x.dtype == weight.dtype == torch.float32:
+        if x.shape[0] in linear_plan().kernel_rows:
+            return build().small_rows_linear(x, weight, bias)
+        if packed is not None:
+            return onednn.linear(x, packed, bias)
     return F.linear(x, weight, bias)
 
 
 def expert_ffn(rows: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                counts: torch.Tensor) -> torch.Tensor:
-    """kernels.moe.expert_ffn: in C++ where no expert has more rows than `linear_span()` holds
-    (decode steps: a few tokens per expert), torch's grouped matmul otherwise."""
+    """kernels.moe.expert_ffn: in C++ where no expert has more rows than
+    `linear_plan().expert_rows` holds (decode steps: a few tokens per expert), torch's grouped
+    matmul otherwise."""
     if (rows.dtype == gate_up_proj.dtype == torch.float32 and len(rows)
-            and int(counts.max()) < linear_span().stop):
+            and int(counts.max()) < linear_plan().expert_rows.stop):
         module = build()
         up = module.grouped_small_rows_linear(rows, gate_up_proj, counts)
         return module.grouped_small_rows_linear(module.silu_and_mul(up), down_proj, counts)

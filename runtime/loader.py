@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 from runtime.config import load_hf_config, model_spec, rope_cos_sin
-from runtime.model import CausalLM
+from runtime.model import CausalLM, Linear
 from runtime.moe import read_experts
 
 # Our packed parameter -> the HF parameters concatenated (along dim 0) to form it.
@@ -96,4 +96,8 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
                 continue
             tensors = [checkpoint.get(src) for src in hf_sources(name)]
             param.copy_(torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0])
-    return model.to(dtype)  # the RoPE tables too
+    model.to(dtype)  # the RoPE tables too
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.pack()
+    return model

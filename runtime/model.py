@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import (add_rms_norm, apply_rope, linear, paged_decode_attention,
+from kernels import (add_rms_norm, apply_rope, linear, pack_linear_weight, paged_decode_attention,
                      paged_prefill_attention, rms_norm, silu_and_mul, write_kv)
 from runtime.config import ModelSpec
 
@@ -43,10 +43,18 @@ class AttentionBatch:
 
 class Linear(nn.Linear):
     """nn.Linear through kernels.linear: on CPU, decode steps' few rows take a C++ kernel that
-    reads the weights once for all of them."""
+    reads the weights once for all of them, and more rows oneDNN where it is the faster sgemm,
+    on a copy of the weight that `pack` arranges for it."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Once the weight is final (loaded, in its dtype and on its device): a copy changed
+        afterwards would go stale."""
+        self.packed = pack_linear_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):

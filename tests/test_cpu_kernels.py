@@ -12,7 +12,7 @@ from torch.utils import cpp_extension
 
 import kernels
 from helpers import greedy_requests, make_engine, random_prompts
-from kernels import activation, attention, cpu_kernels, linear_rows, moe, norm, rope
+from kernels import activation, attention, cpu_kernels, linear_rows, matmul, moe, norm, onednn, rope
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-12, rtol=1e-12),
              torch.bfloat16: dict(atol=1e-2, rtol=1e-2), torch.float16: dict(atol=1e-2, rtol=1e-2)}
@@ -180,7 +180,7 @@ def test_linear_takes_strided_inputs():
 
 
 def test_linear_takes_the_kernel_only_for_the_row_counts_of_its_span(monkeypatch):
-    monkeypatch.setattr(linear_rows, "_span", range(4, 25))
+    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(4, 25), "mkl", range(4, 25)))
     g = gen(4)
     weight = torch.randn(8, 16, generator=g)
     for rows in (4, 24):
@@ -193,6 +193,56 @@ def test_linear_takes_the_kernel_only_for_the_row_counts_of_its_span(monkeypatch
         torch.testing.assert_close(cpu_kernels.linear(x, weight), F.linear(x, weight))
     x = torch.randn(3, 16, generator=g).bfloat16()
     assert torch.equal(cpu_kernels.linear(x, weight.bfloat16()), F.linear(x, weight.bfloat16()))
+
+
+needs_onednn = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (70, 33)])
+def test_linear_on_packed_weights_matches_torch(rows, in_features, out_features, monkeypatch):
+    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(0), "onednn", range(0)))
+    g = gen(rows + in_features)
+    x = torch.randn(rows, in_features, generator=g)
+    weight = torch.randn(out_features, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g)
+    packed = cpu_kernels.pack_linear_weight(weight)
+    torch.testing.assert_close(cpu_kernels.linear(x, weight, bias, packed), F.linear(x, weight, bias),
+                               **LINEAR_TOLERANCE)
+    torch.testing.assert_close(cpu_kernels.linear(x, weight, None, packed), F.linear(x, weight),
+                               **LINEAR_TOLERANCE)
+
+
+@needs_onednn
+def test_weights_are_packed_only_where_onednn_is_the_sgemm_and_only_fp32(monkeypatch):
+    weight = torch.randn(8, 16)
+    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(1, 5), "mkl", range(1, 5)))
+    assert cpu_kernels.pack_linear_weight(weight) is None
+    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(1, 5), "onednn", range(1, 5)))
+    assert cpu_kernels.pack_linear_weight(weight.bfloat16()) is None
+    assert cpu_kernels.pack_linear_weight(weight) is not None
+    assert kernels.pack_linear_weight(weight) is not None  # the public op dispatches here
+    assert matmul.pack_linear_weight(weight) is None  # torch multiplies the plain weight
+
+
+@needs_onednn
+def test_linear_takes_the_kernel_within_its_span_and_onednn_outside(monkeypatch):
+    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(1, 5), "onednn", range(1, 5)))
+    weight = torch.randn(8, 16)
+    packed = cpu_kernels.pack_linear_weight(weight)
+    calls = []
+    real_linear = onednn.linear
+    monkeypatch.setattr(onednn, "linear", lambda *args: calls.append("onednn") or real_linear(*args))
+    for rows, expected in ((4, []), (5, ["onednn"])):
+        calls.clear()
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(cpu_kernels.linear(x, weight, None, packed), F.linear(x, weight),
+                                   **LINEAR_TOLERANCE)
+        assert calls == expected, rows
+    calls.clear()
+    cpu_kernels.linear(torch.randn(5, 16), weight)  # nothing packed: MKL through torch
+    assert calls == []
 
 
 def test_linear_bad_inputs_raise():
@@ -227,7 +277,7 @@ def test_grouped_linear_bad_counts_raise():
 
 @pytest.mark.parametrize("largest", [1, 24, 25])
 def test_expert_ffn_takes_the_kernel_while_every_expert_has_few_rows(largest, monkeypatch):
-    monkeypatch.setattr(linear_rows, "_span", range(4, 25))
+    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(4, 25), "mkl", range(4, 25)))
     g = gen(largest)
     counts = torch.tensor([largest, 0, 3, 1])
     gate_up, down = torch.randn(4, 2 * 24, 32, generator=g), torch.randn(4, 32, 24, generator=g)
@@ -418,3 +468,19 @@ def test_engine_greedy_is_token_exact_with_the_torch_path(tiny, family, monkeypa
         assert ours.token_ids == theirs.token_ids
         assert ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-5)
         assert ours.token_ids == tiny.greedy(family, prompt, 20)[0]
+
+
+@needs_onednn
+@pytest.mark.parametrize("family", ["qwen2", "smollm", "qwen2_moe"])  # q|k|v bias, tied LM head, MoE
+@pytest.mark.parametrize("kernel_rows", [range(0), range(1, 5)])
+def test_engine_greedy_is_token_exact_with_onednn_as_the_sgemm(tiny, family, kernel_rows, monkeypatch):
+    """Every linear outside the kernel's span on oneDNN's packed weights (all of them with an
+    empty span): the loader packs each one, and greedy output stays transformers'."""
+    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(kernel_rows, "onednn", kernel_rows))
+    engine = make_engine(tiny.dir(family))
+    linears = [m for m in engine.model.modules() if hasattr(m, "packed")]
+    assert linears and all(m.packed is not None for m in linears)
+    for prompt, ours in zip(PROMPTS, engine.generate(greedy_requests(PROMPTS, 20))):
+        tokens, logprobs = tiny.greedy(family, prompt, 20)
+        assert ours.token_ids == tokens
+        assert ours.logprobs == pytest.approx(logprobs, abs=1e-4)
