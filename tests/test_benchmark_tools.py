@@ -81,3 +81,11 @@ def test_rounds_alternate_the_order_and_keep_each_systems_best(monkeypatch):
     assert [r["batch_completion_s"] for r in results] == [2.0, 1.0]
     assert results[0]["rounds_batch_completion_s"] == [3.0, 2.0, 4.0]
     assert measured == [100e9, 150e9, 120e9]
+
+
+def test_sgemm_rate_is_the_best_of_the_matmuls_the_engine_runs(monkeypatch):
+    timed = []
+    real_timed = mfu._timed
+    monkeypatch.setattr(mfu, "_timed", lambda fn: timed.append(fn) or real_timed(fn))
+    assert mfu.sgemm_flops_per_s(size=64, repeats=2) > 0
+    assert len(set(timed)) == (2 if mfu.onednn.available() else 1)
