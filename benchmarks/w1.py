@@ -2,7 +2,7 @@
 transformers padded `generate` (batch 16/32/64), transformers `generate_batch`, and `RunInference`
 with a transformers `generate` handler. Plus this machine's sgemm FLOP/s and our decode MFU.
 
-    python -m benchmarks.w1 [--quick] [--rounds N] [--systems engine generate vllm hf16 hf32 hf64 generate_batch runinference]
+    python -m benchmarks.w1 [--quick] [--rounds N] [--tag NAME] [--systems engine generate vllm hf16 hf32 hf64 generate_batch runinference]
 
 Same prompts, same output token counts (ignore_eos), greedy, fp32, two threads; the report checks
 every system generated exactly each request's length and counts requests token-identical to ours.
@@ -62,6 +62,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1, help="run every system this many times, "
                         "alternating the order, and keep each one's best")
+    parser.add_argument("--tag", help="write results/<workload>-<tag>.json: a run of other systems "
+                        "beside the main one (ours runs in each, as the reference)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -95,7 +97,7 @@ def main(argv=None) -> dict:
                "model": str(model_dir), "engine_args": ENGINE_ARGS, "rounds": args.rounds,
                "sgemm_flops_per_s": sgemm, "sgemm_flops_per_s_each_round": sgemms,
                "machine": report.machine(args.threads), "work_mismatches": mismatches}
-    report.write(workload, summary, results)
+    report.write(f"{workload}-{args.tag}" if args.tag else workload, summary, results)
     return summary
 
 
