@@ -36,7 +36,7 @@ RUNGS = (1, 2, 3, 4, 8, 16, 24, 32, 64, 128, 256)  # past the last, sgemm's bloc
 SGEMM_RUNGS = tuple(rows for rows in RUNGS if rows >= 16)  # where the sgemms are measured apart
 # Six 2048 x 1024 weights: 48 MB, more than the last-level caches of the CPUs we run on.
 WEIGHTS, OUT_FEATURES, IN_FEATURES = 6, 2048, 1024
-REPEATS = 2  # alternating, best of; the first round also warms up
+REPEATS = 4  # alternating, best of; the first round also warms up
 # A rung goes to the kernel (and the sgemm choice to oneDNN) only when it is this much faster:
 # near a tie either is as fast, and the margin keeps the verdict from flipping with the noise.
 MARGIN = 0.95
@@ -87,12 +87,14 @@ def verdict(kernel_s: float, other_s: float) -> bool | None:
 
 def span_of_wins(wins: dict[int, bool | None]) -> range:
     """From each rung's verdict, the rows from the kernel's first winning rung to its last one
-    before it first loses (ties inside stay in; a later win past a loss is the noise's)."""
+    before it loses for good: a loss the next rung's win contradicts is the machine's noise, and
+    so is a tie."""
+    rungs = sorted(wins)
     won = []
-    for rows, kernel_won in sorted(wins.items()):
-        if kernel_won:
+    for index, rows in enumerate(rungs):
+        if wins[rows]:
             won.append(rows)
-        elif kernel_won is False and won:
+        elif wins[rows] is False and won and not any(wins[later] for later in rungs[index + 1:index + 2]):
             break
     return range(won[0], won[-1] + 1) if won else range(0)
 

@@ -376,6 +376,7 @@ def test_pointwise_bad_inputs_raise():
 # ---- dispatch and build ----------------------------------------------------------------------
 
 def test_cpu_tensors_take_the_cpp_kernels_unless_told_otherwise(monkeypatch):
+    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(1, 9), "mkl", range(1, 9)))
     ops = ["paged_decode_attention", "small_rows_linear", "rms_norm", "add_rms_norm", "apply_rope",
            "silu_and_mul", "grouped_small_rows_linear"]
     monkeypatch.setattr(cpu_kernels, "build",

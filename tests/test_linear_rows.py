@@ -47,10 +47,11 @@ def test_a_malformed_span_is_refused(text):
     ({1: True, 2: True, 256: True}, range(1, 257)),
     ({1: False, 8: False}, range(0)),
     ({8: True, 1: True, 4: None}, range(1, 9)),  # a tie inside stays in the span
-    ({1: True, 8: True, 16: False, 24: True, 32: None}, range(1, 9)),  # a win past a loss is noise
+    ({1: True, 8: False, 16: True, 24: False, 32: None}, range(1, 17)),  # a loss then a win: noise
+    ({1: True, 2: True, 4: False, 8: None, 16: True}, range(1, 3)),  # a loss and no win next: the end
     ({1: None, 2: True, 4: None, 8: False}, range(2, 3)),
 ])
-def test_the_span_runs_from_the_first_winning_rung_to_the_last_before_a_loss(wins, span):
+def test_the_span_runs_from_the_first_winning_rung_to_the_last_before_it_loses_for_good(wins, span):
     assert linear_rows.span_of_wins(wins) == span
 
 
