@@ -198,6 +198,19 @@ def test_linear_takes_the_kernel_only_for_the_row_counts_of_its_span(monkeypatch
 needs_onednn = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
 
 
+@pytest.mark.parametrize("broken", ["no oneDNN", "ops fail"])
+def test_onednn_is_unavailable_where_torch_lacks_it_or_its_ops_fail(broken, monkeypatch):
+    onednn.available.cache_clear()
+    if broken == "no oneDNN":
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    else:
+        monkeypatch.setattr(onednn, "pack", lambda weight: torch.ops.mkldnn.no_such_op(weight))
+    try:
+        assert onednn.available() is False
+    finally:
+        onednn.available.cache_clear()
+
+
 @needs_onednn
 @pytest.mark.parametrize("rows", [1, 5, 64, 300])
 @pytest.mark.parametrize("in_features,out_features", [(576, 960), (70, 33)])
