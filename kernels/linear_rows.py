@@ -102,8 +102,10 @@ def span_of_wins(wins: dict[int, bool | None]) -> range:
 def plan_of_times(times: dict[int, dict[str, float]], sgemm: str | None = None) -> Plan:
     """The plan from each rung's seconds per implementation ("cpp", "mkl" and, where this torch
     has it, "onednn"); `sgemm` given, only the kernel's spans."""
+    def total(name: str) -> float:
+        return sum(times[rows][name] for rows in SGEMM_RUNGS)
+
     if sgemm is None:
-        total = lambda name: sum(times[rows][name] for rows in SGEMM_RUNGS)  # noqa: E731
         sgemm = "onednn" if "onednn" in times[RUNGS[0]] and total("onednn") < MARGIN * total("mkl") else "mkl"
     return Plan(span_of_wins({rows: verdict(t["cpp"], t[sgemm]) for rows, t in times.items()}), sgemm,
                 span_of_wins({rows: verdict(t["cpp"], t["mkl"]) for rows, t in times.items()}))

@@ -10,30 +10,11 @@
 
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "vec16.h"
 
 namespace {
 
 constexpr int64_t kLanes = 16;
-typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline vec load(const float* p) {
-  vec v;
-  __builtin_memcpy(&v, p, sizeof(vec));
-  return v;
-}
-
-inline float lane_sum(vec v) {
-#ifdef __AVX512F__
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#else
-  float sum = 0;
-  for (int64_t j = 0; j < kLanes; ++j) sum += v[j];
-  return sum;
-#endif
-}
 
 // y[m][n] = dot(x[m], w[n]) + bias[n] for an nb x mb tile: nb weight rows meet mb input rows,
 // nb * mb accumulators in registers. With `ahead` (nb weight rows further on), every `stride`-th
@@ -42,16 +23,16 @@ inline float lane_sum(vec v) {
 template <int nb, int mb>
 inline void tile(const float* x, const float* w, int64_t k, float* y, int64_t n_total,
                  const float* bias, const float* ahead, int64_t phase, int64_t stride) {
-  vec acc[nb][mb] = {};
+  vec16 acc[nb][mb] = {};
   int64_t i = 0, countdown = phase + 1;
   for (; i + kLanes <= k; i += kLanes) {
-    vec wv[nb], xv[mb];
+    vec16 wv[nb], xv[mb];
     if (ahead && --countdown == 0) {
       countdown = stride;
       for (int n = 0; n < nb; ++n) __builtin_prefetch(ahead + n * k + i, 0, 2);
     }
-    for (int n = 0; n < nb; ++n) wv[n] = load(w + n * k + i);
-    for (int m = 0; m < mb; ++m) xv[m] = load(x + m * k + i);
+    for (int n = 0; n < nb; ++n) wv[n] = load16(w + n * k + i);
+    for (int m = 0; m < mb; ++m) xv[m] = load16(x + m * k + i);
     for (int n = 0; n < nb; ++n)
       for (int m = 0; m < mb; ++m) acc[n][m] += wv[n] * xv[m];
   }
