@@ -1,7 +1,8 @@
 """The C++ CPU kernels (kernels/cpu_kernels.py) against the torch ops they replace: decode
 attention alone at the default model's shape (all its layers, batch 64 x context 300); all the
-default model's linears (its 30 layers' projections and the lm_head) at decode row counts, C++
-against MKL's sgemm and oneDNN's on packed weights; and one engine decode step, every C++ kernel against every torch op, at
+default model's linears (its 30 layers' projections and the lm_head) at decode row counts: the
+few-row kernel on plain weights and the panel kernel on packed ones against MKL's sgemm and
+oneDNN's on its packed weights; and one engine decode step, every C++ kernel against every torch op, at
 batch 3, 8, 32 and 64 with contexts of about 300. Writes results/cpu_kernels_micro.json.
 
     python -m benchmarks.cpu_kernels_micro [--threads 2] [--out benchmarks/results/cpu_kernels_micro.json]
@@ -23,7 +24,8 @@ from benchmarks.step_costs import start_decoding
 from benchmarks.workloads import bundled_prompts
 import torch.nn.functional as F
 
-from kernels import attention, cpu_kernels, onednn
+from benchmarks import onednn
+from kernels import attention, cpu_kernels
 from runtime import Engine, Request, SamplingParams
 from runtime.config import ModelSpec, load_hf_config, model_spec
 from runtime.default_model import default_model_dir
@@ -83,7 +85,10 @@ def linears(model_dir: Path) -> dict:
               (hidden, spec.intermediate_size)]
     weights = [torch.randn(shape, generator=g) for _ in range(spec.num_layers) for shape in shapes]
     weights.append(torch.randn(spec.vocab_size, hidden, generator=g))
-    ops = {"mkl": (F.linear, weights), "cpp": (cpu_kernels.build().small_rows_linear, weights)}
+    panel = cpu_kernels.build().panel_linear
+    ops = {"mkl": (F.linear, weights), "cpp": (cpu_kernels.build().small_rows_linear, weights),
+           "panel": (lambda x, packed, bias: panel(x, *packed, bias),
+                     [(cpu_kernels.pack_panels(w), w.shape[0]) for w in weights])}
     if onednn.available():
         ops["onednn"] = (onednn.linear, [onednn.pack(w) for w in weights])
     results = {}

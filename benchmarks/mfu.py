@@ -6,7 +6,7 @@ import time
 import torch
 from torch import nn
 
-from kernels import onednn
+from benchmarks import onednn
 from runtime.moe import SparseMoeBlock
 
 

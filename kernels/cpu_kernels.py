@@ -1,5 +1,6 @@
-"""The C++ kernels for CPU tensors (kernels/csrc/): paged decode attention, the few-row linear
-of decode steps (and its grouped form for MoE experts), and the per-token ops of a decoder
+"""The C++ kernels for CPU tensors (kernels/csrc/): paged decode attention, the linear on
+weights packed into panels, the few-row linear on plain weights (and its grouped form for MoE
+experts), and the per-token ops of a decoder
 layer (RMSNorm, RMSNorm with the residual add, RoPE, SiLU-and-mul), each with the contract of
 its torch op.
 
@@ -16,10 +17,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import linear_rows, moe, norm, onednn
+from kernels import linear_rows, moe, norm
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in
-           ("bindings.cpp", "paged_decode_attention.cpp", "small_rows_linear.cpp", "pointwise.cpp")]
+           ("bindings.cpp", "paged_decode_attention.cpp", "panel_linear.cpp", "small_rows_linear.cpp",
+            "pointwise.cpp")]
 _module = None
 _lock = threading.Lock()  # engines may first step on different threads: build once
 
@@ -72,38 +74,55 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def linear_plan() -> linear_rows.Plan:
-    """Which fp32 linears the C++ kernel takes on this machine and which sgemm takes the others
-    (kernels/linear_rows.py: measured once per process)."""
-    return linear_rows.plan(lambda x, weight: build().small_rows_linear(x, weight, None))
+    """Which fp32 linears the panel kernel and the few-row kernel take on this machine, MKL the
+    rest (kernels/linear_rows.py: measured once per process)."""
+    return linear_rows.plan(lambda x, weight: build().small_rows_linear(x, weight, None),
+                            lambda x, panels, out_features: build().panel_linear(x, panels, out_features, None),
+                            pack_panels)
+
+
+PANEL = 32  # output columns per panel (kPanel in kernels/csrc/panel_linear.cpp)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [panels, in, PANEL]: panel p holds outputs p * PANEL.. (zeros past the last),
+    k-major, as panel_linear reads them."""
+    out_features, in_features = weight.shape
+    panels = -(-out_features // PANEL)
+    padded = weight.new_zeros(panels * PANEL, in_features)
+    padded[:out_features] = weight.detach()
+    return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """kernels.matmul.pack_linear_weight: where oneDNN is this machine's sgemm, an fp32 weight in
-    its blocked layout (a second copy of the weight); else None."""
-    if weight.dim() == 2 and weight.dtype == torch.float32 and linear_plan().sgemm == "onednn":
-        return onednn.pack(weight)
+    """kernels.matmul.pack_linear_weight: where the panel kernel takes any row count on this
+    machine, an fp32 weight packed into its panels (a second copy of the weight); else None."""
+    if weight.dim() == 2 and weight.dtype == torch.float32 and linear_plan().panel_rows:
+        return pack_panels(weight)
     return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """kernels.matmul.linear: for fp32 [rows, in] inputs the C++ kernel at the row counts it
-    takes, else oneDNN on `packed` where given; MKL's sgemm (torch) otherwise."""
+    """kernels.matmul.linear: for fp32 [rows, in] inputs the panel kernel on `packed` or, with
+    nothing packed, the few-row kernel, at the row counts each takes; MKL's sgemm (torch)
+    otherwise."""
     if x.dim() == 2 and x.dtype == weight.dtype == torch.float32:
-        if x.shape[0] in linear_plan().kernel_rows:
+        rows, plan = x.shape[0], linear_plan()
+        if packed is not None and rows in plan.panel_rows:
+            return build().panel_linear(x, packed, weight.shape[0], bias)
+        if packed is None and rows in plan.kernel_rows:
             return build().small_rows_linear(x, weight, bias)
-        if packed is not None:
-            return onednn.linear(x, packed, bias)
     return F.linear(x, weight, bias)
 
 
 def expert_ffn(rows: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                counts: torch.Tensor) -> torch.Tensor:
     """kernels.moe.expert_ffn: in C++ where no expert has more rows than
-    `linear_plan().expert_rows` holds (decode steps: a few tokens per expert), torch's grouped
+    `linear_plan().kernel_rows` holds (decode steps: a few tokens per expert), torch's grouped
     matmul otherwise."""
     if (rows.dtype == gate_up_proj.dtype == torch.float32 and len(rows)
-            and int(counts.max()) < linear_plan().expert_rows.stop):
+            and int(counts.max()) < linear_plan().kernel_rows.stop):
         module = build()
         up = module.grouped_small_rows_linear(rows, gate_up_proj, counts)
         return module.grouped_small_rows_linear(module.silu_and_mul(up), down_proj, counts)

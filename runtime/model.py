@@ -42,9 +42,8 @@ class AttentionBatch:
 
 
 class Linear(nn.Linear):
-    """nn.Linear through kernels.linear: on CPU, decode steps' few rows take a C++ kernel that
-    reads the weights once for all of them, and more rows oneDNN where it is the faster sgemm,
-    on a copy of the weight that `pack` arranges for it."""
+    """nn.Linear through kernels.linear: on CPU, a C++ kernel on a copy of the weight that `pack`
+    arranges for it (k-major panels), at the row counts where it beats MKL's sgemm."""
 
     packed: torch.Tensor | None = None
 

@@ -4,7 +4,7 @@ engine's decode-phase statistics, and the same-work check between systems."""
 import pytest
 import torch
 
-from benchmarks import mfu, report
+from benchmarks import mfu, onednn, report
 from benchmarks.workloads import WorkItem
 from helpers import make_engine
 from runtime import Request, SamplingParams
@@ -88,4 +88,17 @@ def test_sgemm_rate_is_the_best_of_the_matmuls_the_engine_runs(monkeypatch):
     real_timed = mfu._timed
     monkeypatch.setattr(mfu, "_timed", lambda fn: timed.append(fn) or real_timed(fn))
     assert mfu.sgemm_flops_per_s(size=64, repeats=2) > 0
-    assert len(set(timed)) == (2 if mfu.onednn.available() else 1)
+    assert len(set(timed)) == (2 if onednn.available() else 1)
+
+
+@pytest.mark.parametrize("broken", ["no oneDNN", "ops fail"])
+def test_onednn_is_unavailable_where_torch_lacks_it_or_its_ops_fail(broken, monkeypatch):
+    onednn.available.cache_clear()
+    if broken == "no oneDNN":
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    else:
+        monkeypatch.setattr(onednn, "pack", lambda weight: torch.ops.mkldnn.no_such_op(weight))
+    try:
+        assert onednn.available() is False
+    finally:
+        onednn.available.cache_clear()

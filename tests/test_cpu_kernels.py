@@ -12,7 +12,7 @@ from torch.utils import cpp_extension
 
 import kernels
 from helpers import greedy_requests, make_engine, random_prompts
-from kernels import activation, attention, cpu_kernels, linear_rows, matmul, moe, norm, onednn, rope
+from kernels import activation, attention, cpu_kernels, linear_rows, matmul, moe, norm, rope
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-12, rtol=1e-12),
              torch.bfloat16: dict(atol=1e-2, rtol=1e-2), torch.float16: dict(atol=1e-2, rtol=1e-2)}
@@ -180,7 +180,7 @@ def test_linear_takes_strided_inputs():
 
 
 def test_linear_takes_the_kernel_only_for_the_row_counts_of_its_span(monkeypatch):
-    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(4, 25), "mkl", range(4, 25)))
+    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(0), range(4, 25)))
     g = gen(4)
     weight = torch.randn(8, 16, generator=g)
     for rows in (4, 24):
@@ -195,67 +195,44 @@ def test_linear_takes_the_kernel_only_for_the_row_counts_of_its_span(monkeypatch
     assert torch.equal(cpu_kernels.linear(x, weight.bfloat16()), F.linear(x, weight.bfloat16()))
 
 
-needs_onednn = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
-
-
-@pytest.mark.parametrize("broken", ["no oneDNN", "ops fail"])
-def test_onednn_is_unavailable_where_torch_lacks_it_or_its_ops_fail(broken, monkeypatch):
-    onednn.available.cache_clear()
-    if broken == "no oneDNN":
-        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
-    else:
-        monkeypatch.setattr(onednn, "pack", lambda weight: torch.ops.mkldnn.no_such_op(weight))
-    try:
-        assert onednn.available() is False
-    finally:
-        onednn.available.cache_clear()
-
-
-@needs_onednn
-@pytest.mark.parametrize("rows", [1, 5, 64, 300])
-@pytest.mark.parametrize("in_features,out_features", [(576, 960), (70, 33)])
-def test_linear_on_packed_weights_matches_torch(rows, in_features, out_features, monkeypatch):
-    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(0), "onednn", range(0)))
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 25, 64, 300])
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (70, 33), (1, 32), (40, 65)])
+def test_the_panel_kernel_matches_torch(rows, in_features, out_features):
+    """Row counts around the 12-row register tile and the 192-row block, outputs that fill
+    their last panel and ones that do not, with and without bias."""
     g = gen(rows + in_features)
     x = torch.randn(rows, in_features, generator=g)
     weight = torch.randn(out_features, in_features, generator=g)
     bias = torch.randn(out_features, generator=g)
-    packed = cpu_kernels.pack_linear_weight(weight)
-    torch.testing.assert_close(cpu_kernels.linear(x, weight, bias, packed), F.linear(x, weight, bias),
+    packed = cpu_kernels.pack_panels(weight)
+    assert packed.shape == (-(-out_features // cpu_kernels.PANEL), in_features, cpu_kernels.PANEL)
+    panel_linear = cpu_kernels.build().panel_linear
+    torch.testing.assert_close(panel_linear(x, packed, out_features, bias), F.linear(x, weight, bias),
                                **LINEAR_TOLERANCE)
-    torch.testing.assert_close(cpu_kernels.linear(x, weight, None, packed), F.linear(x, weight),
+    torch.testing.assert_close(panel_linear(x, packed, out_features, None), F.linear(x, weight),
                                **LINEAR_TOLERANCE)
 
 
-@needs_onednn
-def test_weights_are_packed_only_where_onednn_is_the_sgemm_and_only_fp32(monkeypatch):
+def test_the_panel_kernel_refuses_what_does_not_fit_its_panels():
+    panel_linear = cpu_kernels.build().panel_linear
+    packed = cpu_kernels.pack_panels(torch.randn(40, 16))  # two panels
+    with pytest.raises(RuntimeError, match="does not fill"):
+        panel_linear(torch.randn(2, 16), packed, 70, None)
+    with pytest.raises(RuntimeError, match="x must be"):
+        panel_linear(torch.randn(2, 15), packed, 40, None)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        panel_linear(torch.randn(2, 16), torch.randn(40, 16), 40, None)
+
+
+def test_weights_are_packed_only_where_the_panel_kernel_takes_rows_and_only_fp32(monkeypatch):
     weight = torch.randn(8, 16)
-    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(1, 5), "mkl", range(1, 5)))
+    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(0), range(1, 5)))
     assert cpu_kernels.pack_linear_weight(weight) is None
-    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(1, 5), "onednn", range(1, 5)))
+    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(1, 5), range(1, 5)))
     assert cpu_kernels.pack_linear_weight(weight.bfloat16()) is None
     assert cpu_kernels.pack_linear_weight(weight) is not None
     assert kernels.pack_linear_weight(weight) is not None  # the public op dispatches here
     assert matmul.pack_linear_weight(weight) is None  # torch multiplies the plain weight
-
-
-@needs_onednn
-def test_linear_takes_the_kernel_within_its_span_and_onednn_outside(monkeypatch):
-    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(1, 5), "onednn", range(1, 5)))
-    weight = torch.randn(8, 16)
-    packed = cpu_kernels.pack_linear_weight(weight)
-    calls = []
-    real_linear = onednn.linear
-    monkeypatch.setattr(onednn, "linear", lambda *args: calls.append("onednn") or real_linear(*args))
-    for rows, expected in ((4, []), (5, ["onednn"])):
-        calls.clear()
-        x = torch.randn(rows, 16)
-        torch.testing.assert_close(cpu_kernels.linear(x, weight, None, packed), F.linear(x, weight),
-                                   **LINEAR_TOLERANCE)
-        assert calls == expected, rows
-    calls.clear()
-    cpu_kernels.linear(torch.randn(5, 16), weight)  # nothing packed: MKL through torch
-    assert calls == []
 
 
 def test_linear_bad_inputs_raise():
@@ -290,7 +267,7 @@ def test_grouped_linear_bad_counts_raise():
 
 @pytest.mark.parametrize("largest", [1, 24, 25])
 def test_expert_ffn_takes_the_kernel_while_every_expert_has_few_rows(largest, monkeypatch):
-    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(4, 25), "mkl", range(4, 25)))
+    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(0), range(4, 25)))
     g = gen(largest)
     counts = torch.tensor([largest, 0, 3, 1])
     gate_up, down = torch.randn(4, 2 * 24, 32, generator=g), torch.randn(4, 32, 24, generator=g)
@@ -389,7 +366,7 @@ def test_pointwise_bad_inputs_raise():
 # ---- dispatch and build ----------------------------------------------------------------------
 
 def test_cpu_tensors_take_the_cpp_kernels_unless_told_otherwise(monkeypatch):
-    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(1, 9), "mkl", range(1, 9)))
+    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(0), range(1, 9)))
     ops = ["paged_decode_attention", "small_rows_linear", "rms_norm", "add_rms_norm", "apply_rope",
            "silu_and_mul", "grouped_small_rows_linear"]
     monkeypatch.setattr(cpu_kernels, "build",
@@ -484,13 +461,13 @@ def test_engine_greedy_is_token_exact_with_the_torch_path(tiny, family, monkeypa
         assert ours.token_ids == tiny.greedy(family, prompt, 20)[0]
 
 
-@needs_onednn
 @pytest.mark.parametrize("family", ["qwen2", "smollm", "qwen2_moe"])  # q|k|v bias, tied LM head, MoE
-@pytest.mark.parametrize("kernel_rows", [range(0), range(1, 5)])
-def test_engine_greedy_is_token_exact_with_onednn_as_the_sgemm(tiny, family, kernel_rows, monkeypatch):
-    """Every linear outside the kernel's span on oneDNN's packed weights (all of them with an
-    empty span): the loader packs each one, and greedy output stays transformers'."""
-    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(kernel_rows, "onednn", kernel_rows))
+@pytest.mark.parametrize("panel_rows", [range(1, linear_rows.OPEN_END), range(2, 5)])
+def test_engine_greedy_is_token_exact_with_the_panel_kernel(tiny, family, panel_rows, monkeypatch):
+    """Every linear's rows in the panel kernel's span on its packed weight (all of them, or some
+    with MKL and the few-row kernel taking the rest): the loader packs each one, and greedy
+    output stays transformers'."""
+    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(panel_rows, range(1, 2)))
     engine = make_engine(tiny.dir(family))
     linears = [m for m in engine.model.modules() if hasattr(m, "packed")]
     assert linears and all(m.packed is not None for m in linears)

@@ -1,5 +1,5 @@
-"""kernels/linear_rows.py: which row counts the C++ few-row linear takes and which sgemm takes
-the rest, measured per machine or set by BATCHGEN_CPU_LINEAR_ROWS and BATCHGEN_CPU_SGEMM."""
+"""kernels/linear_rows.py: which row counts the panel kernel and the few-row kernel take (MKL
+the rest), measured per machine or set by BATCHGEN_CPU_PANEL_ROWS and BATCHGEN_CPU_LINEAR_ROWS."""
 
 import threading
 
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import cpu_kernels, linear_rows, onednn
-from kernels.linear_rows import Plan
+from kernels import cpu_kernels, linear_rows
+from kernels.linear_rows import OPEN_END, Plan
 
 
 @pytest.fixture
@@ -17,28 +17,24 @@ def unmeasured(monkeypatch):
     """The process's plan forgotten (restored afterwards), the variables unset."""
     monkeypatch.setattr(linear_rows, "_plan", None)
     monkeypatch.delenv(linear_rows.ROWS_VAR, raising=False)
-    monkeypatch.delenv(linear_rows.SGEMM_VAR, raising=False)
+    monkeypatch.delenv(linear_rows.PANEL_VAR, raising=False)
 
 
-def rung_times(cpp, mkl=lambda rows: 1.0, onednn=None):
+def rung_times(cpp, mkl=lambda rows: 1.0, panel=lambda rows: 2.0):
     """Seconds per rung from per-implementation functions of the row count."""
-    times = {rows: {"cpp": cpp(rows), "mkl": mkl(rows)} for rows in linear_rows.RUNGS}
-    if onednn is not None:
-        for rows in linear_rows.RUNGS:
-            times[rows]["onednn"] = onednn(rows)
-    return times
+    return {rows: {"panel": panel(rows), "cpp": cpp(rows), "mkl": mkl(rows)} for rows in linear_rows.RUNGS}
 
 
 @pytest.mark.parametrize("text,span", [("4-24", range(4, 25)), ("1-1", range(1, 2)), ("0", range(0)),
-                                       (" 2-256 ", range(2, 257))])
+                                       (" 2-256 ", range(2, 257)), ("8-", range(8, OPEN_END))])
 def test_the_variable_names_a_span(text, span):
     assert linear_rows.parse_span(text) == span
 
 
-@pytest.mark.parametrize("text", ["", "4", "4-", "a-b", "24-4", "0-8", "4-24-32", "-3-4"])
+@pytest.mark.parametrize("text", ["", "4", "-", "a-b", "24-4", "0-8", "4-24-32", "-3-4"])
 def test_a_malformed_span_is_refused(text):
-    with pytest.raises(ValueError, match=linear_rows.ROWS_VAR):
-        linear_rows.parse_span(text)
+    with pytest.raises(ValueError, match=linear_rows.PANEL_VAR):
+        linear_rows.parse_span(text, linear_rows.PANEL_VAR)
 
 
 @pytest.mark.parametrize("wins,span", [
@@ -55,72 +51,71 @@ def test_the_span_runs_from_the_first_winning_rung_to_the_last_before_it_loses_f
     assert linear_rows.span_of_wins(wins) == span
 
 
+def test_a_win_at_the_last_rung_leaves_an_open_ended_span_only_where_asked():
+    wins = {1: False, 8: True, 256: True}
+    assert linear_rows.span_of_wins(wins, open_ended=True) == range(8, OPEN_END)
+    assert linear_rows.span_of_wins(wins) == range(8, 257)
+    assert linear_rows.span_of_wins({1: True, 128: True, 256: None}, open_ended=True) == range(1, 129)
+
+
 @pytest.mark.parametrize("kernel_s,other_s,verdict", [(0.5, 1.0, True), (1.0, 0.5, False),
                                                       (1.0, 1.02, None), (1.02, 1.0, None)])
 def test_a_verdict_within_the_margin_is_a_tie(kernel_s, other_s, verdict):
     assert linear_rows.verdict(kernel_s, other_s) is verdict
 
 
-@pytest.mark.parametrize("onednn_time,sgemm", [(0.9, "onednn"), (0.97, "mkl"), (1.5, "mkl"), (None, "mkl")])
-def test_onednn_takes_the_rest_only_when_faster_beyond_the_margin(onednn_time, sgemm):
-    times = rung_times(cpp=lambda rows: 0.1 if rows <= 4 else 9.0,
-                       onednn=None if onednn_time is None else lambda rows: onednn_time)
-    assert linear_rows.plan_of_times(times) == Plan(range(1, 5), sgemm, range(1, 5))
-
-
-def test_the_kernels_span_is_where_it_beats_the_chosen_sgemm():
-    """The kernel beats MKL up to 64 rows but oneDNN only up to 8: oneDNN, and the kernel to 8
-    for linears; the experts (whose alternative runs on MKL) keep it to 64."""
-    times = rung_times(cpp=lambda rows: 0.5 if rows <= 8 else 0.8 if rows <= 64 else 2.0,
-                       onednn=lambda rows: 0.7)
-    assert linear_rows.plan_of_times(times) == Plan(range(1, 9), "onednn", range(1, 65))
-    assert linear_rows.plan_of_times(times, sgemm="mkl") == Plan(range(1, 65), "mkl", range(1, 65))
+def test_each_kernels_span_is_where_it_beats_mkl():
+    """The panel kernel beats MKL from 2 rows on, to the last rung (open-ended); the few-row
+    kernel up to 64 rows."""
+    times = rung_times(cpp=lambda rows: 0.5 if rows <= 64 else 2.0, panel=lambda rows: 1.0 if rows == 1 else 0.4)
+    assert linear_rows.plan_of_times(times) == Plan(range(2, OPEN_END), range(1, 65))
 
 
 def test_the_plan_is_measured_once_on_a_thread_of_its_own(unmeasured, monkeypatch):
     seen = []
 
-    def measure(kernel):
+    def measure(kernel, panel, pack):
         seen.append(threading.current_thread())
-        # The kernel wins at 2-8 rows, ties within the margin at 16, loses elsewhere.
-        return rung_times(cpp=lambda rows: 0.5 if 2 <= rows <= 8 else 0.97 if rows == 16 else 2.0)
+        # The few-row kernel wins at 2-8 rows, ties within the margin at 16, loses elsewhere;
+        # the panel kernel wins at 4-128.
+        return rung_times(cpp=lambda rows: 0.5 if 2 <= rows <= 8 else 0.97 if rows == 16 else 2.0,
+                          panel=lambda rows: 0.5 if 4 <= rows <= 128 else 2.0)
 
     monkeypatch.setattr(linear_rows, "measure", measure)
-    assert cpu_kernels.linear_plan() == Plan(range(2, 9), "mkl", range(2, 9))
-    assert cpu_kernels.linear_plan() == Plan(range(2, 9), "mkl", range(2, 9))
+    assert cpu_kernels.linear_plan() == Plan(range(4, 129), range(2, 9))
+    assert cpu_kernels.linear_plan() == Plan(range(4, 129), range(2, 9))
     assert len(seen) == 1 and seen[0] is not threading.current_thread()
 
 
 def test_both_variables_replace_the_measurement(unmeasured, monkeypatch):
     monkeypatch.setenv(linear_rows.ROWS_VAR, "3-5")
-    monkeypatch.setenv(linear_rows.SGEMM_VAR, "mkl")
-    monkeypatch.setattr(linear_rows, "measure", lambda kernel: pytest.fail("measured"))
-    assert cpu_kernels.linear_plan() == Plan(range(3, 6), "mkl", range(3, 6))
+    monkeypatch.setenv(linear_rows.PANEL_VAR, "6-")
+    monkeypatch.setattr(linear_rows, "measure", lambda *kernels: pytest.fail("measured"))
+    assert cpu_kernels.linear_plan() == Plan(range(6, OPEN_END), range(3, 6))
 
 
-def test_one_variable_sets_its_part_and_the_other_is_measured(unmeasured, monkeypatch):
-    monkeypatch.setattr(linear_rows, "measure", lambda kernel: rung_times(
-        cpp=lambda rows: 0.5 if rows <= 64 else 2.0, onednn=lambda rows: 0.7))
-    monkeypatch.setenv(linear_rows.SGEMM_VAR, "MKL")
-    assert cpu_kernels.linear_plan() == Plan(range(1, 65), "mkl", range(1, 65))
+def test_one_variable_sets_its_span_and_the_other_is_measured(unmeasured, monkeypatch):
+    monkeypatch.setattr(linear_rows, "measure", lambda *kernels: rung_times(
+        cpp=lambda rows: 0.5 if rows <= 64 else 2.0, panel=lambda rows: 0.5))
+    monkeypatch.setenv(linear_rows.PANEL_VAR, "0")
+    assert cpu_kernels.linear_plan() == Plan(range(0), range(1, 65))
     monkeypatch.setattr(linear_rows, "_plan", None)
-    monkeypatch.delenv(linear_rows.SGEMM_VAR)
+    monkeypatch.delenv(linear_rows.PANEL_VAR)
     monkeypatch.setenv(linear_rows.ROWS_VAR, "0")
-    assert cpu_kernels.linear_plan() == Plan(range(0), "onednn", range(0))
+    assert cpu_kernels.linear_plan() == Plan(range(1, OPEN_END), range(0))
 
 
-def test_an_unknown_sgemm_is_refused(unmeasured, monkeypatch):
-    monkeypatch.setenv(linear_rows.SGEMM_VAR, "openblas")
-    with pytest.raises(ValueError, match=linear_rows.SGEMM_VAR):
+def test_a_malformed_variable_is_refused(unmeasured, monkeypatch):
+    monkeypatch.setenv(linear_rows.PANEL_VAR, "many")
+    with pytest.raises(ValueError, match=linear_rows.PANEL_VAR):
         cpu_kernels.linear_plan()
 
 
 def test_prepare_measures_the_plan(unmeasured, monkeypatch):
-    monkeypatch.setattr(linear_rows, "measure", lambda kernel: rung_times(cpp=lambda rows: 1.0,
-                                                                          mkl=lambda rows: 2.0))
+    monkeypatch.setattr(linear_rows, "measure", lambda *kernels: rung_times(cpp=lambda rows: 1.0,
+                                                                             mkl=lambda rows: 2.0))
     kernels.prepare("cpu")
-    everything = range(1, linear_rows.RUNGS[-1] + 1)
-    assert linear_rows._plan == Plan(everything, "mkl", everything)
+    assert linear_rows._plan == Plan(range(0), range(1, linear_rows.RUNGS[-1] + 1))
 
 
 def test_measure_times_every_implementation_at_every_rung(monkeypatch):
@@ -128,32 +123,39 @@ def test_measure_times_every_implementation_at_every_rung(monkeypatch):
     monkeypatch.setattr(linear_rows, "WEIGHTS", 1)
     monkeypatch.setattr(linear_rows, "OUT_FEATURES", 64)
     monkeypatch.setattr(linear_rows, "IN_FEATURES", 32)
-    calls = []
+    calls = {"cpp": [], "panel": []}
 
     def kernel(x, weight):
-        calls.append(len(x))
+        calls["cpp"].append(len(x))
         return F.linear(x, weight)
 
-    times = linear_rows.measure(kernel)
+    def panel(x, packed, out_features):
+        calls["panel"].append(len(x))
+        assert packed.shape == (32, 64) and out_features == 64  # what `pack` made of the weight
+        return x @ packed
+
+    times = linear_rows.measure(kernel, panel, lambda weight: weight.T)
     assert sorted(times) == sorted(linear_rows.RUNGS)
-    names = {"cpp", "mkl", "onednn"} if onednn.available() else {"cpp", "mkl"}
-    assert all(set(t) == names and all(0 < v < 1 for v in t.values()) for t in times.values())
-    assert sorted(set(calls)) == sorted(linear_rows.RUNGS)
+    assert all(set(t) == {"panel", "cpp", "mkl"} and all(0 < v < 1 for v in t.values()) for t in times.values())
+    assert all(sorted(set(rows)) == sorted(linear_rows.RUNGS) for rows in calls.values())
 
 
-def test_the_measured_span_holds_the_rows_dispatch_gives_the_kernel(monkeypatch):
-    monkeypatch.setattr(linear_rows, "_plan", Plan(range(2, 9), "mkl", range(2, 9)))
+def test_dispatch_gives_each_kernel_the_rows_of_its_span(monkeypatch):
+    """Packed weights: the panel kernel within its span; plain ones: the few-row kernel within
+    its span; MKL elsewhere."""
+    monkeypatch.setattr(linear_rows, "_plan", Plan(range(4, 17), range(2, 9)))
+    module = cpu_kernels.build()
     called = []
-    real_build = cpu_kernels.build
-
-    def counting_build():
-        called.append(True)
-        return real_build()
-
-    monkeypatch.setattr(cpu_kernels, "build", counting_build)
-    weight = torch.randn(8, 16)
-    for rows, kernel in ((1, False), (2, True), (8, True), (9, False)):
-        called.clear()
+    spy = type("Spy", (), {name: staticmethod(lambda *args, name=name: called.append(name) or getattr(module, name)(*args))
+                           for name in ("panel_linear", "small_rows_linear")})
+    monkeypatch.setattr(cpu_kernels, "build", lambda: spy)
+    weight, bias = torch.randn(40, 16), torch.randn(40)
+    packed = cpu_kernels.pack_panels(weight)
+    for rows, with_panels, without in ((1, [], []), (2, [], ["small_rows_linear"]), (4, ["panel_linear"], ["small_rows_linear"]),
+                                       (9, ["panel_linear"], []), (16, ["panel_linear"], []), (17, [], [])):
         x = torch.randn(rows, 16)
-        torch.testing.assert_close(kernels.linear(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
-        assert bool(called) == kernel, rows
+        for given, expected in ((packed, with_panels), (None, without)):
+            called.clear()
+            torch.testing.assert_close(kernels.linear(x, weight, bias, given), F.linear(x, weight, bias),
+                                       atol=1e-5, rtol=1e-5)
+            assert called == expected, (rows, given is not None)

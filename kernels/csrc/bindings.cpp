@@ -9,6 +9,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                                      const torch::Tensor& context_lens, double scale,
                                      std::optional<int64_t> sliding_window);
+torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                           const std::optional<torch::Tensor>& bias);
 torch::Tensor small_rows_linear(const torch::Tensor& x, const torch::Tensor& weight,
                                 const std::optional<torch::Tensor>& bias);
 torch::Tensor grouped_small_rows_linear(const torch::Tensor& x, const torch::Tensor& weight,
@@ -23,6 +25,8 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Paged decode attention over a block-table KV cache");
+  m.def("panel_linear", &panel_linear,
+        "x @ weight^T + bias on a weight packed into k-major panels of 32 outputs (fp32)");
   m.def("small_rows_linear", &small_rows_linear, "x @ weight^T + bias for few rows of x (fp32)");
   m.def("grouped_small_rows_linear", &grouped_small_rows_linear,
         "Each expert's few rows (sorted by expert) @ its weight^T (fp32)");

@@ -4,9 +4,11 @@ torch reaches oneDNN's linear only through two private ops, the ones Inductor's 
 packs frozen weights with: `mkldnn::_reorder_linear_weight` (a one-time copy of the weight in
 oneDNN's layout) and `mkldnn::_linear_pointwise` (the matmul on it, bias fused). On the AMD EPYC
 this is 20-40% faster than MKL's sgemm on the same plain weights from 8 rows up (the default
-model's linears at 256 rows: 367 against 583 ms); kernels/linear_rows.py measures whether it
-wins on the machine at hand. The torch range in setup.py pins the ops' signatures; the tests
-call them, so a change shows there.
+model's linears at 256 rows: 367 against 583 ms). The engine does not use it (its panel kernel,
+kernels/csrc/panel_linear.cpp, is as fast or faster on the same kind of packed copy); the
+benchmarks do, as part of this machine's sgemm peak (mfu.py) and as a reference row in
+cpu_kernels_micro.py. The torch range in setup.py pins the ops' signatures; the tests call
+them, so a change shows there.
 """
 
 import functools
@@ -28,7 +30,7 @@ def available() -> bool:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """An fp32 [out, in] weight in oneDNN's blocked layout: an opaque tensor for `linear` only,
-    as large as the weight (a second copy: the plain one still serves the few-row kernel)."""
+    as large as the weight."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 

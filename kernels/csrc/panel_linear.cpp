@@ -1,0 +1,120 @@
+// y = x @ weight^T + bias (fp32) on a weight packed once into panels of kPanel output columns,
+// each panel k-major: packed[p][i][j] = weight[p * kPanel + j][i] (zeros past the last output).
+// A register tile of up to kMaxRows rows of x meets a whole panel: per step along k, the
+// panel's two vectors are loaded once and every row's x[i] is broadcast into them, so each load
+// feeds 2 * rows fused multiply-adds and no output needs a horizontal sum. The dot-product form
+// of small_rows_linear.cpp (four weight rows against four x rows, a lane sum per output) ran at
+// about half the FMA peak even cache-hot; this form reaches it from ~8 rows and meets the memory
+// floor below (benchmarks/cpu_kernels_micro.py; kernels/linear_rows.py picks by row count).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <array>
+#include <utility>
+
+#include "vec16.h"
+
+namespace {
+
+constexpr int64_t kPanel = 32;  // output columns per panel: two 16-lane vectors
+#ifdef __AVX512F__
+constexpr int kMaxRows = 12;  // 24 accumulators + 2 weight vectors + a broadcast: 27 of 32 zmm
+#else
+constexpr int kMaxRows = 3;  // AVX2 has 16 ymm, and a 16-lane vector takes two
+#endif
+// Rows of x per pass over a thread's panels: a block's rows stay in L2 while the panels stream
+// through (all of a 2,048-row prefill per panel came from L3, 7% slower).
+constexpr int64_t kRowBlock = 192;
+// While a panel is computed its rows of x also ask for the panel this many further on, into L2
+// (prefetcht1): the memory stream then overlaps the arithmetic of every row group (the default
+// model's linears at 13 rows: 27 -> 24 ms against one panel ahead).
+constexpr int64_t kAhead = 2;
+
+// One tile: R rows of x (row stride k) against one panel; the group-th of `groups` tiles on this
+// panel prefetches every groups-th step of the panel ahead, so the reads spread over all of them.
+template <int R>
+void tile(const float* x, int64_t k, const float* panel, float* y, int64_t n_total, int64_t cols,
+          const float* bias, const float* ahead, int64_t group, int64_t groups) {
+  vec16 acc[R][2] = {};
+  int64_t countdown = group + 1;
+  for (int64_t i = 0; i < k; ++i) {
+    const float* w = panel + i * kPanel;
+    const vec16 w0 = load16(w), w1 = load16(w + 16);
+    if (ahead && --countdown == 0) {
+      countdown = groups;
+      __builtin_prefetch(ahead + i * kPanel, 0, 2);
+      __builtin_prefetch(ahead + i * kPanel + 16, 0, 2);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * k + i];
+      acc[r][0] += w0 * xv;
+      acc[r][1] += w1 * xv;
+    }
+  }
+  float b[kPanel] = {};
+  for (int64_t j = 0; bias && j < cols; ++j) b[j] = bias[j];
+  for (int r = 0; r < R; ++r) {
+    float out[kPanel];
+    store16(out, acc[r][0] + load16(b));
+    store16(out + 16, acc[r][1] + load16(b + 16));
+    for (int64_t j = 0; j < cols; ++j) y[r * n_total + j] = out[j];
+  }
+}
+
+using Tile = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, const float*,
+                      const float*, int64_t, int64_t);
+
+template <int... R>
+constexpr std::array<Tile, sizeof...(R)> tiles_of(std::integer_sequence<int, R...>) {
+  return {&tile<R + 1>...};
+}
+constexpr auto kTiles = tiles_of(std::make_integer_sequence<int, kMaxRows>{});  // [r - 1]: r rows
+
+// All `rows` rows of x against panel p, in as few tiles as kMaxRows allows, of even sizes.
+void panel_rows(const float* x, int64_t rows, int64_t k, const float* packed, int64_t p,
+                int64_t panels, float* y, int64_t n_total, const float* bias) {
+  const int64_t n = p * kPanel, cols = std::min(kPanel, n_total - n);
+  const float* panel = packed + p * k * kPanel;
+  const float* ahead = p + kAhead < panels ? panel + kAhead * k * kPanel : nullptr;
+  const int64_t groups = (rows + kMaxRows - 1) / kMaxRows;
+  for (int64_t g = 0, m = 0; g < groups; ++g) {
+    const int64_t r = (rows - m) / (groups - g);
+    kTiles[r - 1](x + m * k, k, panel, y + m * n_total + n, n_total, cols, bias ? bias + n : nullptr,
+                  ahead, g, groups);
+    m += r;
+  }
+}
+
+}  // namespace
+
+torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                           const std::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "panel_linear runs CPU tensors");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
+              "panel_linear is fp32 only");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
+              "packed must be contiguous [panels, in, ", kPanel, "]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1), "x must be [rows, in]");
+  TORCH_CHECK(out_features > (packed.size(0) - 1) * kPanel && out_features <= packed.size(0) * kPanel,
+              "out_features ", out_features, " does not fill ", packed.size(0), " panels");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == out_features &&
+                        bias->scalar_type() == at::kFloat),
+              "bias must be fp32 [out]");
+  const auto xc = x.contiguous();
+  const auto bc = bias ? bias->contiguous() : torch::Tensor();
+  const int64_t rows = x.size(0), k = x.size(1), panels = packed.size(0);
+  auto y = torch::empty({rows, out_features}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  const float* bp = bias ? bc.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t m = 0; m < rows; m += kRowBlock)
+      for (int64_t p = begin; p < end; ++p)
+        panel_rows(xp + m * k, std::min(kRowBlock, rows - m), k, wp, p, panels, yp + m * out_features,
+                   out_features, bp);
+  });
+  return y;
+}
