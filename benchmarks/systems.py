@@ -54,11 +54,19 @@ def engine(model_dir: Path, items: list[WorkItem], return_engine: bool = False, 
               "output_tokens": sum(c.completion_tokens for c in completions),
               "steps": llm.stats.steps, "engine_args": engine_args,
               "parameters": sum(p.numel() for p in llm.model.parameters()),
-              "tokens": {c.id: c.token_ids for c in completions}}
+              "linear_plan": _linear_plan(), "tokens": {c.id: c.token_ids for c in completions}}
     if llm.stats.expert_calls:
         result.update(expert_calls=llm.stats.expert_calls, expert_tokens=llm.stats.expert_tokens,
                       tokens_per_expert_call=llm.stats.tokens_per_expert_call)
     return (result, llm) if return_engine else result
+
+
+def _linear_plan() -> dict | None:
+    """The row spans this process measured for its CPU linears (kernels/linear_rows.py), if any."""
+    from kernels import linear_rows
+
+    plan = linear_rows.resolved()
+    return plan and {"panel_rows": linear_rows.shown(plan.panel_rows), "kernel_rows": linear_rows.shown(plan.kernel_rows)}
 
 
 def _load(model_dir: Path):

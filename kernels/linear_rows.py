@@ -11,9 +11,10 @@ kernel beats MKL at every row count, 2,048-row prefills included, and the few-ro
 it up to ~256 rows; on an Intel Xeon (AVX-512) the few-row kernel won at 4-24 rows only
 (benchmarks/cpu_kernels_micro.py). So a process times all three once, on weights larger than
 the CPU caches (memory-bound, as a model's are), at a ladder of row counts; each kernel's span
-runs from its first rung to beat MKL up to where MKL first beats it. The panel kernel blocks
-its rows (192 at a time), so its cost per row is flat past the last rung: a win there leaves
-its span open-ended.
+runs from its first rung to beat MKL up to where MKL beats it at two rungs in a row (this
+machine's noise flips single rungs). The panel kernel blocks its rows (192 at a time), so its
+cost per row is flat past the last rung: a span no loss ended stays open. (A calibration that
+ended it at 64, 128 or 256 rows on a noisy tie sent the rest to MKL: whole W1 runs 20% slower.)
 BATCHGEN_CPU_PANEL_ROWS and BATCHGEN_CPU_LINEAR_ROWS (LO-HI, LO- for open-ended, or 0 for
 none) set the two spans instead, for runs that must not depend on a measurement; with both set
 nothing is measured.
@@ -80,18 +81,20 @@ def verdict(kernel_s: float, other_s: float) -> bool | None:
 
 def span_of_wins(wins: dict[int, bool | None], open_ended: bool = False) -> range:
     """From each rung's verdict, the rows from the kernel's first winning rung to its last one
-    before it loses for good: a loss the next rung's win contradicts is the machine's noise, and
-    so is a tie. `open_ended`: a win at the last rung leaves the span without an end."""
+    before it loses for good: a loss ends the span only where the next rung loses too (or there
+    is none); a loss the next rung does not confirm is the machine's noise, and so is a tie.
+    `open_ended`: a span no loss ended has no end."""
     rungs = sorted(wins)
-    won = []
+    won, ended = [], False
     for index, rows in enumerate(rungs):
         if wins[rows]:
             won.append(rows)
-        elif wins[rows] is False and won and not any(wins[later] for later in rungs[index + 1:index + 2]):
+        elif wins[rows] is False and won and all(wins[later] is False for later in rungs[index + 1:index + 2]):
+            ended = True
             break
     if not won:
         return range(0)
-    return range(won[0], OPEN_END if open_ended and won[-1] == rungs[-1] else won[-1] + 1)
+    return range(won[0], OPEN_END if open_ended and not ended else won[-1] + 1)
 
 
 def plan_of_times(times: dict[int, dict[str, float]]) -> Plan:
@@ -133,6 +136,11 @@ def plan(kernel, panel, pack) -> Plan:
         with _lock:
             if _plan is None:
                 _plan = _resolve(kernel, panel, pack)
+    return _plan
+
+
+def resolved() -> Plan | None:
+    """The plan this process has settled on, if it has yet."""
     return _plan
 
 

@@ -44,18 +44,21 @@ def test_a_malformed_span_is_refused(text):
     ({1: False, 8: False}, range(0)),
     ({8: True, 1: True, 4: None}, range(1, 9)),  # a tie inside stays in the span
     ({1: True, 8: False, 16: True, 24: False, 32: None}, range(1, 17)),  # a loss then a win: noise
-    ({1: True, 2: True, 4: False, 8: None, 16: True}, range(1, 3)),  # a loss and no win next: the end
+    ({1: True, 2: True, 4: False, 8: None, 16: True}, range(1, 17)),  # a loss then a tie: noise too
+    ({1: True, 2: True, 4: False, 8: False, 16: True}, range(1, 3)),  # two losses in a row: the end
     ({1: None, 2: True, 4: None, 8: False}, range(2, 3)),
 ])
 def test_the_span_runs_from_the_first_winning_rung_to_the_last_before_it_loses_for_good(wins, span):
     assert linear_rows.span_of_wins(wins) == span
 
 
-def test_a_win_at_the_last_rung_leaves_an_open_ended_span_only_where_asked():
+def test_a_span_no_loss_ended_is_open_only_where_asked():
     wins = {1: False, 8: True, 256: True}
     assert linear_rows.span_of_wins(wins, open_ended=True) == range(8, OPEN_END)
     assert linear_rows.span_of_wins(wins) == range(8, 257)
-    assert linear_rows.span_of_wins({1: True, 128: True, 256: None}, open_ended=True) == range(1, 129)
+    assert linear_rows.span_of_wins({1: True, 128: True, 256: None}, open_ended=True) == range(1, OPEN_END)
+    assert linear_rows.span_of_wins({1: True, 64: False, 128: None, 256: None}, open_ended=True) == range(1, OPEN_END)
+    assert linear_rows.span_of_wins({1: True, 64: True, 128: False, 256: False}, open_ended=True) == range(1, 65)
 
 
 @pytest.mark.parametrize("kernel_s,other_s,verdict", [(0.5, 1.0, True), (1.0, 0.5, False),
