@@ -66,7 +66,8 @@ def _linear_plan() -> dict | None:
     from kernels import linear_rows
 
     plan = linear_rows.resolved()
-    return plan and {"panel_rows": linear_rows.shown(plan.panel_rows), "kernel_rows": linear_rows.shown(plan.kernel_rows)}
+    return plan and {"panel_rows": linear_rows.shown(plan.panel_rows),
+                     "kernel_rows": linear_rows.shown(plan.kernel_rows)}
 
 
 def _load(model_dir: Path):

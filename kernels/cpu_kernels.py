@@ -77,7 +77,7 @@ def linear_plan() -> linear_rows.Plan:
     """Which fp32 linears the panel kernel and the few-row kernel take on this machine, MKL the
     rest (kernels/linear_rows.py: measured once per process)."""
     return linear_rows.plan(lambda x, weight: build().small_rows_linear(x, weight, None),
-                            lambda x, panels, out_features: build().panel_linear(x, panels, out_features, None),
+                            lambda x, panels, out: build().panel_linear(x, panels, out, None),
                             pack_panels)
 
 

@@ -6,7 +6,7 @@ k-major panels (kernels/csrc/panel_linear.cpp): outer products from registers, n
 peak from ~8 rows and at the memory floor below. The few-row kernel reads the plain weight once
 for all rows (dot products), for weights that are not packed: streamed layers (W3) and MoE
 experts. MKL's sgemm through torch takes every other row count.
-Which wins where depends on the CPU more than on the shapes. On an AMD EPYC (Zen 4) the panel
+Which wins where depends on the CPU, and on the shapes too. On an AMD EPYC (Zen 4) the panel
 kernel beats MKL at every row count, 2,048-row prefills included, and the few-row kernel beats
 it up to ~256 rows; on an Intel Xeon (AVX-512) the few-row kernel won at 4-24 rows only
 (benchmarks/cpu_kernels_micro.py). So a process times all three once, on weights larger than
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Plan:
     panel_rows: range  # row counts of a linear the panel kernel takes, on its packed weight
-    kernel_rows: range  # row counts of an unpacked linear (and of an MoE expert) the few-row kernel takes
+    kernel_rows: range  # row counts of an unpacked linear (and an MoE expert) the few-row kernel takes
 
 
 _plan: Plan | None = None
@@ -70,7 +70,10 @@ def parse_span(text: str, variable: str = ROWS_VAR) -> range:
 
 
 def shown(span: range) -> str:
-    return "none" if not span else f"{span.start}-" if span.stop == OPEN_END else f"{span.start}-{span.stop - 1}"
+    """A span as the variables write it."""
+    if not span:
+        return "none"
+    return f"{span.start}-" if span.stop == OPEN_END else f"{span.start}-{span.stop - 1}"
 
 
 def verdict(kernel_s: float, other_s: float) -> bool | None:
@@ -89,9 +92,11 @@ def span_of_wins(wins: dict[int, bool | None], open_ended: bool = False) -> rang
     for index, rows in enumerate(rungs):
         if wins[rows]:
             won.append(rows)
-        elif wins[rows] is False and won and all(wins[later] is False for later in rungs[index + 1:index + 2]):
-            ended = True
-            break
+        elif wins[rows] is False and won:
+            following = rungs[index + 1:index + 2]
+            if all(wins[after] is False for after in following):
+                ended = True
+                break
     if not won:
         return range(0)
     return range(won[0], OPEN_END if open_ended and not ended else won[-1] + 1)

@@ -2,6 +2,7 @@
 the rest), measured per machine or set by BATCHGEN_CPU_PANEL_ROWS and BATCHGEN_CPU_LINEAR_ROWS."""
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -139,7 +140,8 @@ def test_measure_times_every_implementation_at_every_rung(monkeypatch):
 
     times = linear_rows.measure(kernel, panel, lambda weight: weight.T)
     assert sorted(times) == sorted(linear_rows.RUNGS)
-    assert all(set(t) == {"panel", "cpp", "mkl"} and all(0 < v < 1 for v in t.values()) for t in times.values())
+    assert all(set(t) == {"panel", "cpp", "mkl"} and all(0 < v < 1 for v in t.values())
+               for t in times.values())
     assert all(sorted(set(rows)) == sorted(linear_rows.RUNGS) for rows in calls.values())
 
 
@@ -147,15 +149,18 @@ def test_dispatch_gives_each_kernel_the_rows_of_its_span(monkeypatch):
     """Packed weights: the panel kernel within its span; plain ones: the few-row kernel within
     its span; MKL elsewhere."""
     monkeypatch.setattr(linear_rows, "_plan", Plan(range(4, 17), range(2, 9)))
-    module = cpu_kernels.build()
-    called = []
-    spy = type("Spy", (), {name: staticmethod(lambda *args, name=name: called.append(name) or getattr(module, name)(*args))
-                           for name in ("panel_linear", "small_rows_linear")})
+    module, called = cpu_kernels.build(), []
+
+    def spied(name):
+        return lambda *args: called.append(name) or getattr(module, name)(*args)
+
+    spy = SimpleNamespace(panel_linear=spied("panel_linear"), small_rows_linear=spied("small_rows_linear"))
     monkeypatch.setattr(cpu_kernels, "build", lambda: spy)
     weight, bias = torch.randn(40, 16), torch.randn(40)
     packed = cpu_kernels.pack_panels(weight)
-    for rows, with_panels, without in ((1, [], []), (2, [], ["small_rows_linear"]), (4, ["panel_linear"], ["small_rows_linear"]),
-                                       (9, ["panel_linear"], []), (16, ["panel_linear"], []), (17, [], [])):
+    panel, few_rows = ["panel_linear"], ["small_rows_linear"]
+    for rows, with_panels, without in ((1, [], []), (2, [], few_rows), (4, panel, few_rows),
+                                       (9, panel, []), (16, panel, []), (17, [], [])):
         x = torch.randn(rows, 16)
         for given, expected in ((packed, with_panels), (None, without)):
             called.clear()

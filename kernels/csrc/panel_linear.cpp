@@ -32,8 +32,9 @@ constexpr int64_t kRowBlock = 192;
 // model's linears at 13 rows: 27 -> 24 ms against one panel ahead).
 constexpr int64_t kAhead = 2;
 
-// One tile: R rows of x, k-major (x[i * R + r], as pack_rows left them), against one panel; the group-th of `groups` tiles on this
-// panel prefetches every groups-th step of the panel ahead, so the reads spread over all of them.
+// One tile: R rows of x, k-major (x[i * R + r], as pack_rows left them), against one panel; the
+// group-th of `groups` tiles on this panel prefetches every groups-th step of the panel ahead,
+// so the reads spread over all of them.
 template <int R>
 void tile(const float* x, int64_t k, const float* panel, float* y, int64_t n_total, int64_t cols,
           const float* bias, const float* ahead, int64_t group, int64_t groups) {
