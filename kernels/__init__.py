@@ -3,13 +3,14 @@
 run CPU tensors. kernels/backend.py picks one per call, by device (and BATCHGEN_CPU_KERNELS);
 `prepare(device)` builds the C++ kernels ahead of use."""
 
-from kernels import activation, attention, cpu_kernels as cpp, matmul, moe, norm, rope
+from kernels import activation, attention, cpu_kernels as cpp, matmul, moe, norm, rope, sampling
 from kernels.backend import dispatch, prepare
 from kernels.cpu_kernels import KernelBuildError
 from kernels.moe import route  # softmax and top-k: torch's own kernels on every device
 
 add_rms_norm = dispatch(norm.add_rms_norm, cpp.add_rms_norm)
 apply_rope = dispatch(rope.apply_rope, cpp.apply_rope)
+argmax = dispatch(sampling.argmax, cpp.argmax, triton=False)
 expert_ffn = dispatch(moe.expert_ffn, cpp.expert_ffn, triton=False)  # streamed experts (CPU)
 grouped_experts = dispatch(moe.grouped_experts, cpp.grouped_experts)
 linear = dispatch(matmul.linear, cpp.linear, triton=False)
@@ -18,11 +19,12 @@ paged_decode_attention = dispatch(attention.paged_decode_attention, cpp.paged_de
 paged_prefill_attention = dispatch(attention.paged_prefill_attention)
 rms_norm = dispatch(norm.rms_norm, cpp.rms_norm)
 silu_and_mul = dispatch(activation.silu_and_mul, cpp.silu_and_mul)
-write_kv = dispatch(attention.write_kv)
+write_kv = dispatch(attention.write_kv, cpp.write_kv)
 
 __all__ = [
     "add_rms_norm",
     "apply_rope",
+    "argmax",
     "expert_ffn",
     "grouped_experts",
     "KernelBuildError",

@@ -1,8 +1,8 @@
 """The C++ kernels for CPU tensors (kernels/csrc/): paged decode attention, the linear on
 weights packed into panels, the few-row linear on plain weights (and its grouped form for MoE
-experts), and the per-token ops of a decoder
-layer (RMSNorm, RMSNorm with the residual add, RoPE, SiLU-and-mul), each with the contract of
-its torch op.
+experts), and the per-token ops of a decoder layer (RMSNorm, RMSNorm with the residual add,
+RoPE, SiLU-and-mul, the KV cache write) and the greedy argmax over a step's logits, each with
+the contract of its torch op.
 
 torch's extension loader JIT-builds them into one module on first use (about a minute; needs
 g++, ninja and the Python headers) and caches the build in TORCH_EXTENSIONS_DIR (default
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import linear_rows, moe, norm
+from kernels import linear_rows, moe, norm, sampling
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in
            ("bindings.cpp", "paged_decode_attention.cpp", "panel_linear.cpp", "small_rows_linear.cpp",
@@ -159,3 +159,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return build().silu_and_mul(gate_up)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    if logits.dtype != torch.float32 or logits.dim() != 2 or not logits.shape[1]:
+        return sampling.argmax(logits)
+    return build().argmax(logits)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    build().write_kv(k_cache, v_cache, slot_mapping, k, v)

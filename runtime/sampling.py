@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+import kernels
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -82,7 +84,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     Logprobs are of the model's distribution (log-softmax of the raw logits), not of the
     temperature/top-k/top-p-processed one.
     """
-    greedy_ids = logits.argmax(dim=-1).tolist()
+    greedy_ids = kernels.argmax(logits).tolist()
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     out = []

@@ -12,7 +12,7 @@ from torch.utils import cpp_extension
 
 import kernels
 from helpers import greedy_requests, make_engine, random_prompts
-from kernels import activation, attention, cpu_kernels, linear_rows, matmul, moe, norm, rope
+from kernels import activation, attention, cpu_kernels, linear_rows, matmul, moe, norm, rope, sampling
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-12, rtol=1e-12),
              torch.bfloat16: dict(atol=1e-2, rtol=1e-2), torch.float16: dict(atol=1e-2, rtol=1e-2)}
@@ -334,6 +334,44 @@ def test_rope_takes_the_heads_of_a_packed_projection():
 
 
 @pytest.mark.parametrize("dtype", POINTWISE_DTYPES)
+@pytest.mark.parametrize("tokens", [0, 1, 7])
+def test_write_kv_matches_torch_from_views_of_a_packed_projection(dtype, tokens):
+    """k as rope returns it, v a view into the packed q|k|v rows; slots anywhere in the cache."""
+    g = gen(tokens + 3)
+    blocks, block_size, kv_heads, head_dim = 5, 4, 2, 8
+    qkv = torch.randn(tokens, 3 * kv_heads * head_dim, generator=g).to(dtype)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=g).to(dtype)
+    v = qkv[:, 2 * kv_heads * head_dim:].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(blocks * block_size, generator=g)[:tokens]
+    caches = [torch.randn(blocks, block_size, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2)]
+    ours, want = [c.clone() for c in caches], [c.clone() for c in caches]
+    cpu_kernels.write_kv(*ours, slots, k, v)
+    attention.write_kv(*want, slots, k, v)
+    assert all(torch.equal(a, b) for a, b in zip(ours, want))
+
+
+def test_the_public_write_kv_takes_the_cpp_kernel_on_cpu(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "build", lambda: SimpleNamespace(write_kv=lambda *args: calls.append(args)))
+    caches = [torch.zeros(2, 4, 1, 8) for _ in range(2)]
+    k = torch.randn(1, 1, 8)
+    kernels.write_kv(*caches, torch.tensor([5]), k, k)
+    assert len(calls) == 1 and not caches[0].any()
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "torch")
+    kernels.write_kv(*caches, torch.tensor([5]), k, k)
+    assert len(calls) == 1 and torch.equal(caches[0][1, 1], k[0])
+
+
+def test_write_kv_refuses_slots_outside_the_cache():
+    caches = [torch.zeros(2, 4, 1, 8) for _ in range(2)]
+    k = torch.randn(2, 1, 8)
+    with pytest.raises(RuntimeError, match="is not a slot of the cache"):
+        cpu_kernels.write_kv(*caches, torch.tensor([3, 8]), k, k)
+    with pytest.raises(RuntimeError, match="one slot per token"):
+        cpu_kernels.write_kv(*caches, torch.tensor([3]), k, k)
+
+
+@pytest.mark.parametrize("dtype", POINTWISE_DTYPES)
 @pytest.mark.parametrize("shape", [(1, 3072), (6, 40), (2, 3, 10), (0, 8)])
 def test_silu_and_mul_matches_torch(dtype, shape):
     gate_up = (torch.randn(*shape, generator=gen(sum(shape))) * 4).to(dtype)
@@ -352,6 +390,34 @@ def test_silu_and_mul_at_gates_where_exp_leaves_fp32s_range():
                                **POINTWISE_TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 5), (2, 16), (5, 17), (7, 49152), (2, 100003)])
+def test_argmax_matches_torch(rows, vocab):
+    x = torch.randn(rows, vocab, generator=gen(rows + vocab))
+    assert torch.equal(cpu_kernels.argmax(x), sampling.argmax(x))
+    assert torch.equal(cpu_kernels.argmax(x.t().contiguous().t()), sampling.argmax(x))  # strided
+
+
+def test_argmax_breaks_ties_and_meets_nan_and_inf_as_torch_does():
+    """Ties go to the first index (within a lane, across lanes, in the tail), a NaN is the
+    maximum, a row of -inf answers its first index."""
+    x = torch.zeros(6, 40)
+    x[0, [7, 23, 33]] = 1.0  # two lanes and the tail tie
+    x[1] = float("-inf")
+    x[2, [30, 20]] = float("nan")
+    x[3, 39] = float("nan")  # only in the tail
+    x[4, [5, 37]] = float("inf")
+    x[5, [3, 19]] = 2.0  # one lane, twice
+    assert cpu_kernels.argmax(x).tolist() == sampling.argmax(x).tolist() == [7, 0, 20, 39, 5, 3]
+    few = torch.randint(0, 3, (50, 333), generator=gen(5)).float()  # ties everywhere
+    assert torch.equal(cpu_kernels.argmax(few), sampling.argmax(few))
+
+
+def test_argmax_of_other_dtypes_and_shapes_is_torchs():
+    x = torch.randn(3, 40, generator=gen(2))
+    for logits in (x.double(), x.bfloat16(), x[0], torch.empty(0, 40)):
+        assert torch.equal(cpu_kernels.argmax(logits), sampling.argmax(logits))
+
+
 def test_pointwise_bad_inputs_raise():
     with pytest.raises(RuntimeError, match="weight must be \\[hidden\\]"):
         cpu_kernels.rms_norm(torch.randn(2, 16), torch.randn(15), 1e-6)
@@ -368,7 +434,7 @@ def test_pointwise_bad_inputs_raise():
 def test_cpu_tensors_take_the_cpp_kernels_unless_told_otherwise(monkeypatch):
     monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(0), range(1, 9)))
     ops = ["paged_decode_attention", "small_rows_linear", "rms_norm", "add_rms_norm", "apply_rope",
-           "silu_and_mul", "grouped_small_rows_linear"]
+           "silu_and_mul", "grouped_small_rows_linear", "argmax"]
     monkeypatch.setattr(cpu_kernels, "build",
                         lambda: SimpleNamespace(**{op: (lambda *args, op=op: op) for op in ops}))
     g = gen(1)
@@ -382,6 +448,7 @@ def test_cpu_tensors_take_the_cpp_kernels_unless_told_otherwise(monkeypatch):
         "add_rms_norm": (kernels.add_rms_norm, (x, x, weight, 1e-6), norm.add_rms_norm),
         "apply_rope": (kernels.apply_rope, (q, cos, sin), rope.apply_rope),
         "silu_and_mul": (kernels.silu_and_mul, (x,), activation.silu_and_mul),
+        "argmax": (kernels.argmax, (x,), sampling.argmax),
         # the experts' first matmul, which the stand-in answers
         "grouped_small_rows_linear": (kernels.expert_ffn, (x, torch.randn(2, 8, 16, generator=g),
                                                            torch.randn(2, 16, 4, generator=g),

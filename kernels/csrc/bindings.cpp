@@ -21,6 +21,9 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
                                                       const torch::Tensor& weight, double eps);
 torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
+torch::Tensor argmax(const torch::Tensor& logits);
+void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
+              const torch::Tensor& k, const torch::Tensor& v);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -34,4 +37,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual)");
   m.def("apply_rope", &apply_rope, "Rotary embedding, half-rotation layout");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up on a packed gate|up projection");
+  m.def("argmax", &argmax, "Each row's first index of its maximum (fp32 logits)");
+  m.def("write_kv", &write_kv, "k and v into the paged caches at flat slots");
 }
