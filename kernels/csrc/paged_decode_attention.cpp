@@ -74,18 +74,38 @@ inline std::pair<int64_t, int64_t> next_block(const int64_t* table, int64_t end,
 // body(scratch, seq, kv_head, first, context, table) for every (sequence, kv head) task, each
 // thread with its own scratch from make_scratch(). Tasks are handed out one at a time: contexts
 // are ragged and the cores may be shared, so a static split would leave threads idle behind the
-// one holding the longest sequences.
-template <typename MakeScratch, typename Body>
-void for_each_task(const Shape& s, int64_t batch, const int64_t* block_tables,
-                   const int64_t* context_lens, std::optional<int64_t> sliding_window,
-                   const MakeScratch& make_scratch, const Body& body) {
+// one holding the longest sequences. A thread claims its next task before it runs the current
+// one and prefetches that task's first block meanwhile: within a task each block's rows pull the
+// next block in, but nothing pulled a task's first, which short contexts feel most (the default
+// model's 30 layers at 200 sequences x ~110 tokens: 65 -> 60 ms).
+template <typename scalar_t, typename MakeScratch, typename Body>
+void for_each_task(const Shape& s, int64_t batch, const scalar_t* k_cache, const scalar_t* v_cache,
+                   const int64_t* block_tables, const int64_t* context_lens,
+                   std::optional<int64_t> sliding_window, const MakeScratch& make_scratch,
+                   const Body& body) {
+  const int64_t tasks = batch * s.kv_heads;
+  const auto first_of = [&](int64_t context) {
+    return sliding_window ? std::max<int64_t>(0, context - *sliding_window) : int64_t{0};
+  };
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     auto scratch = make_scratch();
-    for (int64_t task; (task = next.fetch_add(1)) < batch * s.kv_heads;) {
+    for (int64_t task = next.fetch_add(1); task < tasks;) {
+      const int64_t upcoming = next.fetch_add(1);
+      if (upcoming < tasks) {
+        const int64_t seq = upcoming / s.kv_heads, context = context_lens[seq];
+        const int64_t first = first_of(context), row = s.cache_strides[1];
+        const int64_t slot = first % s.block_size;
+        const int64_t offset =
+            block_tables[seq * s.max_blocks + first / s.block_size] * s.cache_strides[0] +
+            (upcoming % s.kv_heads) * s.cache_strides[2] + slot * row;
+        prefetch_rows(k_cache + offset, v_cache + offset,
+                      std::min(s.block_size - slot, context - first), row, s.head_dim);
+      }
       const int64_t seq = task / s.kv_heads, context = context_lens[seq];
-      const int64_t first = sliding_window ? std::max<int64_t>(0, context - *sliding_window) : 0;
-      body(scratch, seq, task % s.kv_heads, first, context, block_tables + seq * s.max_blocks);
+      body(scratch, seq, task % s.kv_heads, first_of(context), context,
+           block_tables + seq * s.max_blocks);
+      task = upcoming;
     }
   });
 }
@@ -100,7 +120,7 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
     std::vector<acc_t> qs, acc, scores, m, l;
     Scratch(int64_t G, int64_t D, int64_t B) : qs(G * D), acc(G * D), scores(G * B), m(G), l(G) {}
   };
-  for_each_task(s, batch, block_tables, context_lens, sliding_window,
+  for_each_task(s, batch, k_cache, v_cache, block_tables, context_lens, sliding_window,
                 [&] { return Scratch(G, D, B); },
                 [&](Scratch& scratch, int64_t seq, int64_t kvh, int64_t first, int64_t context,
                     const int64_t* table) {
@@ -177,7 +197,7 @@ void attend_f32(const float* q, const float* k_cache, const float* v_cache,
     std::vector<float> scores, m, l;
     Scratch(int64_t G, int64_t width) : qs(G * DV), acc(G * DV), scores(G * width), m(G), l(G) {}
   };
-  for_each_task(s, batch, block_tables, context_lens, sliding_window,
+  for_each_task(s, batch, k_cache, v_cache, block_tables, context_lens, sliding_window,
                 [&] { return Scratch(G, width); },
                 [&](Scratch& scratch, int64_t seq, int64_t kvh, int64_t first, int64_t context,
                     const int64_t* table) {
