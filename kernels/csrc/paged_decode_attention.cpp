@@ -77,7 +77,7 @@ inline std::pair<int64_t, int64_t> next_block(const int64_t* table, int64_t end,
 // one holding the longest sequences. A thread claims its next task before it runs the current
 // one and prefetches that task's first block meanwhile: within a task each block's rows pull the
 // next block in, but nothing pulled a task's first, which short contexts feel most (the default
-// model's 30 layers at 200 sequences x ~110 tokens: 65 -> 60 ms).
+// model's 30 layers at 200 sequences x 75-150 tokens: 53.5 -> 50.5 ms).
 template <typename scalar_t, typename MakeScratch, typename Body>
 void for_each_task(const Shape& s, int64_t batch, const scalar_t* k_cache, const scalar_t* v_cache,
                    const int64_t* block_tables, const int64_t* context_lens,

@@ -107,10 +107,18 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
   return {out, sum};
 }
 
+// x [tokens, heads, head_dim] as the ops below read it: each token's heads contiguous, the tokens
+// any distance apart (q, k or v split off the packed q|k|v projection needs no copy); else a
+// contiguous copy.
+namespace {
+torch::Tensor token_rows(const torch::Tensor& x) {
+  return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
+}
+}  // namespace
+
 // kernels.rope.apply_rope: x [tokens, heads, head_dim], cos and sin [tokens, head_dim];
 // out = x * cos + rotate_half(x) * sin, each product and the sum rounded as torch rounds them.
-// x may be a view of every token's row of a wider tensor (q or k split off the packed q|k|v
-// projection): each token's heads must be contiguous, tokens any distance apart.
+// x is read in place where token_rows allows.
 torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(),
               "the C++ pointwise ops run CPU tensors");
@@ -120,7 +128,7 @@ torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "x, cos and sin must have the same dtype");
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
-  const auto xc = x.stride(2) == 1 && x.stride(1) == d ? x : x.contiguous();
+  const auto xc = token_rows(x);
   const auto cc = cos.contiguous(), sc = sin.contiguous();
   auto out = torch::empty({tokens, heads, d}, x.options());
   const int64_t token_stride = xc.stride(0);
@@ -146,9 +154,8 @@ torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const
 }
 
 // kernels.attention.write_kv: k and v [tokens, kv_heads, head_dim] into the caches [blocks,
-// block_size, kv_heads, head_dim] at flat slots (block * block_size + offset). Like apply_rope,
-// it reads each token's heads contiguous and the tokens any distance apart (v is a view of the
-// packed projection); a token's row is one copy.
+// block_size, kv_heads, head_dim] at flat slots (block * block_size + offset), k and v read in
+// place where token_rows allows; a token's row is one copy.
 void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
               const torch::Tensor& k, const torch::Tensor& v) {
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && k.device().is_cpu() &&
@@ -164,8 +171,7 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
               v_cache.scalar_type() == k_cache.scalar_type(), "k, v and the caches must share a dtype");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens,
               "slot_mapping must hold one slot per token");
-  const auto kc = k.stride(2) == 1 && k.stride(1) == k.size(2) ? k : k.contiguous();
-  const auto vc = v.stride(2) == 1 && v.stride(1) == v.size(2) ? v : v.contiguous();
+  const auto kc = token_rows(k), vc = token_rows(v);
   const auto slots = slot_mapping.to(torch::kLong).contiguous();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
