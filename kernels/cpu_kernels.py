@@ -2,7 +2,8 @@
 weights packed into panels, the few-row linear on plain weights (and its grouped form for MoE
 experts), and the per-token ops of a decoder layer (RMSNorm, RMSNorm with the residual add,
 RoPE, SiLU-and-mul, the KV cache write) and the greedy argmax over a step's logits, each with
-the contract of its torch op.
+the contract of its torch op; and `decode_stack`, a dense decoder stack's decode step through
+those kernels in one call.
 
 torch's extension loader JIT-builds them into one module on first use (about a minute; needs
 g++, ninja and the Python headers) and caches the build in TORCH_EXTENSIONS_DIR (default
@@ -20,8 +21,8 @@ import torch.nn.functional as F
 from kernels import linear_rows, moe, norm, sampling
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in
-           ("bindings.cpp", "paged_decode_attention.cpp", "panel_linear.cpp", "small_rows_linear.cpp",
-            "pointwise.cpp")]
+           ("bindings.cpp", "decode_stack.cpp", "paged_decode_attention.cpp", "panel_linear.cpp",
+            "small_rows_linear.cpp", "pointwise.cpp")]
 _module = None
 _lock = threading.Lock()  # engines may first step on different threads: build once
 
@@ -170,3 +171,15 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
     build().write_kv(k_cache, v_cache, slot_mapping, k, v)
+
+
+def decode_stack(layers: list[dict], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 scale: float):
+    """A dense decoder stack's decode step in one C++ call (kernels/csrc/decode_stack.cpp), over
+    `layers`' parameters (dicts of DecodeLayer's fields: the norms' weights, the projections
+    packed by pack_panels, their biases or None, the sliding window or None). Its
+    `forward(x, cos, sin, slot_mapping, block_tables, context_lens, kv_caches)` returns the last
+    layer's output; it holds the parameters, so a model changed afterwards needs a new stack."""
+    module = build()
+    return module.DecodeStack([module.DecodeLayer(**layer) for layer in layers], num_heads,
+                              num_kv_heads, head_dim, eps, scale)

@@ -3,6 +3,8 @@ Mixtral, Qwen-MoE, OLMoE) in plain torch, over one flattened batch of tokens fro
 sequences: decode tokens first, then prefill chunks. No padding.
 
 Projections are packed at load time (q|k|v, gate|up): one matmul each instead of three and two.
+On CPU, a step of decode rows through a dense stack runs as one call of the C++ kernels
+(`decode_stack`), the same kernels in the same order, without a Python call per op.
 """
 
 from dataclasses import dataclass
@@ -12,6 +14,8 @@ from torch import nn
 
 from kernels import (add_rms_norm, apply_rope, linear, pack_linear_weight, paged_decode_attention,
                      paged_prefill_attention, rms_norm, silu_and_mul, write_kv)
+from kernels.backend import uses_cpp
+from kernels.cpu_kernels import decode_stack, linear_plan
 from runtime.config import ModelSpec
 
 
@@ -146,6 +150,22 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(normed)
 
 
+def decode_stack_layer(layer: DecoderLayer) -> dict | None:
+    """The layer's parameters as kernels.cpu_kernels.decode_stack takes them, or None where the
+    stack cannot run it (expert MLP, q/k norm or clipping, or a projection left unpacked)."""
+    attention, mlp = layer.self_attn, layer.mlp
+    if type(mlp) is not MLP or attention.q_norm is not None or attention.clip_qkv is not None:
+        return None
+    projections = dict(qkv=attention.qkv_proj, o=attention.o_proj, gate_up=mlp.gate_up_proj,
+                       down=mlp.down_proj)
+    if any(linear.packed is None for linear in projections.values()):
+        return None
+    return dict(input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+                sliding_window=attention.sliding_window,
+                **{name: linear.packed for name, linear in projections.items()},
+                **{f"{name}_bias": linear.bias for name, linear in projections.items()})
+
+
 class CausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
         super().__init__()
@@ -158,6 +178,21 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("rope_cos", rope_cos, persistent=False)
         self.register_buffer("rope_sin", rope_sin, persistent=False)
+        self._decode_stack = None  # built at the first step that can use it; False: it cannot
+
+    def _stack_for(self, batch: AttentionBatch, x: torch.Tensor):
+        """The C++ decode stack, where it can run this step: decode rows only (one ragged group),
+        the C++ kernels on, the panel linear taking this many rows, every layer one it runs."""
+        if (batch.prefills or len(batch.decodes) != 1 or not uses_cpp(x.device)
+                or x.shape[0] not in linear_plan().panel_rows):
+            return None
+        if self._decode_stack is None:
+            layers = [decode_stack_layer(layer) for layer in self.layers]
+            attention = self.layers[0].self_attn
+            self._decode_stack = None not in layers and decode_stack(
+                layers, attention.num_heads, attention.num_kv_heads, attention.head_dim,
+                self.spec.rms_norm_eps, attention.scale)
+        return self._decode_stack or None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -166,8 +201,14 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, batch, k_cache, v_cache)
+        stack = self._stack_for(batch, x)
+        if stack is not None:
+            [group] = batch.decodes
+            x = stack.forward(x, cos, sin, batch.slot_mapping, group.block_tables, group.context_lens,
+                              kv_caches)
+        else:
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                x = layer(x, cos, sin, batch, k_cache, v_cache)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -542,3 +542,59 @@ def test_engine_greedy_is_token_exact_with_the_panel_kernel(tiny, family, panel_
         tokens, logprobs = tiny.greedy(family, prompt, 20)
         assert ours.token_ids == tokens
         assert ours.logprobs == pytest.approx(logprobs, abs=1e-4)
+
+
+class StackVersusLayers:
+    """Stands in for an engine's model in its runner: runs each step of decode rows only twice
+    more, on copies of the KV cache, through the C++ decode stack and through the Python layers,
+    and records whether the hidden states and the written caches are bit-identical."""
+
+    def __init__(self, engine):
+        self.model, self.compared = engine.runner.model, []
+        engine.runner.model = self
+
+    def __call__(self, input_ids, positions, attention, kv_layers):
+        if not attention.prefills:
+            hidden, caches = {}, {}
+            for path in ("stack", "layers"):
+                caches[path] = [(k.clone(), v.clone()) for k, v in kv_layers]
+                with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
+                    if path == "layers":
+                        patch.setattr(self.model, "_stack_for", lambda batch, x: None)
+                    hidden[path] = self.model(input_ids, positions, attention, caches[path])
+            self.compared.append(torch.equal(hidden["stack"], hidden["layers"]) and all(
+                torch.equal(a, b) for pair in zip(caches["stack"], caches["layers"]) for a, b in zip(*pair)))
+        return self.model(input_ids, positions, attention, kv_layers)
+
+    def compute_logits(self, hidden):
+        return self.model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "smollm"])  # GQA, window, biases, MQA
+def test_the_decode_stack_is_bit_identical_to_the_layers(tiny, family):
+    engine = make_engine(tiny.dir(family))
+    spy = StackVersusLayers(engine)
+    for prompt, ours in zip(PROMPTS, engine.generate(greedy_requests(PROMPTS, 20))):
+        assert ours.token_ids == tiny.greedy(family, prompt, 20)[0]
+    assert engine.model._decode_stack  # built, and so run on the steps compared
+    assert len(spy.compared) > 10 and all(spy.compared)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "olmoe", "qwen2_moe"])  # q/k norm; clipping; experts
+def test_layers_the_decode_stack_cannot_run_keep_the_python_path(tiny, family):
+    engine = make_engine(tiny.dir(family))
+    for prompt, ours in zip(PROMPTS, engine.generate(greedy_requests(PROMPTS, 20))):
+        assert ours.token_ids == tiny.greedy(family, prompt, 20)[0]
+    assert engine.model._decode_stack is False
+
+
+def test_the_decode_stack_runs_only_with_the_cpp_kernels_and_the_panel_rows(tiny, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "torch")
+    engine = make_engine(tiny.dir("llama"))
+    engine.generate(greedy_requests(PROMPTS, 5))
+    assert engine.model._decode_stack is None  # never wanted, so never built
+    monkeypatch.delenv("BATCHGEN_CPU_KERNELS")
+    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(0), range(1, 2)))
+    engine = make_engine(tiny.dir("llama"))
+    engine.generate(greedy_requests(PROMPTS, 5))
+    assert engine.model._decode_stack is None

@@ -1,29 +1,9 @@
 // The one extension module of the C++ CPU kernels (kernels/cpu_kernels.py builds it).
 
-#include <torch/extension.h>
+#include "decode_stack.h"
+#include "ops.h"
 
-#include <optional>
-#include <tuple>
-
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                     const torch::Tensor& context_lens, double scale,
-                                     std::optional<int64_t> sliding_window);
-torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                           const std::optional<torch::Tensor>& bias);
-torch::Tensor small_rows_linear(const torch::Tensor& x, const torch::Tensor& weight,
-                                const std::optional<torch::Tensor>& bias);
-torch::Tensor grouped_small_rows_linear(const torch::Tensor& x, const torch::Tensor& weight,
-                                        const torch::Tensor& counts);
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
-                                                      const torch::Tensor& residual,
-                                                      const torch::Tensor& weight, double eps);
-torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
-torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
-torch::Tensor argmax(const torch::Tensor& logits);
-void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
-              const torch::Tensor& k, const torch::Tensor& v);
+namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -39,4 +19,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up on a packed gate|up projection");
   m.def("argmax", &argmax, "Each row's first index of its maximum (fp32 logits)");
   m.def("write_kv", &write_kv, "k and v into the paged caches at flat slots");
+
+  py::class_<DecodeLayer>(m, "DecodeLayer", "One dense decoder layer's packed parameters")
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                    torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>,
+                    std::optional<torch::Tensor>, std::optional<torch::Tensor>,
+                    std::optional<int64_t>>(),
+           py::arg("input_norm"), py::arg("qkv"), py::arg("o"), py::arg("post_norm"),
+           py::arg("gate_up"), py::arg("down"), py::arg("qkv_bias"), py::arg("o_bias"),
+           py::arg("gate_up_bias"), py::arg("down_bias"), py::arg("sliding_window"));
+  py::class_<DecodeStack>(m, "DecodeStack", "A dense decoder stack's decode step in one call")
+      .def(py::init<std::vector<DecodeLayer>, int64_t, int64_t, int64_t, double, double>(),
+           py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("eps"), py::arg("scale"))
+      // The GIL is let go for the step: other Python threads (a Beam DoFn feeding the engine) run.
+      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
 }

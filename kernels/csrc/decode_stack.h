@@ -1,0 +1,36 @@
+// DecodeStack (decode_stack.cpp): a dense decoder stack's decode step in one C++ call.
+
+#pragma once
+
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "ops.h"
+
+// One layer's parameters, the projections packed for panel_linear (q|k|v and gate|up packed
+// together, as runtime/model.py holds them).
+struct DecodeLayer {
+  torch::Tensor input_norm, qkv, o, post_norm, gate_up, down;
+  std::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
+  std::optional<int64_t> sliding_window;
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(std::vector<DecodeLayer> layers, int64_t num_heads, int64_t num_kv_heads,
+              int64_t head_dim, double eps, double scale);
+
+  // x [rows, hidden]: one decode token per row, cos and sin [rows, head_dim] at their positions;
+  // slot_mapping, block_tables and context_lens as paged_decode_attention and write_kv take
+  // them. Returns the last layer's output (before the final norm).
+  torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                        const torch::Tensor& context_lens,
+                        std::vector<std::pair<torch::Tensor, torch::Tensor>> kv_caches) const;
+
+ private:
+  std::vector<DecodeLayer> layers_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+};
