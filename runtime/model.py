@@ -152,15 +152,20 @@ class DecoderLayer(nn.Module):
 
 def decode_stack_layer(layer: DecoderLayer) -> dict | None:
     """The layer's parameters as kernels.cpu_kernels.decode_stack takes them, or None where the
-    stack cannot run it (expert MLP, q/k norm or clipping, or a projection left unpacked)."""
+    stack cannot run it (expert MLP, clipping, a q/k norm over all heads at once, or a projection
+    left unpacked)."""
     attention, mlp = layer.self_attn, layer.mlp
-    if type(mlp) is not MLP or attention.q_norm is not None or attention.clip_qkv is not None:
+    q_norm, k_norm = attention.q_norm, attention.k_norm
+    if (type(mlp) is not MLP or attention.clip_qkv is not None
+            or (q_norm is not None and not attention.qk_norm_per_head)):
         return None
     projections = dict(qkv=attention.qkv_proj, o=attention.o_proj, gate_up=mlp.gate_up_proj,
                        down=mlp.down_proj)
     if any(linear.packed is None for linear in projections.values()):
         return None
     return dict(input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+                q_norm=None if q_norm is None else q_norm.weight,
+                k_norm=None if k_norm is None else k_norm.weight,
                 sliding_window=attention.sliding_window,
                 **{name: linear.packed for name, linear in projections.items()},
                 **{f"{name}_bias": linear.bias for name, linear in projections.items()})

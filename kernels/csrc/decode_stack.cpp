@@ -26,8 +26,14 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, const torch::Tensor& cos, co
     auto& [k_cache, v_cache] = kv_caches[i];
     const auto qkv = panel_linear(rms_norm(x, layer.input_norm, eps_), layer.qkv,
                                   q_size + 2 * kv_size, layer.qkv_bias);
-    const auto q = apply_rope(qkv.narrow(1, 0, q_size).view({-1, num_heads_, head_dim_}), cos, sin);
-    const auto k = apply_rope(qkv.narrow(1, q_size, kv_size).view({-1, num_kv_heads_, head_dim_}), cos, sin);
+    auto q = qkv.narrow(1, 0, q_size).view({-1, num_heads_, head_dim_});
+    auto k = qkv.narrow(1, q_size, kv_size).view({-1, num_kv_heads_, head_dim_});
+    if (layer.q_norm) {
+      q = rms_norm(q, *layer.q_norm, eps_);
+      k = rms_norm(k, *layer.k_norm, eps_);
+    }
+    q = apply_rope(q, cos, sin);
+    k = apply_rope(k, cos, sin);
     const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, num_kv_heads_, head_dim_});
     write_kv(k_cache, v_cache, slot_mapping, k, v);
     const auto attended = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
