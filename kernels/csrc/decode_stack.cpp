@@ -1,8 +1,8 @@
-// A decode step through a dense Llama-family decoder stack in one call. Each layer runs the same
-// kernels, in the same order, on the same values as runtime/model.py's DecoderLayer does for a
-// batch of decode rows, so the hidden states come out bit-identical; what it saves is the ~300
-// Python calls, module hooks and dispatches of a 30-layer step (about 5 ms, a tenth of a
-// small-batch step on the default model).
+// A decode step through a dense Llama-family decoder stack (Qwen3's per-head q/k norms included)
+// in one call. Each layer runs the same kernels, in the same order, on the same values as
+// runtime/model.py's DecoderLayer does for a batch of decode rows, so the hidden states come out
+// bit-identical; what it saves is the ~300 Python calls, module hooks and dispatches of a
+// 30-layer step (about 5 ms, a tenth of a small-batch step on the default model).
 
 #include "decode_stack.h"
 
@@ -11,6 +11,9 @@ DecodeStack::DecodeStack(std::vector<DecodeLayer> layers, int64_t num_heads, int
     : layers_(std::move(layers)), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
       head_dim_(head_dim), eps_(eps), scale_(scale) {
   TORCH_CHECK(!layers_.empty(), "a decode stack needs at least one layer");
+  for (const auto& layer : layers_)
+    TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(),
+                "q_norm and k_norm come together or not at all");
 }
 
 torch::Tensor DecodeStack::forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
