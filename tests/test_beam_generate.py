@@ -246,7 +246,9 @@ class ProcessWatcher(threading.Thread):
         self._stopping = threading.Event()
 
     def run(self):
-        while not self._stopping.wait(0.2):
+        # Often: on a tiny model a worker's share of the stage can be over in well under a
+        # second (one CI run's samples every 0.2 s saw only one of the two workers connected).
+        while not self._stopping.wait(0.05):
             try:
                 self.sample()
             except psutil.Error:  # a process ended between listing and reading it
