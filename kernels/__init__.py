@@ -4,8 +4,8 @@ run CPU tensors. kernels/backend.py picks one per call, by device (and BATCHGEN_
 `prepare(device)` builds the C++ kernels ahead of use."""
 
 from kernels import activation, attention, cpu_kernels as cpp, matmul, moe, norm, rope, sampling
-from kernels.backend import dispatch, prepare
-from kernels.cpu_kernels import KernelBuildError
+from kernels.backend import decode_stack_runs, dispatch, prepare
+from kernels.cpu_kernels import KernelBuildError, decode_stack  # decode_stack: CPU only
 from kernels.moe import route  # softmax and top-k: torch's own kernels on every device
 
 add_rms_norm = dispatch(norm.add_rms_norm, cpp.add_rms_norm)
@@ -25,6 +25,8 @@ __all__ = [
     "add_rms_norm",
     "apply_rope",
     "argmax",
+    "decode_stack",
+    "decode_stack_runs",
     "expert_ffn",
     "grouped_experts",
     "KernelBuildError",

@@ -44,6 +44,12 @@ def uses_cpp(device: torch.device) -> bool:
     return device.type == "cpu" and backend_for(device) == "torch" and cpu_kernels() == "cpp"
 
 
+def decode_stack_runs(x: torch.Tensor) -> bool:
+    """Whether cpu_kernels.decode_stack can take a decode step on these hidden states: the C++
+    kernels run x's device and the panel linear takes its row count."""
+    return uses_cpp(x.device) and x.shape[0] in cpp.linear_plan().panel_rows
+
+
 def decode_attention_pads(device: torch.device) -> bool:
     """Whether paged_decode_attention on `device` is the torch op, which gathers every row's KV
     padded to the longest context: callers then batch rows of similar length together. The C++

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import (add_rms_norm, apply_rope, linear, pack_linear_weight, paged_decode_attention,
-                     paged_prefill_attention, rms_norm, silu_and_mul, write_kv)
-from kernels.backend import uses_cpp
-from kernels.cpu_kernels import decode_stack, linear_plan
+from kernels import (add_rms_norm, apply_rope, decode_stack, decode_stack_runs, linear,
+                     pack_linear_weight, paged_decode_attention, paged_prefill_attention, rms_norm,
+                     silu_and_mul, write_kv)
 from runtime.config import ModelSpec
 
 
@@ -187,9 +186,8 @@ class CausalLM(nn.Module):
 
     def _stack_for(self, batch: AttentionBatch, x: torch.Tensor):
         """The C++ decode stack, where it can run this step: decode rows only (one ragged group),
-        the C++ kernels on, the panel linear taking this many rows, every layer one it runs."""
-        if (batch.prefills or len(batch.decodes) != 1 or not uses_cpp(x.device)
-                or x.shape[0] not in linear_plan().panel_rows):
+        the C++ kernels taking x (kernels.decode_stack_runs), every layer one it runs."""
+        if batch.prefills or len(batch.decodes) != 1 or not decode_stack_runs(x):
             return None
         if self._decode_stack is None:
             layers = [decode_stack_layer(layer) for layer in self.layers]
