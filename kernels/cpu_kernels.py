@@ -7,11 +7,15 @@ those kernels in one call.
 
 torch's extension loader JIT-builds them into one module on first use (about a minute; needs
 g++, ninja and the Python headers) and caches the build in TORCH_EXTENSIONS_DIR (default
-~/.cache/torch_extensions), so later processes only load it. A failed build raises
+~/.cache/torch_extensions), so later processes only load it. Processes take turns at the build
+through an OS file lock, which dies with its holder: torch's own lock is a file that a process
+killed mid-build leaves behind, and every later load then waited on it forever. A failed build raises
 KernelBuildError: the torch ops are an explicit opt-out (BATCHGEN_CPU_KERNELS=torch), never a
 silent fallback.
 """
 
+import fcntl
+import sys
 import threading
 from pathlib import Path
 
@@ -42,12 +46,25 @@ def _simd_flags() -> list[str]:
     return chosen + (["-mavx512f"] if chosen and "avx512f" in flags else [])
 
 
+def build_directory() -> Path:
+    """Where the build is cached: one per Python and torch version, as torch's default is."""
+    from torch.utils import cpp_extension
+    version = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+    return Path(cpp_extension.get_default_build_root()) / f"batchgen_cpu_kernels-{version}"
+
+
 def _load():
     from torch.utils import cpp_extension
+    directory = build_directory()
     try:
-        return cpp_extension.load(name="batchgen_cpu_kernels", sources=[str(s) for s in SOURCES],
-                                  extra_cflags=["-O3", "-fopenmp", *_simd_flags()],
-                                  extra_ldflags=["-fopenmp"])
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / "build.flock", "w") as turn:
+            fcntl.flock(turn, fcntl.LOCK_EX)
+            # Every builder holds this turn, so a torch lock file seen now is a dead process's.
+            (directory / "lock").unlink(missing_ok=True)
+            return cpp_extension.load(name="batchgen_cpu_kernels", sources=[str(s) for s in SOURCES],
+                                      extra_cflags=["-O3", "-fopenmp", *_simd_flags()],
+                                      extra_ldflags=["-fopenmp"], build_directory=str(directory))
     except Exception as error:
         raise KernelBuildError(
             f"building the C++ CPU kernels ({SOURCES[0].parent}) failed: {error}. They need g++, "

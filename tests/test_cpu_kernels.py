@@ -3,6 +3,10 @@
 RoPE, SiLU-and-mul — their dispatch (BATCHGEN_CPU_KERNELS), their build error, and the engine's
 greedy tokens with them against the torch path and transformers."""
 
+import fcntl
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -485,6 +489,23 @@ def test_a_failed_build_raises_and_names_the_opt_out(monkeypatch):
     kernels.prepare("cpu")
     monkeypatch.delenv("BATCHGEN_CPU_KERNELS")
     kernels.prepare("meta")
+
+
+def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load():
+    """torch's build lock is a plain file: a process killed mid-build leaves it, and torch's
+    loader alone would wait on it forever. A fresh process must load the kernels regardless."""
+    cpu_kernels.build()  # built and cached, so the child only loads
+    directory = cpu_kernels.build_directory()
+    with open(directory / "build.flock", "w") as turn:  # no build of ours is in its turn now
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        (directory / "lock").touch()
+    child = subprocess.run([sys.executable, "-c", "from kernels import cpu_kernels; "
+                            "print(cpu_kernels.build().panel_linear.__name__)"],
+                           capture_output=True, text=True, timeout=300,
+                           cwd=Path(cpu_kernels.__file__).parent.parent)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == "panel_linear"
+    assert not (directory / "lock").exists()
 
 
 # ---- the engine --------------------------------------------------------------------------------
