@@ -1,6 +1,7 @@
 """The Triton kernels on a CUDA machine: each against its torch op (max abs error in fp32, fp16
 and bf16) and timed against it, then the engine end to end on tiny random models with the
-Triton kernels, its greedy tokens compared with the CPU torch path's.
+Triton kernels, its greedy tokens compared with the CPU torch path's, and weight streaming on
+CUDA (pinned host slots, a copy stream) against the CUDA engine that holds every weight.
 
     python -m benchmarks.gpu_check [--out benchmarks/results/gpu_check.json]
 
@@ -188,7 +189,29 @@ def check_engine() -> list[dict]:
                              ok=same == len(requests), cuda_s=elapsed))
             print(f"engine {family:10} greedy tokens identical to CPU torch: {same}/{len(requests)}"
                   f" ({elapsed:.1f} s on CUDA)", flush=True)
+            rows.append(_check_streaming(model, requests, got))
     return rows
+
+
+def _check_streaming(model: Path, requests, expected: list[list[int]]) -> dict:
+    """Weight streaming on CUDA (pinned slots, a copy stream) at the smallest budget that fits,
+    so an MoE layer's routed experts stream in chunks of one: greedy tokens against the CUDA
+    engine that holds every weight."""
+    from runtime import Engine
+
+    probe = Engine(model, device="cuda", weight_budget_bytes=1 << 30, kv_cache_bytes=64 << 20).weights
+    budget = probe.resident_bytes + 2 * probe.slot_bytes + 2 * probe.expert_bytes
+    engine = Engine(model, device="cuda", weight_budget_bytes=budget, kv_cache_bytes=64 << 20,
+                    max_num_batched_tokens=64)
+    start = time.perf_counter()
+    got = [c.token_ids for c in engine.generate(requests)]
+    elapsed = time.perf_counter() - start
+    same = sum(a == b for a, b in zip(expected, got))
+    print(f"streaming {model.name:7} greedy tokens identical to CUDA resident: {same}/{len(requests)}"
+          f" (budget {budget:,} B, {engine.stats.weight_bytes_read:,} B read, {elapsed:.1f} s)", flush=True)
+    return dict(model=f"{model.name} (weight streaming)", requests=len(requests), identical=same,
+                ok=same == len(requests), cuda_s=elapsed, weight_budget_bytes=budget,
+                weight_bytes_read=engine.stats.weight_bytes_read)
 
 
 def main() -> int:

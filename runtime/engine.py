@@ -128,9 +128,8 @@ class Engine:
         self.model_dir = Path(model) if model is not None else default_model_dir()
         self.device = torch.device(device)
         streaming = weight_budget_bytes is not None
-        if streaming and self.device.type != "cpu":
-            raise NotImplementedError("weight streaming runs on CPU only: on CUDA it needs pinned host "
-                                      "buffers and a copy stream, which are not implemented")
+        if streaming and self.device.type not in ("cpu", "cuda"):
+            raise NotImplementedError(f"weight streaming runs on CPU and CUDA, not {self.device.type}")
         kernels.prepare(self.device)  # the C++ kernel's build (once per machine) outside any step
         batch = STREAMING_BATCH if streaming else DEFAULT_BATCH
         if max_num_seqs is None:

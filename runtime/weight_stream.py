@@ -9,6 +9,11 @@ Embeddings, final norm, LM head and RoPE tables stay resident and count against 
 Reads go through os.preadv straight into the slot buffers, not through a memory map: a mapped
 file's touched pages count as this process's resident memory, which would blur the budget. The
 reads do go through the OS page cache (not our RSS); a warm cache makes them memory copies.
+
+On CUDA the slots and the ring are pinned host buffers that the reads fill, each with a device
+twin that the layers compute on; a copy stream moves a slot to its twin (`_DeviceCopies`), so the
+copy of layer i overlaps the kernels of layer i-1 still queued on the compute stream. The budget
+then bounds the weights held on the device.
 """
 
 import json
@@ -127,6 +132,9 @@ class WeightStreamer:
         blocks = [(i, layer.mlp) for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
         self.expert_bytes = 3 * spec.moe.intermediate_size * spec.hidden_size * self._element if blocks else 0
         self.ring_experts = self._ring_size(budget_bytes, spec.moe.num_experts if blocks else 0)
+        self.device = model.embed_tokens.weight.device
+        self._pinned = self.device.type == "cuda"  # host buffers a copy stream reads asynchronously
+        self._copies = device_copies(self.device)
 
         self._pool = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix=READER_THREAD)
         self._pending: tuple[int, int, list[Future]] | None = None  # (layer, slot, reads) in flight
@@ -134,8 +142,10 @@ class WeightStreamer:
         # thread, which cannot join itself: no waiting.
         weakref.finalize(self, self._pool.shutdown, wait=False)
         self._read_resident(model)
-        self._slots = [torch.empty(self.slot_bytes, dtype=torch.uint8) for _ in range(2)]
+        self._slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self._pinned) for _ in range(2)]
         self._slot_views = [memoryview(s.numpy()) for s in self._slots]
+        self._device_slots = [self._twin(host) for host in self._slots]
+        self._bound_slot = 0  # the slot of the layer running now
         self._bound = [[self._params_in(slot, plan) for slot in range(2)] for plan in self._plans]
         if blocks:
             self._init_ring(spec, blocks)
@@ -159,14 +169,25 @@ class WeightStreamer:
         return plan
 
     def _read_resident(self, model: CausalLM) -> None:
-        """The parameters outside the layers, read once like the slots (no mapped pages left)."""
-        copies = []
+        """The parameters outside the layers, read once like the slots (no mapped pages left);
+        on CUDA through a host buffer each."""
+        copies, staged = [], []
         for name, param in model.named_parameters():  # tied weights are listed once
             if not param.is_meta:
-                view = memoryview(param.detach().view(-1).view(torch.uint8).numpy())
+                host = param.detach()
+                if host.device.type != "cpu":
+                    host = torch.empty(param.shape, dtype=param.dtype)
+                    staged.append((param, host))
+                view = memoryview(host.view(-1).view(torch.uint8).numpy())
                 copies += _back_to_back([self._index.extent(src) for src in hf_sources(name)], view, 0)
         _wait(self._submit(copies))
+        for param, host in staged:
+            param.detach().copy_(host)
         self.bytes_read = 0  # counts what streaming reads, from here on
+
+    def _twin(self, host: torch.Tensor) -> torch.Tensor:
+        """Where the layers read a host buffer's weights: its device copy, or itself on CPU."""
+        return torch.empty_like(host, device=self.device) if self._copies else host
 
     def _ring_size(self, budget: int, num_experts: int) -> int:
         """Experts per ring half: as many as the budget leaves room for, up to all of them."""
@@ -193,15 +214,17 @@ class WeightStreamer:
                                      for kind in ("gate_up_proj", "down_proj"))
             block.experts = StreamedExperts(self, i, moe.num_experts)
         self._gate_up_bytes = 2 * moe.intermediate_size * hidden * self._element
-        ring = torch.empty(2, count * self.expert_bytes, dtype=torch.uint8)
-        self._ring_views = [memoryview(half.numpy()) for half in ring]
+        self._ring = [torch.empty(count * self.expert_bytes, dtype=torch.uint8, pin_memory=self._pinned)
+                      for _ in range(2)]
+        self._ring_views = [memoryview(half.numpy()) for half in self._ring]
+        self._device_ring = [self._twin(half) for half in self._ring]
         split = count * self._gate_up_bytes
         self._ring_tensors = [(half[:split].view(self.dtype).view(count, 2 * moe.intermediate_size, hidden),
                                half[split:].view(self.dtype).view(count, hidden, moe.intermediate_size))
-                              for half in ring]
+                              for half in self._device_ring]
 
     def _params_in(self, slot: int, plan: list[_Binding]) -> list[nn.Parameter]:
-        return [nn.Parameter(self._slots[slot][b.offset:b.offset + _nbytes(b.meta)].view(self.dtype)
+        return [nn.Parameter(self._device_slots[slot][b.offset:b.offset + _nbytes(b.meta)].view(self.dtype)
                              .view(b.meta.shape), requires_grad=False) for b in plan]
 
     # ---- reading (on the reader threads) -------------------------------------------------
@@ -226,11 +249,15 @@ class WeightStreamer:
             self.bytes_read += extent.nbytes
 
     def _read_layer(self, i: int, slot: int) -> list[Future]:
+        if self._copies:
+            self._copies.wait_copied(slot)  # the slot's last layer is on the device
         view = self._slot_views[slot]
         return self._submit([copy for binding in self._plans[i]  # packed parameters: parts back to back
                              for copy in _back_to_back(binding.extents, view, binding.offset)])
 
     def _read_experts(self, layer: int, experts: list[int], half: int) -> list[Future]:
+        if self._copies:
+            self._copies.wait_copied(2 + half)
         view, gate_ups, downs = self._ring_views[half], *self._experts[layer]
         down_start = self.ring_experts * self._gate_up_bytes
         down_bytes = self._gate_up_bytes // 2
@@ -243,6 +270,9 @@ class WeightStreamer:
     # ---- the compute side ----------------------------------------------------------------
     def _before(self, i: int) -> None:
         slot = self._wait_for(i)
+        if self._copies:
+            self._copies.to_device(self._slots[slot], self._device_slots[slot], slot)
+        self._bound_slot = slot
         for binding, param in zip(self._plans[i], self._bound[i][slot]):
             binding.module._parameters[binding.attr] = param
         following = (i + 1) % self.num_layers  # after the last layer: the next step's first
@@ -251,6 +281,8 @@ class WeightStreamer:
     def _after(self, i: int) -> None:
         for binding in self._plans[i]:
             binding.module._parameters[binding.attr] = binding.meta
+        if self._copies:
+            self._copies.release(self._bound_slot)
 
     def _wait_for(self, i: int) -> int:
         """The slot holding layer i, once read: the prefetched one, or (first step, or after a
@@ -272,11 +304,51 @@ class WeightStreamer:
             return
         reads = self._read_experts(layer, chunks[0], 0)
         for j, chunk in enumerate(chunks):
+            half = j % 2
             _wait(reads)
-            if j + 1 < len(chunks):  # its half held chunk j-1, computed by now
-                reads = self._read_experts(layer, chunks[j + 1], (j + 1) % 2)
-            gate_up, down = self._ring_tensors[j % 2]
+            if self._copies:
+                self._copies.to_device(self._ring[half], self._device_ring[half], 2 + half)
+            if j + 1 < len(chunks):  # its half held chunk j-1: computed (CUDA: copied) by now
+                reads = self._read_experts(layer, chunks[j + 1], 1 - half)
+            gate_up, down = self._ring_tensors[half]
             yield chunk, gate_up[:len(chunk)], down[:len(chunk)]
+            if self._copies:  # the caller has queued chunk j's kernels
+                self._copies.release(2 + half)
+
+
+def device_copies(device: torch.device) -> "_DeviceCopies | None":
+    """What moves the host buffers to the device: nothing on CPU, where the layers read them."""
+    return _DeviceCopies(device) if device.type == "cuda" else None
+
+
+class _DeviceCopies:
+    """Host buffer -> device twin copies on a side stream, ordered by events: a copy waits until
+    the compute stream is done with the twin's previous contents, the compute stream waits for
+    the copy, and a host buffer is refilled only after its last copy finished. Buffers are
+    numbered: 0 and 1 the layer slots, 2 and 3 the expert ring halves."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._copied: dict[int, torch.cuda.Event] = {}
+        self._released: dict[int, torch.cuda.Event] = {}
+
+    def to_device(self, host: torch.Tensor, twin: torch.Tensor, buffer: int) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            if buffer in self._released:
+                self.stream.wait_event(self._released[buffer])
+            twin.copy_(host, non_blocking=True)
+            self._copied[buffer] = self.stream.record_event()
+        compute.wait_event(self._copied[buffer])
+
+    def release(self, buffer: int) -> None:
+        """The compute stream's work on `buffer`'s twin is queued: a later copy waits for it."""
+        self._released[buffer] = torch.cuda.current_stream(self.device).record_event()
+
+    def wait_copied(self, buffer: int) -> None:
+        if buffer in self._copied:
+            self._copied[buffer].synchronize()
 
 
 class StreamedExperts(nn.Module):

@@ -2,7 +2,8 @@
 that holds every weight, dense and MoE, also with the smallest budget that fits (an expert ring
 of one expert per half, so routed experts stream in many chunks) and under KV preemption to the
 host tier; bytes read counted exactly (each layer once per step; MoE: only the routed experts);
-checkpoints with experts stored fused stream alike; budgets too small, CUDA, a dtype other
+checkpoints with experts stored fused stream alike; budgets too small, a device other than CPU
+or CUDA, a dtype other
 than the checkpoint's and a truncated checkpoint refused clearly; reads run on the background reader thread, the next
 layer's read issued before the current layer computes."""
 
@@ -16,6 +17,7 @@ from safetensors import safe_open
 
 from helpers import CallCounter, assert_idle_and_clean, greedy_requests, make_engine, random_prompts
 from runtime import Engine
+from runtime import weight_stream
 from runtime.weight_stream import READER_THREAD
 from tiny_models import save_fused_experts
 
@@ -104,9 +106,49 @@ def test_a_budget_too_small_names_each_term(tiny, family):
     assert ("expert ring" in message) == (family == "qwen3_moe")
 
 
-def test_streaming_on_cuda_is_not_implemented(tiny):
-    with pytest.raises(NotImplementedError, match="pinned host"):
-        Engine(tiny.dir("llama"), device="cuda", weight_budget_bytes=PLENTY)
+class SynchronousCopies:
+    """runtime.weight_stream's device copies as CPU stand-ins (the CUDA one needs a GPU:
+    benchmarks/gpu_check.py): each copy lands in a twin buffer and then poisons its host buffer,
+    so a layer that computed on the host buffer, or on a twin overwritten before its layer was
+    done with it, would change the tokens."""
+
+    def __init__(self):
+        self.copies, self.in_use = [], set()
+
+    def to_device(self, host, twin, buffer):
+        assert buffer not in self.in_use, f"buffer {buffer}'s twin overwritten while still in use"
+        assert twin.data_ptr() != host.data_ptr()
+        twin.copy_(host)
+        host.fill_(255)  # NaN weights, were a layer to read them
+        self.copies.append(buffer)
+        self.in_use.add(buffer)
+
+    def release(self, buffer):
+        self.in_use.remove(buffer)
+
+    def wait_copied(self, buffer):
+        pass
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_moe"])
+def test_layers_compute_on_the_device_twins_of_the_slots(tiny, family, monkeypatch):
+    """The CUDA protocol's logic on CPU: reads fill host buffers, each is copied to its twin
+    before its layer (or expert chunk) runs, and a twin is rewritten only after it was released."""
+    directory = tiny.dir(family)
+    expected = make_engine(directory).generate(greedy_requests(PROMPTS, MAX_TOKENS))
+    copies = SynchronousCopies()
+    monkeypatch.setattr(weight_stream, "device_copies", lambda device: copies)
+    engine = make_engine(directory, weight_budget_bytes=smallest_budget(directory))
+    assert_same_tokens(expected, engine.generate(greedy_requests(PROMPTS, MAX_TOKENS)))
+    assert not copies.in_use
+    assert {0, 1} <= set(copies.copies)
+    assert ({2, 3} <= set(copies.copies)) == (family in MOE)
+
+
+def test_streaming_on_a_device_other_than_cpu_or_cuda_is_refused(tiny):
+    # CUDA streaming (pinned slots, a copy stream) is checked by benchmarks/gpu_check.py.
+    with pytest.raises(NotImplementedError, match="CPU and CUDA, not meta"):
+        Engine(tiny.dir("llama"), device="meta", weight_budget_bytes=PLENTY)
 
 
 def test_streaming_defaults_to_a_large_batch(tiny):
