@@ -201,16 +201,23 @@ def _check_streaming(model: Path, requests, expected: list[list[int]]) -> dict:
 
     probe = Engine(model, device="cuda", weight_budget_bytes=1 << 30, kv_cache_bytes=64 << 20).weights
     budget = probe.resident_bytes + 2 * probe.slot_bytes + 2 * probe.expert_bytes
+    del probe
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
     engine = Engine(model, device="cuda", weight_budget_bytes=budget, kv_cache_bytes=64 << 20,
                     max_num_batched_tokens=64)
     start = time.perf_counter()
     got = [c.token_ids for c in engine.generate(requests)]
     elapsed = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() - base  # weights, KV cache and activations
     same = sum(a == b for a, b in zip(expected, got))
     print(f"streaming {model.name:7} greedy tokens identical to CUDA resident: {same}/{len(requests)}"
-          f" (budget {budget:,} B, {engine.stats.weight_bytes_read:,} B read, {elapsed:.1f} s)", flush=True)
+          f" (budget {budget:,} B + KV {64 << 20:,} B; peak device memory {peak:,} B; "
+          f"{engine.stats.weight_bytes_read:,} B read, {elapsed:.1f} s)", flush=True)
     return dict(model=f"{model.name} (weight streaming)", requests=len(requests), identical=same,
                 ok=same == len(requests), cuda_s=elapsed, weight_budget_bytes=budget,
+                kv_cache_bytes=64 << 20, peak_device_bytes=peak,
                 weight_bytes_read=engine.stats.weight_bytes_read)
 
 
