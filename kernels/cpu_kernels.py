@@ -7,7 +7,8 @@ those kernels in one call.
 
 torch's extension loader JIT-builds them into one module on first use (about a minute; needs
 g++, ninja and the Python headers) and caches the build in TORCH_EXTENSIONS_DIR (default
-~/.cache/torch_extensions), so later processes only load it. Processes take turns at the build
+~/.cache/torch_extensions; one directory per Python and torch version and checkout), so later
+processes only load it. Processes take turns at the build
 through an OS file lock, which dies with its holder: torch's own lock is a file that a process
 killed mid-build leaves behind, and every later load then waited on it forever. A failed build raises
 KernelBuildError: the torch ops are an explicit opt-out (BATCHGEN_CPU_KERNELS=torch), never a
@@ -15,6 +16,7 @@ silent fallback.
 """
 
 import fcntl
+import hashlib
 import sys
 import threading
 from pathlib import Path
@@ -47,10 +49,12 @@ def _simd_flags() -> list[str]:
 
 
 def build_directory() -> Path:
-    """Where the build is cached: one per Python and torch version, as torch's default is."""
+    """Where the build is cached: one per Python and torch version, as torch's default is, and
+    per checkout (two checkouts sharing one would rebuild over each other's sources)."""
     from torch.utils import cpp_extension
     version = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
-    return Path(cpp_extension.get_default_build_root()) / f"batchgen_cpu_kernels-{version}"
+    checkout = hashlib.sha1(str(SOURCES[0].parent.resolve()).encode()).hexdigest()[:8]
+    return Path(cpp_extension.get_default_build_root()) / f"batchgen_cpu_kernels-{version}-{checkout}"
 
 
 def _load():

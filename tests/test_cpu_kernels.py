@@ -505,7 +505,6 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load():
                            cwd=Path(cpu_kernels.__file__).parent.parent)
     assert child.returncode == 0, child.stderr
     assert child.stdout.strip() == "panel_linear"
-    assert not (directory / "lock").exists()
 
 
 # ---- the engine --------------------------------------------------------------------------------
