@@ -22,6 +22,9 @@ Choices:
   any other key is rejected, naming it, rather than silently not honoured.
 - Passthrough values that JSON cannot hold (dates, decimals from Parquet or BigQuery) are
   written as their str() in output rows rather than failing the pipeline.
+- Text that UTF-8 cannot hold (a lone surrogate, which JSON's "\\ud800" escape makes) rejects
+  the record, naming the field: no tokenizer or output file takes it. The field is left out of
+  the error row's passthrough, which must be writable.
 """
 
 import json
@@ -138,7 +141,31 @@ def _to_mapping(raw: Any, fallback_id: str | None) -> Mapping:
 def _preview(raw: Any) -> str:
     if isinstance(raw, bytes):
         return raw[:RAW_PREVIEW_CHARS].decode("utf-8", "backslashreplace")
-    return (raw if isinstance(raw, str) else repr(raw))[:RAW_PREVIEW_CHARS]
+    return _writable((raw if isinstance(raw, str) else repr(raw))[:RAW_PREVIEW_CHARS])
+
+
+def _writable(text: str) -> str:
+    """text with anything UTF-8 cannot hold shown as a backslash escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _unencodable(value: Any, where: str) -> str | None:
+    """The problem with the first string in `value` (keys and items of nested mappings and
+    lists included) that UTF-8 cannot hold, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return (f"{_writable(where)}: not valid Unicode text (lone surrogate "
+                    f"U+{ord(value[exc.start]):04X} at index {exc.start})")
+        return None
+    if isinstance(value, Mapping):
+        items = [(k, f"{where} key {k!r}") for k in value] + [(v, f"{where}.{k}") for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        items = [(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    else:
+        return None
+    return next((p for v, w in items if (p := _unencodable(v, w)) is not None), None)
 
 
 def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
@@ -146,9 +173,14 @@ def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
     # for it lets our records carry a passthrough field named "body".
     openai = "custom_id" in record or ("body" in record and "id" not in record)
     id_key, consumed = ("custom_id", _OPENAI_KEYS) if openai else ("id", _NATIVE_KEYS)
-    passthrough = {k: v for k, v in record.items() if k not in consumed}
+    unwritable = {k: p for k, v in record.items() if (p := _unencodable(k, f"key {k!r}") or _unencodable(v, str(k)))}
+    passthrough = {k: v for k, v in record.items() if k not in consumed and k not in unwritable}
     record_id = None
     try:
+        if unwritable:
+            if id_key not in unwritable:
+                record_id = _check_id(record.get(id_key), id_key)
+            raise _Invalid(unwritable.get(id_key) or next(iter(unwritable.values())))
         record_id = _check_id(record.get(id_key), id_key)
         fields = _openai_fields(record) if openai else record
         prompt, messages = _check_prompt(fields)

@@ -60,6 +60,14 @@ def _token_ids(value) -> list[int] | None:
         return None
 
 
+def _check_text(where: str, text: str) -> None:
+    """Tokenizers take only text UTF-8 can hold; a lone surrogate (JSON's "\\ud800") is not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidPrompt(f"{where} is not valid Unicode text (lone surrogate at index {exc.start})") from None
+
+
 def _seq_id(request_id: str, sample_index: int) -> str:
     return request_id if sample_index == 0 else f"{request_id}#{sample_index}"
 
@@ -195,6 +203,10 @@ class Engine:
             raise TypeError(f"request {request.id!r}: params must be SamplingParams")
         if request.params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a model with a tokenizer")
+        if request.params.n > self.scheduler.max_num_seqs:
+            # A request's samples fork together once its prompt is computed.
+            raise ValueError(f"n: must be <= max_num_seqs ({self.scheduler.max_num_seqs}), "
+                             f"got {request.params.n}")
         self._reserve_id(request.id)
         timings = Timings(submitted=time.perf_counter())
         try:
@@ -235,6 +247,7 @@ class Engine:
                 raise InvalidPrompt(f"prompt must be a string, got {type(request.prompt).__name__}")
             if not request.prompt.strip():
                 raise InvalidPrompt("prompt is empty")
+            _check_text("prompt", request.prompt)
             ids = self.tokenizer.encode(request.prompt)
         if not ids:
             raise InvalidPrompt("prompt is empty")
@@ -249,6 +262,8 @@ class Engine:
         if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                    and isinstance(m.get("content"), str) for m in messages):
             raise InvalidPrompt("messages must be a non-empty list of {role: str, content: str}")
+        for i, message in enumerate(messages):
+            _check_text(f"messages[{i}].content", message["content"])
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 

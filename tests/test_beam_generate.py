@@ -82,9 +82,14 @@ BAD_RECORDS = {
                                "body.tools: not supported"),
     "OpenAI GET": (chat_line("bad-openai-get") | {"method": "GET"}, "bad-openai-get",
                    'method: must be "POST"'),
+    "lone surrogate (a JSON escape)": ('{"id": "bad-surrogate", "prompt": "x \\ud800"}', "bad-surrogate",
+                                       "prompt: not valid Unicode text"),
     # Valid as a record; the engine rejects it (prompt plus one token must fit the context).
     "prompt longer than the context": ({"id": "bad-too-long", "prompt": LONG_PROMPT}, "bad-too-long",
                                        f"the context holds {CONTEXT}"),
+    # Valid as a record; more samples than the engine runs at once.
+    "n over max_num_seqs": ({"id": "bad-n", "prompt": "Hi", "n": 10**9}, "bad-n",
+                            "n: must be <= max_num_seqs"),
 }
 
 

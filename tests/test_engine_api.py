@@ -82,6 +82,29 @@ def test_bad_prompts_become_error_completions_and_the_rest_run(tiny):
     assert again.token_ids == reference(tiny, good[0], max_position_embeddings=64)[0]
 
 
+def test_text_utf8_cannot_hold_is_an_error_completion(tiny_chat):
+    engine = make_engine(tiny_chat.dir(FAMILY))
+    bad_prompt, bad_message, ok = engine.generate([
+        Request("p", prompt="Hi \ud800"),  # a lone surrogate, as JSON's "\\ud800" makes
+        Request("m", messages=[{"role": "user", "content": "\udcff"}]),
+        Request("ok", prompt="Hi \U0001F600", params=SamplingParams(max_tokens=3))])
+    assert bad_prompt.finish_reason == bad_message.finish_reason == "error"
+    assert "prompt is not valid Unicode text (lone surrogate at index 3)" == bad_prompt.error
+    assert "messages[0].content is not valid Unicode text" in bad_message.error
+    assert ok.error is None and ok.completion_tokens >= 1
+    assert_idle_and_clean(engine)
+
+
+def test_more_samples_than_the_engine_runs_at_once_are_refused(tiny):
+    engine = make_engine(tiny.dir(FAMILY), max_num_seqs=4)
+    prompt = random_prompts([6], seed=2)[0]
+    with pytest.raises(ValueError, match=r"n: must be <= max_num_seqs \(4\), got 5"):
+        engine.submit(Request("n", prompt_token_ids=prompt, params=SamplingParams(n=5)))
+    [done] = engine.generate([Request("n", prompt_token_ids=prompt, params=SamplingParams(n=4, max_tokens=3))])
+    assert len(done.outputs) == 4  # the id was not kept by the refused request
+    assert_idle_and_clean(engine)
+
+
 def test_non_list_prompt_token_ids_is_an_error_completion(tiny):
     engine = make_engine(tiny.dir(FAMILY))
     good = random_prompts([10], seed=2)[0]

@@ -40,7 +40,8 @@ BAD = {b"not json": None,                                  # no id to be found
        b"\xff\xfe{\"id\": \"x\"}": None,                   # not UTF-8
        json.dumps({"id": "e", "prompt": ""}).encode(): "e",  # empty prompt
        json.dumps({"id": "f"}).encode(): "f",               # no prompt
-       json.dumps({"id": "g", "prompt": "x", "temperature": "hot"}).encode(): "g"}
+       json.dumps({"id": "g", "prompt": "x", "temperature": "hot"}).encode(): "g",
+       b'{"id": "h", "prompt": "x \\ud800", "tag": "\\udcff"}': "h"}  # lone surrogates
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def check_rows(rows: list[dict], summary: dict) -> dict:
     errors = [r for r in rows if r["error"] is not None]
     assert len(errors) == len(BAD) == summary["errors"]
     assert all(r["finish_reason"] == "error" and r["completion_tokens"] == 0 for r in errors)
-    assert sorted(r["id"] for r in errors if r["id"]) == ["e", "f", "g"]
+    assert sorted(r["id"] for r in errors if r["id"]) == ["e", "f", "g", "h"]
     assert "prompt: missing" in by_id["f"]["error"] and "temperature" in by_id["g"]["error"]
     messages = sorted(r["error"] for r in errors if r["id"] is None)
     assert messages[0].startswith("record: invalid JSON")

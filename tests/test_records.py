@@ -149,6 +149,19 @@ BAD_RECORDS = {
                                ["temperature: must be a finite number, got 'warm'"]),
     "openai bad message": (chat_line({"messages": [{"role": "user"}]}), "c1",
                            ["messages[0].content: missing"]),
+    # Text UTF-8 cannot hold: lone surrogates, as JSON's \u escapes make them.
+    "lone surrogate in a JSON prompt": ('{"id": "a", "prompt": "x \\ud800"}', "a",
+                                        ["prompt: not valid Unicode text", "U+D800 at index 2"]),
+    "lone surrogate in the id": ('{"id": "a\\udcff", "prompt": "x"}', None,
+                                 ["id: not valid Unicode text"]),
+    "lone surrogate in a message": (rec(prompt=None, messages=[{"role": "user", "content": "\ud83d"}]),
+                                    "r1", ["messages[0].content: not valid Unicode text"]),
+    "lone surrogate in an openai body": (chat_line({"messages": [{"role": "user", "content": "\ud800"}]}),
+                                         "c1", ["body.messages[0].content: not valid Unicode text"]),
+    "lone surrogate in a stop string": (rec(stop=["ok", "\udfff"]), "r1", ["stop[1]: not valid"]),
+    "lone surrogate in a passthrough value": (rec(meta={"k": ["ok", "\udcff"]}), "r1",
+                                              ["meta.k[1]: not valid Unicode text"]),
+    "lone surrogate in a key": (rec(**{"x\ud800": 1}), "r1", ["key 'x\\ud800': not valid"]),
 }
 
 
@@ -161,6 +174,8 @@ def test_bad_record_is_rejected_with_a_message_naming_the_problem(raw, want_id, 
         assert fragment in got.error, (fragment, got.error)
     row = error_row(got)
     assert (row["finish_reason"], row["error"], row["text"]) == ("error", got.error, None)
+    rows_to_arrow([row])  # every error row can be written
+    row_to_json(row).encode("utf-8")
 
 
 def test_unparseable_lines_keep_a_preview_of_the_raw_input():
@@ -174,6 +189,14 @@ def test_a_rejected_record_keeps_its_passthrough():
     got = parse_record(rec(temperature="hot", source={"file": "a.jsonl", "line": 3}))
     assert got == Rejected("r1", "temperature: must be a finite number, got 'hot'",
                            {"source": {"file": "a.jsonl", "line": 3}})
+
+
+def test_text_utf8_cannot_hold_leaves_only_its_own_field_out_of_the_passthrough():
+    got = parse_record(rec(note="fine ✓", bad={"deep": "\ud800"}, tags=[1, 2]))
+    assert got.id == "r1" and got.error.startswith("bad.deep: not valid Unicode text")
+    assert got.passthrough == {"note": "fine ✓", "tags": [1, 2]}
+    # A surrogate pair (an astral character written as two JSON escapes) is valid text.
+    assert parse_record('{"id": "a", "prompt": "\\ud83d\\ude00"}').prompt == "\U0001F600"
 
 
 def test_valid_record_keeps_other_fields_untouched():
