@@ -173,15 +173,16 @@ def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
     # for it lets our records carry a passthrough field named "body".
     openai = "custom_id" in record or ("body" in record and "id" not in record)
     id_key, consumed = ("custom_id", _OPENAI_KEYS) if openai else ("id", _NATIVE_KEYS)
-    unwritable = {k: p for k, v in record.items() if (p := _unencodable(k, f"key {k!r}") or _unencodable(v, str(k)))}
+    unwritable = {k: p for k, v in record.items()
+                  if (p := _unencodable(k, f"key {k!r}") or _unencodable(v, str(k)))}
     passthrough = {k: v for k, v in record.items() if k not in consumed and k not in unwritable}
     record_id = None
     try:
-        if unwritable:
-            if id_key not in unwritable:
-                record_id = _check_id(record.get(id_key), id_key)
-            raise _Invalid(unwritable.get(id_key) or next(iter(unwritable.values())))
+        if id_key in unwritable:
+            raise _Invalid(unwritable[id_key])
         record_id = _check_id(record.get(id_key), id_key)
+        if unwritable:
+            raise _Invalid(next(iter(unwritable.values())))
         fields = _openai_fields(record) if openai else record
         prompt, messages = _check_prompt(fields)
         params = _params(fields, base)
