@@ -203,9 +203,9 @@ class Engine:
             raise TypeError(f"request {request.id!r}: params must be SamplingParams")
         if request.params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a model with a tokenizer")
-        if request.params.n > self.scheduler.max_num_seqs:
-            # A request's samples fork together once its prompt is computed.
-            raise ValueError(f"n: must be <= max_num_seqs ({self.scheduler.max_num_seqs}), "
+        if request.params.n > self.scheduler.blocks.num_blocks:
+            # Samples fork together once the prompt is computed, each soon writing a block of its own.
+            raise ValueError(f"n: must be <= the KV cache's {self.scheduler.blocks.num_blocks} blocks, "
                              f"got {request.params.n}")
         self._reserve_id(request.id)
         timings = Timings(submitted=time.perf_counter())

@@ -87,9 +87,9 @@ BAD_RECORDS = {
     # Valid as a record; the engine rejects it (prompt plus one token must fit the context).
     "prompt longer than the context": ({"id": "bad-too-long", "prompt": LONG_PROMPT}, "bad-too-long",
                                        f"the context holds {CONTEXT}"),
-    # Valid as a record; more samples than the engine runs at once.
-    "n over max_num_seqs": ({"id": "bad-n", "prompt": "Hi", "n": 10**9}, "bad-n",
-                            "n: must be <= max_num_seqs"),
+    # Valid as a record; more samples than the KV cache has blocks.
+    "n over the KV cache's blocks": ({"id": "bad-n", "prompt": "Hi", "n": 10**9}, "bad-n",
+                                     "n: must be <= the KV cache's"),
 }
 
 

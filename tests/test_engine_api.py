@@ -95,13 +95,14 @@ def test_text_utf8_cannot_hold_is_an_error_completion(tiny_chat):
     assert_idle_and_clean(engine)
 
 
-def test_more_samples_than_the_engine_runs_at_once_are_refused(tiny):
-    engine = make_engine(tiny.dir(FAMILY), max_num_seqs=4)
+def test_more_samples_than_the_kv_cache_has_blocks_are_refused(tiny):
+    engine = make_engine(tiny.dir(FAMILY), num_blocks=8, max_num_seqs=2)
     prompt = random_prompts([6], seed=2)[0]
-    with pytest.raises(ValueError, match=r"n: must be <= max_num_seqs \(4\), got 5"):
-        engine.submit(Request("n", prompt_token_ids=prompt, params=SamplingParams(n=5)))
+    with pytest.raises(ValueError, match=r"n: must be <= the KV cache's 8 blocks, got 9"):
+        engine.submit(Request("n", prompt_token_ids=prompt, params=SamplingParams(n=9)))
+    # n above max_num_seqs is fine: the samples fork past it.
     [done] = engine.generate([Request("n", prompt_token_ids=prompt, params=SamplingParams(n=4, max_tokens=3))])
-    assert len(done.outputs) == 4  # the id was not kept by the refused request
+    assert len(done.outputs) == 4  # and the refused request did not keep the id
     assert_idle_and_clean(engine)
 
 
