@@ -8,11 +8,10 @@ those kernels in one call.
 torch's extension loader JIT-builds them into one module on first use (about a minute; needs
 g++, ninja and the Python headers) and caches the build in TORCH_EXTENSIONS_DIR (default
 ~/.cache/torch_extensions; one directory per Python and torch version and checkout), so later
-processes only load it. Processes take turns at the build
-through an OS file lock, which dies with its holder: torch's own lock is a file that a process
-killed mid-build leaves behind, and every later load then waited on it forever. A failed build raises
-KernelBuildError: the torch ops are an explicit opt-out (BATCHGEN_CPU_KERNELS=torch), never a
-silent fallback.
+processes only load it. Processes take turns at the build through an OS file lock, which dies
+with its holder: torch's own lock is a file that a process killed mid-build leaves behind, and
+every later load then waited on it forever. A failed build raises KernelBuildError: the torch
+ops are an explicit opt-out (BATCHGEN_CPU_KERNELS=torch), never a silent fallback.
 """
 
 import fcntl
