@@ -22,6 +22,10 @@ Choices:
   any other key is rejected, naming it, rather than silently not honoured.
 - Passthrough values that JSON cannot hold (dates, decimals from Parquet or BigQuery) are
   written as their str() in output rows rather than failing the pipeline.
+- numpy scalars and arrays (pandas and DataFrame sources hold them) count as the Python values
+  they hold, and a namedtuple or `beam.Row` as a mapping of its fields.
+- A value no check foresaw still gives an error row ("record: could not be validated ..."),
+  never an exception that would stop the pipeline.
 - Text that UTF-8 cannot hold (a lone surrogate, which JSON's "\\ud800" escape makes) rejects
   the record, naming the field: no tokenizer or output file takes it. The field is left out of
   the error row's passthrough, which must be writable.
@@ -32,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from runtime.request import Completion, Request, Timings
@@ -100,7 +105,11 @@ def parse_record(raw: Any, defaults: Mapping[str, Any] | None = None,
         record = _to_mapping(raw, fallback_id)
     except _Invalid as bad:
         return Rejected(None, str(bad), {"raw": _preview(raw)})
-    return _parse_mapping(record, base)
+    try:
+        return _parse_mapping(_plain(record), base)
+    except Exception as exc:  # noqa: BLE001 - one odd record must not stop the pipeline
+        return Rejected(None, _writable(f"record: could not be validated ({type(exc).__name__}: {exc})"),
+                        {"raw": _preview(raw)})
 
 
 def check_defaults(defaults: Mapping[str, Any] | None) -> dict:
@@ -132,10 +141,32 @@ def _to_mapping(raw: Any, fallback_id: str | None) -> Mapping:
             raw = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise _Invalid(f"record: invalid JSON ({exc})") from None
+    if hasattr(raw, "_asdict"):  # a namedtuple, or a beam.Row of a schema'd PCollection
+        raw = raw._asdict()
     if not isinstance(raw, Mapping):
         raise _Invalid(f"record: must be an object with an id and a prompt or messages, "
                        f"got {_type_name(raw)}")
     return raw
+
+
+def _plain(value: Any) -> Any:
+    """value with numpy numbers, bools, text and arrays of them as the Python values they hold,
+    in nested mappings and lists too. Other numpy values (datetimes) stay: their item() would
+    lose the type."""
+    if isinstance(value, np.generic) and value.dtype.kind in "biufcUS":
+        return value.item()
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biufcUSO":
+        return [_plain(item) for item in value.tolist()]
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list) or type(value) is tuple:
+        return type(value)(_plain(item) for item in value)
+    return value
+
+
+def _same(value: Any, expected: Any) -> bool:
+    """value == expected, and False where the comparison gives no plain bool (pandas' NA)."""
+    return (value == expected) is True
 
 
 def _preview(raw: Any) -> str:
@@ -234,7 +265,7 @@ def _check_message(where: str, message: Any) -> dict:
     role, content = message.get("role"), message.get("content")
     if role is None:
         raise _Invalid(f"{where}.role: missing")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise _Invalid(f"{where}.role: must be one of {', '.join(ROLES)}, got {_show(role)}")
     if content is None:
         raise _Invalid(f"{where}.content: missing")
@@ -275,7 +306,7 @@ def _field_message(exc: Exception) -> str:
 
 def _openai_fields(record: Mapping) -> dict:
     """An OpenAI Batch API line's request, as the fields of one of our records."""
-    if record.get("method") != "POST":
+    if not _same(record.get("method"), "POST"):
         raise _Invalid(f"method: must be \"POST\", got {_show(record.get('method'))}")
     url = record.get("url")
     if not isinstance(url, str) or url not in _OPENAI_URLS:
@@ -289,7 +320,7 @@ def _openai_fields(record: Mapping) -> dict:
     given = {k: v for k, v in body.items() if v is not None and k not in _OPENAI_IGNORED}
     for key, value in given.items():
         if key in _OPENAI_NO_OP:
-            if value != _OPENAI_NO_OP[key]:
+            if not _same(value, _OPENAI_NO_OP[key]):
                 raise _Invalid(f"body.{key}: not supported (only {_OPENAI_NO_OP[key]!r} is), "
                                f"got {_show(value)}")
         elif key not in endpoint_keys and key not in _OPENAI_SAMPLING:
@@ -304,7 +335,7 @@ def _openai_fields(record: Mapping) -> dict:
 def _openai_max_tokens(body: dict) -> Any:
     # Chat has both names (max_tokens is the deprecated one); tools often write both, equal.
     values = [body[k] for k in ("max_completion_tokens", "max_tokens") if k in body]
-    if len(values) == 2 and values[0] != values[1]:
+    if len(values) == 2 and not _same(values[0], values[1]):
         raise _Invalid(f"body.max_completion_tokens, body.max_tokens: differ "
                        f"({_show(values[0])} and {_show(values[1])}); give one")
     return values[0] if values else None

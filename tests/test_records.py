@@ -5,6 +5,12 @@ rows survive Parquet and JSONL round trips unchanged."""
 import datetime
 import json
 import math
+import random
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import apache_beam as beam
+import numpy as np
 
 import pyarrow.parquet as pq
 import pytest
@@ -162,6 +168,13 @@ BAD_RECORDS = {
     "lone surrogate in a passthrough value": (rec(meta={"k": ["ok", "\udcff"]}), "r1",
                                               ["meta.k[1]: not valid Unicode text"]),
     "lone surrogate in a key": (rec(**{"x\ud800": 1}), "r1", ["key 'x\\ud800': not valid"]),
+    # numpy values where a string or a no-op value is due: no truth-value error, a field error.
+    "numpy array method": (chat_line(method=np.array(["POST", "GET"])), "c1", ['method: must be "POST"']),
+    "numpy array role": (rec(prompt=None, messages=[{"role": np.array(["user"]), "content": "Hi"}]), "r1",
+                         ["messages[0].role: must be one of"]),
+    "numpy scalar tools": (chat_line({"tools": np.float32(2.0)}), "c1", ["body.tools: not supported"]),
+    "numpy array max tokens": (chat_line({"max_tokens": np.array([3, 4]), "max_completion_tokens": 3}), "c1",
+                               ["differ"]),
 }
 
 
@@ -210,6 +223,85 @@ def test_valid_record_keeps_other_fields_untouched():
 
 def test_integer_ids_become_strings():
     assert parse_record({"id": 17, "prompt": "Hi"}).id == "17"
+
+
+def test_numpy_values_count_as_the_python_values_they_hold():
+    # What a pandas or DataFrame source hands over.
+    got = parse_record({"id": np.int64(7), "prompt": np.str_("Hi"), "max_tokens": np.int64(5),
+                        "temperature": np.float32(0.5), "ignore_eos": np.bool_(True),
+                        "stop": np.array(["x", "y"]), "stop_token_ids": np.array([3, 4]),
+                        "meta": {"scores": np.arange(3), "day": np.datetime64("2024-05-01")}})
+    assert isinstance(got, Parsed), got
+    assert got.id == "7" and got.prompt == "Hi"
+    assert got.params == SamplingParams(max_tokens=5, temperature=0.5, ignore_eos=True, stop=("x", "y"),
+                                        stop_token_ids=(3, 4))
+    assert type(got.params.max_tokens) is int and type(got.params.ignore_eos) is bool
+    assert got.passthrough["meta"]["scores"] == [0, 1, 2]
+    row = completion_row(got, Completion("7", [SampleOutput(0, [1], "ok", "stop")], 1, Timings(0.0)))
+    assert arrow_to_rows(rows_to_arrow([row]))[0]["passthrough"]["meta"] == {"scores": [0, 1, 2],
+                                                                              "day": "2024-05-01"}
+
+
+def test_a_namedtuple_or_beam_row_is_a_record():
+    class Prompted(NamedTuple):
+        id: str
+        prompt: str
+        max_tokens: int
+
+    for raw in (Prompted("r1", "Hi", 4), beam.Row(id="r1", prompt="Hi", max_tokens=4)):
+        assert parse_record(raw) == Parsed("r1", "Hi", None, SamplingParams(max_tokens=4))
+
+
+class _Broken(Mapping):
+    """A mapping that fails when read: a record no check foresees."""
+
+    def __getitem__(self, key):
+        raise RuntimeError("connection lost")
+
+    def __iter__(self):
+        return iter(["id", "prompt"])
+
+    def __len__(self):
+        return 2
+
+
+def test_a_record_that_fails_in_an_unforeseen_way_is_still_an_error_row():
+    got = parse_record(_Broken())
+    assert isinstance(got, Rejected) and got.id is None
+    assert got.error == "record: could not be validated (RuntimeError: connection lost)"
+    rows_to_arrow([error_row(got)])
+
+
+def _odd_value(rng: random.Random, depth: int = 0):
+    """A value a real source might put in any field, numpy's and JSON's corner cases included."""
+    leaves = [None, True, 0, -1, 2**70, 1.5, math.nan, -math.inf, "", " ", "Hi", "\ud800", "😀",
+              b"\xff", np.int64(3), np.float32(0.5), np.bool_(False), np.array([1, 2]), np.array([]),
+              np.datetime64("2024-01-01"), datetime.date(2024, 1, 1), {1, 2}, ("a",), object()]
+    if depth < 2 and rng.random() < 0.3:
+        return rng.choice([[_odd_value(rng, depth + 1)],
+                           {"role": _odd_value(rng, depth + 1), "content": _odd_value(rng, depth + 1)}])
+    return rng.choice(leaves)
+
+
+def test_no_record_of_odd_values_raises_and_every_row_can_be_written():
+    rng = random.Random(0)
+    keys = ["id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+            "stop_token_ids", "n", "logprobs", "ignore_eos", "meta"]
+    body_keys = ["messages", "prompt", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
+                 "temperature", "tools", "frequency_penalty", "n", "seed", "stop"]
+    for _ in range(2000):
+        if rng.random() < 0.7:
+            record = {k: _odd_value(rng) for k in rng.sample(keys, rng.randrange(1, 6))}
+            record.setdefault("id", rng.choice(["r1", 3, _odd_value(rng)]))
+        else:
+            body = {k: _odd_value(rng) for k in rng.sample(body_keys, rng.randrange(1, 4))}
+            record = chat_line(body, method=rng.choice(["POST", _odd_value(rng)]))
+        got = parse_record(record)
+        assert "could not be validated" not in getattr(got, "error", ""), (record, got)
+        row = (error_row(got) if isinstance(got, Rejected) else
+               completion_row(got, Completion(got.id, [SampleOutput(0, [1], "ok", "stop")], 1, Timings(0.0))))
+        rows_to_arrow([row])
+        row_to_json(row).encode("utf-8")
 
 
 def test_messages_are_normalised_copies():
