@@ -8,6 +8,7 @@ when its slowest prompt is done (DESIGN.md §4).
 
 import dataclasses
 import uuid
+from collections.abc import Mapping
 from typing import Any, Iterable, Sequence
 
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
@@ -17,12 +18,15 @@ from batchgen_beam.records import Parsed, check_defaults, completion_row, error_
 
 
 def as_record(example: Any, fallback_id: str) -> Any:
-    """A prompt string, a record dict, or a chat (list of messages) → what parse_record takes."""
+    """A prompt string, a record (a mapping, namedtuple or beam.Row) or a chat (a list of messages)
+    → what parse_record takes; a record without an id gets `fallback_id`."""
+    if hasattr(example, "_asdict"):  # before the tuple case: a namedtuple is a record, not a chat
+        example = example._asdict()
     if isinstance(example, str):
         return {"id": fallback_id, "prompt": example}
     if isinstance(example, (list, tuple)):
         return {"id": fallback_id, "messages": list(example)}
-    if isinstance(example, dict) and "id" not in example and "custom_id" not in example:
+    if isinstance(example, Mapping) and "id" not in example and "custom_id" not in example:
         return {"id": fallback_id, **example}
     return example
 

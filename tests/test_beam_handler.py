@@ -4,12 +4,13 @@ with_exception_handling (bad records are error rows in the main output, never fa
 inference_args fail when the transform is applied; batching does not start at 1."""
 
 import json
+from typing import NamedTuple
 
 import apache_beam as beam
 import pytest
 from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
 
-from batchgen_beam.handler import BatchGenModelHandler
+from batchgen_beam.handler import BatchGenModelHandler, as_record
 from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, bundled_prompts, chat_model_dir,
                           run_pipeline)
 from runtime import Engine, Request, SamplingParams
@@ -62,6 +63,21 @@ BAD = {"r-bad-temperature": "temperature: must be a finite number",
        "r-bad-role": "messages[0].role: must be one of",
        "r-bad-empty": "prompt: must not be empty",
        "r-too-long": f"the context holds {CONTEXT}"}
+
+
+class Prompted(NamedTuple):
+    prompt: str
+    max_tokens: int
+
+
+def test_examples_as_records():
+    chat = [{"role": "user", "content": "Hi"}]
+    assert as_record("Hi", "f") == {"id": "f", "prompt": "Hi"}
+    assert as_record(chat, "f") == as_record(tuple(chat), "f") == {"id": "f", "messages": chat}
+    assert as_record({"id": "a", "prompt": "Hi"}, "f") == {"id": "a", "prompt": "Hi"}
+    # A namedtuple is a tuple, but a record: its fields, not a chat of them.
+    assert as_record(Prompted("Hi", 3), "f") == {"id": "f", "prompt": "Hi", "max_tokens": 3}
+    assert as_record(beam.Row(id="a", prompt="Hi"), "f") == {"id": "a", "prompt": "Hi"}
 
 
 def handler(model_dir):
