@@ -207,6 +207,9 @@ class Engine:
             # Samples fork together once the prompt is computed, each soon writing a block of its own.
             raise ValueError(f"n: must be <= the KV cache's {self.scheduler.blocks.num_blocks} blocks, "
                              f"got {request.params.n}")
+        if request.params.logprobs is not None and request.params.logprobs > self.spec.vocab_size:
+            raise ValueError(f"logprobs: must be <= the vocabulary's {self.spec.vocab_size} tokens, "
+                             f"got {request.params.logprobs}")
         self._reserve_id(request.id)
         timings = Timings(submitted=time.perf_counter())
         try:

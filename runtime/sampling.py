@@ -102,8 +102,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
-    """Temperature, then top-k, then top-p (the order transformers applies them), then a draw."""
-    scaled = logits / p.temperature
+    """Temperature, then top-k, then top-p (the order transformers applies them), then a draw.
+
+    In float64 and shifted so the largest logit is 0: any positive temperature, however small,
+    then scales to finite values or -inf, never inf or NaN (fp32 holds no 1e-300)."""
+    scaled = (logits.double() - logits.max()) / p.temperature
     if p.top_k and p.top_k < scaled.numel():
         kth = scaled.topk(p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -113,5 +116,5 @@ def _sample_one(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         # Drop a token once the mass before it already reaches top_p; the first always stays.
         drop = (cumulative - sorted_logits.softmax(-1)) >= p.top_p
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = scaled.softmax(-1)
+    probs = scaled.softmax(-1).to(logits.dtype)
     return torch.multinomial(probs, 1, generator=generator).item()

@@ -90,6 +90,9 @@ BAD_RECORDS = {
     # Valid as a record; more samples than the KV cache has blocks.
     "n over the KV cache's blocks": ({"id": "bad-n", "prompt": "Hi", "n": 10**9}, "bad-n",
                                      "n: must be <= the KV cache's"),
+    # Valid as a record; more top logprobs than the vocabulary has tokens.
+    "logprobs over the vocabulary": ({"id": "bad-logprobs", "prompt": "Hi", "logprobs": 10**8},
+                                     "bad-logprobs", "logprobs: must be <= the vocabulary's"),
 }
 
 

@@ -106,6 +106,19 @@ def test_more_samples_than_the_kv_cache_has_blocks_are_refused(tiny):
     assert_idle_and_clean(engine)
 
 
+def test_more_logprobs_than_the_vocabulary_has_tokens_are_refused(tiny):
+    engine = make_engine(tiny.dir(FAMILY))
+    vocab = engine.spec.vocab_size
+    prompt = random_prompts([6], seed=3)[0]
+    with pytest.raises(ValueError, match=rf"logprobs: must be <= the vocabulary's {vocab} tokens, got {vocab + 1}"):
+        engine.submit(Request("lp", prompt_token_ids=prompt, params=SamplingParams(logprobs=vocab + 1)))
+    # The whole vocabulary is fine: every token's logprob, best first.
+    [done] = engine.generate([Request("lp", prompt_token_ids=prompt,
+                                      params=SamplingParams(max_tokens=2, logprobs=vocab))])
+    assert [len(top) for top in done.outputs[0].top_logprobs] == [vocab, vocab]
+    assert_idle_and_clean(engine)
+
+
 def test_non_list_prompt_token_ids_is_an_error_completion(tiny):
     engine = make_engine(tiny.dir(FAMILY))
     good = random_prompts([10], seed=2)[0]

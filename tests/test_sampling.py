@@ -103,8 +103,13 @@ def test_different_seeds_give_different_samples(tiny):
 
 
 @pytest.mark.parametrize("params", [dict(temperature=1.0, top_k=1, seed=1),
-                                    dict(temperature=2.0, top_p=1e-6, seed=2)],
-                         ids=["top_k=1", "tiny-top_p"])
+                                    dict(temperature=2.0, top_p=1e-6, seed=2),
+                                    # Below what fp32 holds: must not scale to inf or NaN.
+                                    dict(temperature=1.0, top_p=5e-324, seed=3),
+                                    dict(temperature=1e-300, seed=4),
+                                    dict(temperature=5e-324, top_k=7, top_p=0.5, seed=5)],
+                         ids=["top_k=1", "tiny-top_p", "smallest-top_p", "tiny-temperature",
+                              "smallest-temperature"])
 def test_sampling_restricted_to_one_token_equals_greedy(tiny, params):
     prompts = random_prompts([5, 33], seed=101)
     engine = make_engine(tiny.dir(FAMILY))
