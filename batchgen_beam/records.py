@@ -139,8 +139,10 @@ def _to_mapping(raw: Any, fallback_id: str | None) -> Mapping:
             return {"id": fallback_id, "prompt": raw}
         try:
             raw = json.loads(raw)
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # bad JSON, or an integer too long for int() (CPython's limit)
             raise _Invalid(f"record: invalid JSON ({exc})") from None
+        except RecursionError:
+            raise _Invalid("record: JSON nested too deeply to read") from None
     if hasattr(raw, "_asdict"):  # a namedtuple, or a beam.Row of a schema'd PCollection
         raw = raw._asdict()
     if not isinstance(raw, Mapping):

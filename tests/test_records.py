@@ -47,6 +47,10 @@ BAD_RECORDS = {
     "undecodable bytes": (b'{"id": "a", "prompt": "caf\xe9"}', None, ["not valid UTF-8"]),
     "invalid JSON": ('{"id": "a", "prompt": ', None, ["invalid JSON"]),
     "empty line": ("", None, ["invalid JSON"]),
+    "JSON nested past the parser's depth": ('{"id": "a", "prompt": "x", "tag": ' + "[" * 100_000
+                                            + "]" * 100_000 + "}", None, ["JSON nested too deeply"]),
+    "integer past int()'s digit limit": ('{"id": "a", "prompt": "x", "n": ' + "9" * 10_000 + "}", None,
+                                         ["invalid JSON", "digits"]),
     "JSON array": ('[{"id": "a"}]', None, ["must be an object", "got list"]),
     "JSON null": ("null", None, ["must be an object", "got null"]),
     "not a mapping": (42, None, ["must be an object", "got int"]),
