@@ -21,6 +21,7 @@ setup(
         "transformers>=5.20,<5.25",
         "safetensors>=0.6,<0.9",
         "tokenizers>=0.22,<0.24",
+        "jinja2>=3.1,<4",  # chat templates (transformers does not require it)
         # GGUF de-quantisation of the default model (transformers' loader needs both).
         "gguf>=0.17,<0.20",
         "accelerate>=1.10,<1.16",

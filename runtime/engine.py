@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from jinja2 import TemplateError
 
 import kernels
 from runtime.default_model import default_model_dir
@@ -267,7 +268,10 @@ class Engine:
             raise InvalidPrompt("messages must be a non-empty list of {role: str, content: str}")
         for i, message in enumerate(messages):
             _check_text(f"messages[{i}].content", message["content"])
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateError as refused:  # templates raise on what they do not take (roles out of turn)
+            raise InvalidPrompt(f"messages: the model's chat template refused them ({refused})") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _new_sequence(self, request_id: str, index: int, token_ids: list[int],

@@ -3,6 +3,7 @@ threads with the background loop, poll / completions() / generate, timings, admi
 engine-level argument checks, and a failing loop surfacing to callers."""
 
 import random
+import shutil
 import threading
 import time
 
@@ -91,6 +92,23 @@ def test_text_utf8_cannot_hold_is_an_error_completion(tiny_chat):
     assert bad_prompt.finish_reason == bad_message.finish_reason == "error"
     assert "prompt is not valid Unicode text (lone surrogate at index 3)" == bad_prompt.error
     assert "messages[0].content is not valid Unicode text" in bad_message.error
+    assert ok.error is None and ok.completion_tokens >= 1
+    assert_idle_and_clean(engine)
+
+
+def test_messages_a_chat_template_refuses_are_an_error_completion(tiny_chat, tmp_path):
+    # Like Llama-2's or Mistral's: templates raise on roles out of turn.
+    model_dir = tmp_path / "strict-template"
+    shutil.copytree(tiny_chat.dir(FAMILY), model_dir)
+    (model_dir / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversation must start with user') }}"
+        "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    engine = make_engine(model_dir)
+    refused, ok = engine.generate([
+        Request("refused", messages=[{"role": "assistant", "content": "Hi"}]),
+        Request("ok", messages=[{"role": "user", "content": "Hi"}], params=SamplingParams(max_tokens=3))])
+    assert refused.finish_reason == "error"
+    assert refused.error == "messages: the model's chat template refused them (Conversation must start with user)"
     assert ok.error is None and ok.completion_tokens >= 1
     assert_idle_and_clean(engine)
 
