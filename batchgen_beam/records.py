@@ -22,6 +22,8 @@ Choices:
   any other key is rejected, naming it, rather than silently not honoured.
 - Passthrough values that JSON cannot hold (dates, decimals from Parquet or BigQuery) are
   written as their str() in output rows rather than failing the pipeline.
+- A message's content may be OpenAI's list of text parts, joined by newlines (as vLLM does);
+  any other part (an image) rejects the record.
 - numpy scalars and arrays (pandas and DataFrame sources hold them) count as the Python values
   they hold, and a namedtuple or `beam.Row` as a mapping of its fields.
 - A value no check foresaw still gives an error row ("record: could not be validated ..."),
@@ -271,13 +273,34 @@ def _check_message(where: str, message: Any) -> dict:
         raise _Invalid(f"{where}.role: must be one of {', '.join(ROLES)}, got {_show(role)}")
     if content is None:
         raise _Invalid(f"{where}.content: missing")
-    if not isinstance(content, str):
-        raise _Invalid(f"{where}.content: must be a string, got {_type_name(content)}")
     # Keys like "name" or "tool_calls" mean something we would silently drop.
     extra = [k for k, v in message.items() if k not in ("role", "content") and v is not None]
     if extra:
         raise _Invalid(f"{where}.{extra[0]}: not supported (a message has only role and content)")
-    return {"role": role, "content": content}
+    return {"role": role, "content": _check_content(f"{where}.content", content)}
+
+
+def _check_content(where: str, content: Any) -> str:
+    """A string, or OpenAI's list of content parts when all are text: joined by newlines, as
+    vLLM joins them for a template that takes strings."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, (list, tuple)):
+        raise _Invalid(f"{where}: must be a string or a list of text parts, got {_type_name(content)}")
+    if not content:
+        raise _Invalid(f"{where}: must not be an empty list")
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, Mapping) or not _same(part.get("type"), "text"):
+            kind = _show(part.get("type")) if isinstance(part, Mapping) else _type_name(part)
+            raise _Invalid(f"{where}[{i}]: only text parts are supported, got {kind}")
+        if not isinstance(part.get("text"), str):
+            raise _Invalid(f"{where}[{i}].text: must be a string, got {_type_name(part.get('text'))}")
+        extra = [k for k, v in part.items() if k not in ("type", "text") and v is not None]
+        if extra:
+            raise _Invalid(f"{where}[{i}].{extra[0]}: not supported (a text part has only type and text)")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _params(fields: Mapping, base: dict) -> SamplingParams:

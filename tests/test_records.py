@@ -83,9 +83,23 @@ BAD_RECORDS = {
                              "r1", ["messages[1].role: must be one of", "'robot'"]),
     "message without content": ({"id": "r1", "messages": [{"role": "user"}]}, "r1",
                                 ["messages[0].content: missing"]),
-    "message content parts": ({"id": "r1", "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}, "r1",
-        ["messages[0].content: must be a string", "got list"]),
+    "message content an object": ({"id": "r1", "messages": [
+        {"role": "user", "content": {"type": "text", "text": "Hi"}}]}, "r1",
+        ["messages[0].content: must be a string or a list of text parts", "got dict"]),
+    "message content no parts": ({"id": "r1", "messages": [{"role": "user", "content": []}]}, "r1",
+                                 ["messages[0].content: must not be an empty list"]),
+    "message image part": ({"id": "r1", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]}, "r1",
+        ["messages[0].content[1]: only text parts are supported", "'image_url'"]),
+    "message part not an object": ({"id": "r1", "messages": [{"role": "user", "content": ["Hi"]}]},
+                                   "r1", ["messages[0].content[0]: only text parts", "got str"]),
+    "message part text not a string": ({"id": "r1", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": 5}]}]}, "r1",
+        ["messages[0].content[0].text: must be a string", "got int"]),
+    "message part extra key": ({"id": "r1", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]}]}, "r1",
+        ["messages[0].content[0].cache_control: not supported"]),
     "message extra key": ({"id": "r1", "messages": [
         {"role": "user", "content": "Hi", "name": "bob"}]}, "r1",
         ["messages[0].name: not supported"]),
@@ -317,6 +331,13 @@ def test_messages_are_normalised_copies():
                             {"role": "assistant", "content": "Ok"}]
     assert got.prompt is None
     assert got.to_request() == Request("m", messages=got.messages, params=SamplingParams())
+
+
+def test_text_content_parts_are_joined_by_newlines():
+    parts = [{"type": "text", "text": "Translate:"}, {"type": "text", "text": "bonjour"}]
+    got = parse_record(json.dumps(chat_line({"messages": [{"role": "user", "content": parts}]})))
+    assert isinstance(got, Parsed), got
+    assert got.messages == [{"role": "user", "content": "Translate:\nbonjour"}]
 
 
 def test_every_sampling_field_reaches_the_params():
