@@ -16,6 +16,7 @@ others, and each record still gets exactly one row: from the first stage or from
 """
 
 import dataclasses
+import hashlib
 import time
 import uuid
 import zlib
@@ -46,6 +47,22 @@ class Continuation:
 
 def _parsed(item: Parsed | Continuation) -> Parsed:
     return item.parsed if isinstance(item, Continuation) else item
+
+
+def engine_request_id(namespace: str, parsed: Parsed, key_suffix: str = "") -> str:
+    """The engine's id for a record: its namespace, its key (the record's id plus the stage's
+    suffix) and a digest of what it asks. Records that share an id but not a request (ids are
+    not always unique in real data) each run; identical ones, as a retried bundle resubmits,
+    run once."""
+    digest = hashlib.blake2b(repr(parsed.to_request()).encode("utf-8", "backslashreplace"),
+                             digest_size=8).hexdigest()
+    return f"{namespace}:{parsed.id}{key_suffix}#{digest}"
+
+
+def _key_of(request_id: str, namespace: str) -> str:
+    """engine_request_id's key part, or "" for an id of another namespace."""
+    prefix = f"{namespace}:"
+    return request_id[len(prefix):].rpartition("#")[0] if request_id.startswith(prefix) else ""
 
 
 def shard_of(request_id: str, num_shards: int) -> int:
@@ -104,7 +121,7 @@ class _GenerateFn(beam.DoFn):
     def _request_id(self, item: Parsed | Continuation) -> str:
         # Two Generate transforms may share an engine and reuse record ids; the second stage's
         # ids differ from the first's, so no client mistakes one for the other.
-        return f"{self._namespace}:{_parsed(item).id}{self._shard_suffix}"
+        return engine_request_id(self._namespace, _parsed(item), self._shard_suffix)
 
     def process(self, element, window=beam.DoFn.WindowParam,
                 pending=beam.DoFn.StateParam(PENDING), flush=beam.DoFn.TimerParam(FLUSH)):
@@ -128,9 +145,8 @@ class _GenerateFn(beam.DoFn):
         pending.add(parsed)
         self._client.wait_for_capacity(self._max_in_flight)
         self._submit([parsed])
-        prefix = f"{self._namespace}:"
-        done_shards = {shard_of(rid[len(prefix):], self._num_shards)
-                       for rid in self._client.done_ids() if rid.startswith(prefix)}
+        done_keys = {_key_of(rid, self._namespace) for rid in self._client.done_ids()}
+        done_shards = {shard_of(key, self._num_shards) for key in done_keys if key}
         if shard in done_shards:
             yield from self._emit_done(pending, wait=False)
         else:
@@ -158,7 +174,8 @@ class _GenerateFn(beam.DoFn):
             else:
                 self._metrics.continuations.inc()
                 # The second stage continues it under its own id (the sequences follow it).
-                state = {**state, "request_id": f"{self._namespace}:{_parsed(record).id}{CONTINUED}"}
+                continued_id = engine_request_id(self._namespace, _parsed(record), CONTINUED)
+                state = {**state, "request_id": continued_id}
                 yield TaggedOutput(CONTINUATIONS, Continuation(_parsed(record), state))
 
     def _submit(self, records: list[Parsed | Continuation]) -> None:

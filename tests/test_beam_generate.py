@@ -221,6 +221,16 @@ def test_bad_records_do_not_stop_good_ones(in_memory, good):
     assert all(row["finish_reason"] in ("stop", "length") and row["token_ids"] for row in good_rows)
 
 
+def test_records_sharing_an_id_each_get_their_own_row(model_dir, tmp_path):
+    # Ids are not always unique in real data: each record still gets the row of its own request.
+    records = [{"id": "dup", "prompt": "Say hi", "max_tokens": k, "ignore_eos": True, "k": k}
+               for k in (2, 5, 5)]  # the last an exact repeat
+    rows, _ = generate_rows(records, model_dir, tmp_path, IN_MEMORY)
+    assert sorted((r["passthrough"]["k"], r["completion_tokens"]) for r in rows) == [(2, 2), (5, 5), (5, 5)]
+    short, long, repeat = sorted(rows, key=lambda r: r["completion_tokens"])
+    assert short["token_ids"] == long["token_ids"][:2] and repeat["token_ids"] == long["token_ids"]
+
+
 def test_passthrough_fields_come_back(rows_by_key):
     assert rows_by_key["g03"]["passthrough"] == {"source": "bundled", "index": 3}
     assert rows_by_key["c2"]["passthrough"] == {"index": 2}
