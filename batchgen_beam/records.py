@@ -228,7 +228,7 @@ def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
 
 def _check_id(value: Any, key: str) -> str:
     if value is None:
-        raise _Invalid(f"{key}: missing (every record needs a unique id)")
+        raise _Invalid(f"{key}: missing (every record needs an id; its row carries it)")
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, str):
