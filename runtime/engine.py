@@ -3,6 +3,7 @@ over sequence coroutines. Callers submit from any thread and collect completions
 the sequence primitives (suspend, resume, evict, migrate; fork happens for n > 1) are public."""
 
 import json
+import logging
 import operator
 import queue
 import secrets
@@ -30,6 +31,7 @@ from runtime.step_lock import StepLock
 from runtime.tokenizer import load_tokenizer
 from runtime.weight_stream import WeightStreamer
 
+log = logging.getLogger(__name__)
 # Batch limits: memory-constrained mode defaults to a large batch, so that each layer read from
 # disk serves as many tokens as possible (module-based batching).
 DEFAULT_BATCH = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
@@ -87,6 +89,7 @@ class _RequestState:
 @dataclass
 class EngineStats:
     steps: int = 0
+    failed_requests: int = 0  # ended by an error in their own sampling or stop handling
     prefill_tokens: int = 0
     decode_tokens: int = 0
     forward_seconds: float = 0.0
@@ -342,12 +345,32 @@ class Engine:
         self.stats.generated_tokens += len(tokens)
         now = time.perf_counter()
         for seq, token in zip(row_seqs, tokens):
+            if seq.request_id not in self._requests:
+                continue  # another of its samples failed the request earlier in this step
+            if token.error is not None:
+                self._fail_request(seq.request_id, f"sampling failed ({token.error})")
+                continue
             timings = self._requests[seq.request_id].timings
             timings.first_token = timings.first_token or now
-            seq.send(Event.TOKEN, token)
-            self._register_full_blocks(seq)
-            if seq.is_finished:
-                self._finish_sequence(seq)
+            try:  # the stop rule and the final text run the tokenizer on this request's tokens
+                seq.send(Event.TOKEN, token)
+                self._register_full_blocks(seq)
+                if seq.is_finished:
+                    self._finish_sequence(seq)
+            except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the rest
+                log.exception("request %r failed after token %d", seq.request_id, seq.num_generated)
+                self._fail_request(seq.request_id, f"{type(exc).__name__}: {exc}")
+
+    def _fail_request(self, request_id: str, error: str) -> None:
+        """End a request whose own values broke a step: its sequences leave the scheduler (their
+        KV freed) and it completes as an error; the batch it was in carries on."""
+        state = self._requests[request_id]
+        for seq in state.seqs:
+            self.scheduler.remove(seq)
+        self.stats.failed_requests += 1
+        state.timings.finished = time.perf_counter()
+        self._complete(Completion(request_id, [SampleOutput(0, [], "", "error")], state.prompt_tokens,
+                                  state.timings, error=error))
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         bs = self.kv.block_size

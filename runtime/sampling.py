@@ -69,6 +69,7 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None
+    error: str | None = None  # this row could not be sampled (token_id is then -1)
 
 
 @dataclass
@@ -82,23 +83,32 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     """One token per row of logits [rows, vocab] (fp32), each with its own params and RNG.
 
     Logprobs are of the model's distribution (log-softmax of the raw logits), not of the
-    temperature/top-k/top-p-processed one.
+    temperature/top-k/top-p-processed one. A row whose values fail comes back with `error` set
+    rather than raising: one request's sampling must not stop the others in the batch.
     """
     greedy_ids = kernels.argmax(logits).tolist()
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     out = []
     for i, row in enumerate(rows):
-        p = row.params
-        token = greedy_ids[i] if p.greedy else _sample_one(logits[i], p, row.generator)
-        sampled = SampledToken(token)
-        if p.logprobs is not None:
-            sampled.logprob = logprobs[i, token].item()
-            if p.logprobs:
-                top = logprobs[i].topk(p.logprobs)
-                sampled.top_logprobs = dict(zip(top.indices.tolist(), top.values.tolist()))
-        out.append(sampled)
+        try:
+            out.append(_sample_row(i, row, logits, greedy_ids, logprobs))
+        except Exception as exc:  # noqa: BLE001 - the engine fails this row's request alone
+            out.append(SampledToken(-1, error=f"{type(exc).__name__}: {exc}"))
     return out
+
+
+def _sample_row(i: int, row: SampleRow, logits: torch.Tensor, greedy_ids: list[int],
+                logprobs: torch.Tensor | None) -> SampledToken:
+    p = row.params
+    token = greedy_ids[i] if p.greedy else _sample_one(logits[i], p, row.generator)
+    sampled = SampledToken(token)
+    if p.logprobs is not None:
+        sampled.logprob = logprobs[i, token].item()
+        if p.logprobs:
+            top = logprobs[i].topk(p.logprobs)
+            sampled.top_logprobs = dict(zip(top.indices.tolist(), top.values.tolist()))
+    return sampled
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:

@@ -113,6 +113,48 @@ def test_messages_a_chat_template_refuses_are_an_error_completion(tiny_chat, tmp
     assert_idle_and_clean(engine)
 
 
+def test_a_request_whose_sampling_fails_ends_alone_as_an_error(tiny, monkeypatch):
+    import runtime.sampling
+    real = runtime.sampling._sample_one
+
+    def failing(logits, params, generator):
+        if params.seed == 13:
+            raise RuntimeError("boom")
+        return real(logits, params, generator)
+
+    monkeypatch.setattr(runtime.sampling, "_sample_one", failing)
+    engine = make_engine(tiny.dir(FAMILY))
+    prompts = random_prompts([7, 19, 11], seed=8)
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=13, n=3)
+    bad, *good = engine.generate([Request("bad", prompt_token_ids=prompts[0], params=sampled)]
+                                 + greedy_requests(prompts[1:], MAX_TOKENS))
+    assert bad.error == "sampling failed (RuntimeError: boom)" and bad.finish_reason == "error"
+    assert bad.prompt_tokens == 7
+    for prompt, completion in zip(prompts[1:], good):
+        assert_matches(completion, *reference(tiny, prompt), max_tokens=MAX_TOKENS)
+    assert engine.stats.failed_requests == 1
+    assert_idle_and_clean(engine)
+
+
+def test_a_request_whose_stop_handling_fails_ends_alone_as_an_error(tiny_chat, monkeypatch):
+    from runtime.sequence import Sequence
+    real = Sequence._hit_stop_string
+
+    def failing(seq):
+        if "boom" in seq.params.stop and seq.num_generated == 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return real(seq)
+
+    monkeypatch.setattr(Sequence, "_hit_stop_string", failing)
+    engine = make_engine(tiny_chat.dir(FAMILY))
+    params = dict(max_tokens=8, ignore_eos=True)
+    bad, good = engine.generate([Request("bad", prompt="Hi", params=SamplingParams(stop=("boom",), **params)),
+                                 Request("good", prompt="Hi", params=SamplingParams(stop=("zzz",), **params))])
+    assert bad.finish_reason == "error" and bad.error.startswith("UnicodeDecodeError: 'utf-8' codec")
+    assert good.error is None and good.completion_tokens == 8
+    assert_idle_and_clean(engine)
+
+
 def test_more_samples_than_the_kv_cache_has_blocks_are_refused(tiny):
     engine = make_engine(tiny.dir(FAMILY), num_blocks=8, max_num_seqs=2)
     prompt = random_prompts([6], seed=2)[0]
