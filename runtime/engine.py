@@ -216,16 +216,22 @@ class Engine:
                              f"got {request.params.logprobs}")
         self._reserve_id(request.id)
         timings = Timings(submitted=time.perf_counter())
+        error = None
         try:
             prompt_ids = self._prompt_token_ids(request)
         except InvalidPrompt as bad:
-            self._complete(Completion(request.id, [SampleOutput(0, [], "", "error")], 0, timings,
-                                      error=str(bad)))
-            return
+            error = str(bad)
+        except Exception as exc:  # noqa: BLE001 - the tokenizer failed on this request alone
+            log.exception("request %r: could not tokenize its prompt", request.id)
+            error = f"prompt: could not be tokenized ({type(exc).__name__}: {exc})"
         except BaseException:
             with self._ids_lock:
                 del self._requests[request.id]
             raise
+        if error is not None:
+            self._complete(Completion(request.id, [SampleOutput(0, [], "", "error")], 0, timings,
+                                      error=error))
+            return
         state = _RequestState(request.id, len(prompt_ids), request.params.n, timings)
         state.seqs.append(self._new_sequence(request.id, 0, prompt_ids, request.params))
         self._inbox.put(state)

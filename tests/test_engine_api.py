@@ -155,6 +155,24 @@ def test_a_request_whose_stop_handling_fails_ends_alone_as_an_error(tiny_chat, m
     assert_idle_and_clean(engine)
 
 
+def test_a_prompt_the_tokenizer_fails_on_is_an_error_completion(tiny_chat, monkeypatch):
+    engine = make_engine(tiny_chat.dir(FAMILY))
+    real = engine.tokenizer.encode
+
+    def failing(text, *args, **kwargs):
+        if "poison" in text:
+            raise OverflowError("out of range integral type conversion attempted")
+        return real(text, *args, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", failing)
+    bad, good = engine.generate([Request("bad", prompt="poison"),
+                                 Request("good", prompt="Hi", params=SamplingParams(max_tokens=3))])
+    assert bad.finish_reason == "error"
+    assert bad.error == "prompt: could not be tokenized (OverflowError: out of range integral type conversion attempted)"
+    assert good.error is None and good.completion_tokens >= 1
+    assert_idle_and_clean(engine)
+
+
 def test_more_samples_than_the_kv_cache_has_blocks_are_refused(tiny):
     engine = make_engine(tiny.dir(FAMILY), num_blocks=8, max_num_seqs=2)
     prompt = random_prompts([6], seed=2)[0]
