@@ -66,6 +66,11 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
     if model_type not in _FAMILIES:
         raise NotImplementedError(
             f"model_type {model_type!r} is not supported yet (supported: {sorted(_FAMILIES)})")
+    # Every MLP and expert computes SwiGLU (the fused kernels included): another activation
+    # would run, silently wrong.
+    activation = getattr(config, "hidden_act", "silu")
+    if activation not in ("silu", "swish"):
+        raise NotImplementedError(f"hidden_act {activation!r} is not supported yet (supported: silu)")
     biases = _FAMILIES[model_type]
     if biases is None:
         attention_bias = bool(getattr(config, "attention_bias", False))

@@ -240,3 +240,22 @@ def test_other_block_sizes_with_chunks_prefix_sharing_and_preemption(tiny, block
     # Preempted sequences were suspended (nothing recomputed) and cached prefix blocks reused.
     assert engine.stats.prefill_tokens < sum(len(p) for p in prompts)
     assert_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("overrides,problem", [
+    (dict(model_type="gpt2"), "model_type 'gpt2' is not supported yet"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported yet"),
+    (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+     "rope_type 'dynamic' is not supported"),
+], ids=["model_type", "hidden_act", "rope_type"])
+def test_a_config_we_would_compute_wrong_is_refused(overrides, problem):
+    """Load-time refusal, never a model that runs and differs from transformers."""
+    from transformers import AutoConfig
+
+    from runtime.config import model_spec, rope_cos_sin
+
+    model_type = overrides.pop("model_type", "llama")
+    config = AutoConfig.for_model(model_type, hidden_size=64, num_attention_heads=4,
+                                  num_hidden_layers=1, **overrides)
+    with pytest.raises(NotImplementedError, match=problem):
+        rope_cos_sin(config, model_spec(config).head_dim, 16)
