@@ -58,6 +58,9 @@ class ModelSpec:
 
 
 def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
+    # Checked here: for a path that is not a directory transformers talks of hub repo ids.
+    if not (Path(model_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir}: not a model directory (no config.json there)")
     return AutoConfig.from_pretrained(str(model_dir))
 
 

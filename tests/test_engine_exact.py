@@ -259,3 +259,11 @@ def test_a_config_we_would_compute_wrong_is_refused(overrides, problem):
                                   num_hidden_layers=1, **overrides)
     with pytest.raises(NotImplementedError, match=problem):
         rope_cos_sin(config, model_spec(config).head_dim, 16)
+
+
+def test_a_path_that_is_not_a_model_directory_says_so(tmp_path):
+    from runtime import Engine
+
+    for missing in (tmp_path / "nowhere", tmp_path):
+        with pytest.raises(FileNotFoundError, match=f"{missing}: not a model directory"):
+            Engine(missing, num_threads=1)
