@@ -32,6 +32,7 @@ from runtime.tokenizer import load_tokenizer
 from runtime.weight_stream import WeightStreamer
 
 log = logging.getLogger(__name__)
+
 # Batch limits: memory-constrained mode defaults to a large batch, so that each layer read from
 # disk serves as many tokens as possible (module-based batching).
 DEFAULT_BATCH = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
