@@ -10,6 +10,7 @@ engine process dies it starts a new one and resubmits what was resident.
 import dataclasses
 import functools
 import hashlib
+import inspect
 import logging
 import os
 import threading
@@ -36,6 +37,14 @@ class EngineConfig:
 
     @classmethod
     def of(cls, model: str | None = None, **engine_args) -> "EngineConfig":
+        """Unknown engine arguments raise here, at pipeline construction, not on a worker."""
+        from runtime import Engine
+
+        known = [name for name, p in inspect.signature(Engine).parameters.items()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        unknown = sorted(set(engine_args) - set(known))
+        if unknown:
+            raise TypeError(f"engine_args: unknown {unknown}; runtime.Engine takes {', '.join(known)}")
         return cls(model, tuple(sorted(engine_args.items())))
 
     @property

@@ -242,6 +242,9 @@ class Generate(beam.PTransform):
         self._config = EngineConfig.of(model, **(engine_args or {}))
         self._defaults = sampling_defaults
         check_defaults(sampling_defaults)  # a bad default fails here, not on a worker
+        for name, value in (("num_shards", num_shards), ("max_in_flight", max_in_flight)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if straggler_timeout_s is not None and straggler_timeout_s < 0:
             raise ValueError(f"straggler_timeout_s must be >= 0, got {straggler_timeout_s}")
         self._num_shards, self._max_in_flight = num_shards, max_in_flight

@@ -240,6 +240,19 @@ def test_passthrough_fields_come_back(rows_by_key):
     assert rows_by_key["tag:missing-id"]["passthrough"] == {"tag": "missing-id"}
 
 
+@pytest.mark.parametrize("options,problem", [
+    (dict(num_shards=0), "num_shards must be an integer >= 1, got 0"),
+    (dict(max_in_flight=2.5), "max_in_flight must be an integer >= 1, got 2.5"),
+    (dict(straggler_timeout_s=-1), "straggler_timeout_s must be >= 0"),
+    (dict(temperature=-1), "defaults: temperature: must be >= 0, got -1"),
+    (dict(engine_args={"max_num_seq": 8}), r"engine_args: unknown \['max_num_seq'\]"),
+])
+def test_caller_mistakes_raise_at_construction(options, problem):
+    """Before any worker runs: a mistake here would fail every record."""
+    with pytest.raises((ValueError, TypeError), match=problem):
+        Generate("unused-model-dir", **options)
+
+
 def test_metrics_count_rows_tokens_and_errors(in_memory):
     rows, result = in_memory
     assert counter(result, "sequences_finished") == len(rows)  # one per row, error rows included
