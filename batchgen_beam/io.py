@@ -106,7 +106,7 @@ def _text_records(readable_file, fixed_dir: str):
             if not line.strip():
                 continue
             try:
-                prompt = line.decode("utf-8")
+                prompt = line.decode("utf-8-sig")  # the first line may carry a byte-order mark
             except UnicodeDecodeError:
                 # Left as bytes: `Generate` rejects the record with an error row that carries
                 # the line's id ("prompt: must be a string, got bytes").

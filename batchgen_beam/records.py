@@ -9,7 +9,7 @@ defaults) raises ValueError instead, since it would reject every record.
 - a mapping in our format: `id`, `prompt` or `messages`, optional sampling fields
   (`SAMPLING_FIELDS`); every other key passes through to the output row untouched;
 - a mapping in the OpenAI Batch API format (`custom_id`, `method`, `url`, `body`);
-- a JSON line (str, or bytes in UTF-8) holding either of those;
+- a JSON line (str, or bytes in UTF-8; a leading byte-order mark is dropped) holding either;
 - with `fallback_id`: a bare prompt (str or bytes), as from a text file, which has no ids.
 
 Choices:
@@ -133,10 +133,11 @@ def check_defaults(defaults: Mapping[str, Any] | None) -> dict:
 def _to_mapping(raw: Any, fallback_id: str | None) -> Mapping:
     if isinstance(raw, bytes):
         try:
-            raw = raw.decode("utf-8")
+            raw = raw.decode("utf-8-sig")  # -sig: a file's first line may carry a byte-order mark
         except UnicodeDecodeError as exc:
             raise _Invalid(f"record: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     if isinstance(raw, str):
+        raw = raw.removeprefix("\ufeff")
         if fallback_id is not None:
             return {"id": fallback_id, "prompt": raw}
         try:

@@ -49,7 +49,8 @@ def jsonl_input(tmp_path_factory):
     lines = [json.dumps(r).encode() for r in GOOD[:2]] + [b"", b"   "] + list(BAD)
     lines += [json.dumps(r).encode() for r in GOOD[2:]]
     path = tmp_path_factory.mktemp("input") / "records.jsonl"
-    path.write_bytes(b"\r\n".join(lines[:3]) + b"\n" + b"\n".join(lines[3:]) + b"\n")
+    # A byte-order mark first, as Windows editors write: the first record is still good.
+    path.write_bytes(b"\xef\xbb\xbf" + b"\r\n".join(lines[:3]) + b"\n" + b"\n".join(lines[3:]) + b"\n")
     return path
 
 
@@ -125,7 +126,7 @@ def test_text_input_ids_are_file_and_line(chat_model, tmp_path):
     (data / "y").mkdir()
     (data / "x" / "prompts.txt").write_bytes(
         b"Hello there\n\nHello there\n\xff bad line\r\nTell me a story\n")
-    (data / "y" / "prompts.txt").write_bytes(b"Hello there")  # no final newline
+    (data / "y" / "prompts.txt").write_bytes(b"\xef\xbb\xbfHello there")  # a byte-order mark, no final newline
     summary = run(chat_model, "--input", str(data / "*" / "prompts.txt"),
                   "--output", str(tmp_path / "out/gen"), "--format", "jsonl")
     rows = {r["id"]: r for r in read_jsonl(summary["output_files"])}

@@ -260,6 +260,15 @@ def test_numpy_values_count_as_the_python_values_they_hold():
                                                                               "day": "2024-05-01"}
 
 
+def test_a_byte_order_mark_before_a_json_line_is_ignored():
+    # Editors on Windows start UTF-8 files with one; it reaches the first line's record.
+    line = '{"id": "a", "prompt": "Hi"}'
+    for raw in (b"\xef\xbb\xbf" + line.encode(), "\ufeff" + line):
+        got = parse_record(raw)
+        assert isinstance(got, Parsed) and (got.id, got.prompt) == ("a", "Hi"), got
+    assert parse_record(b"\xef\xbb\xbfHi", fallback_id="t:1").prompt == "Hi"
+
+
 def test_a_namedtuple_or_beam_row_is_a_record():
     class Prompted(NamedTuple):
         id: str
