@@ -19,15 +19,15 @@ from batchgen_beam.records import Parsed, check_defaults, completion_row, error_
 
 def as_record(example: Any, fallback_id: str) -> Any:
     """A prompt string, a record (a mapping, namedtuple or beam.Row) or a chat (a list of messages)
-    → what parse_record takes; a record without an id gets `fallback_id`."""
+    → what parse_record takes; a record without an id (or with a null one) gets `fallback_id`."""
     if hasattr(example, "_asdict"):  # before the tuple case: a namedtuple is a record, not a chat
         example = example._asdict()
     if isinstance(example, str):
         return {"id": fallback_id, "prompt": example}
     if isinstance(example, (list, tuple)):
         return {"id": fallback_id, "messages": list(example)}
-    if isinstance(example, Mapping) and "id" not in example and "custom_id" not in example:
-        return {"id": fallback_id, **example}
+    if isinstance(example, Mapping) and example.get("id") is None and example.get("custom_id") is None:
+        return {**example, "id": fallback_id}  # None counts as absent, as for every record field
     return example
 
 

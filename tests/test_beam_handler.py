@@ -78,6 +78,9 @@ def test_examples_as_records():
     # A namedtuple is a tuple, but a record: its fields, not a chat of them.
     assert as_record(Prompted("Hi", 3), "f") == {"id": "f", "prompt": "Hi", "max_tokens": 3}
     assert as_record(beam.Row(id="a", prompt="Hi"), "f") == {"id": "a", "prompt": "Hi"}
+    # A null id (a Parquet or BigQuery column with gaps) is no id: the fallback fills it.
+    assert as_record({"id": None, "prompt": "Hi"}, "f") == {"id": "f", "prompt": "Hi"}
+    assert as_record(beam.Row(id=None, prompt="Hi"), "f") == {"id": "f", "prompt": "Hi"}
 
 
 def handler(model_dir):
