@@ -20,8 +20,9 @@ Choices:
 - OpenAI body keys: harmless ones (`model`, `user`, ...) are ignored; keys that would change the
   output (`tools`, `response_format`, penalties, ...) are accepted only at their no-op value;
   any other key is rejected, naming it, rather than silently not honoured.
-- Passthrough values that JSON cannot hold (dates, decimals from Parquet or BigQuery) are
-  written as their str() in output rows rather than failing the pipeline.
+- Passthrough values that strict JSON cannot hold (dates, decimals from Parquet or BigQuery,
+  NaN and infinities, mapping keys that are not strings or numbers) are written as their str()
+  in output rows rather than failing the pipeline or writing a bare NaN.
 - A message's content may be OpenAI's list of text parts, joined by newlines (as vLLM does);
   any other part (an image) rejects the record.
 - numpy scalars and arrays (pandas and DataFrame sources hold them) count as the Python values
@@ -34,6 +35,7 @@ Choices:
 """
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -492,4 +494,22 @@ def row_from_json(line: str | bytes) -> dict:
 
 
 def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, default=str)
+    return json.dumps(_json_safe(value), ensure_ascii=False, allow_nan=False, default=str)
+
+
+def _json_safe(value: Any) -> Any:
+    """value with what strict JSON cannot hold as its str(): NaN and infinities (Python's json
+    would write a bare NaN, which other readers refuse) and mapping keys other than str, int,
+    finite float, bool or None (which json.dumps refuses). Other values are left to default=str."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {_json_key(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _json_key(key: Any) -> Any:
+    plain = key is None or isinstance(key, (str, int)) or isinstance(key, float) and math.isfinite(key)
+    return key if plain else str(key)

@@ -17,7 +17,7 @@ import pytest
 
 from batchgen_beam.records import (OUTPUT_SCHEMA, Parsed, Rejected, arrow_to_rows, check_defaults,
                                    completion_row, error_row, parse_record, row_from_json,
-                                   row_to_json, rows_to_arrow)
+                                   row_to_arrow_dict, row_to_json, rows_to_arrow)
 from runtime.request import Completion, Request, SampleOutput, Timings
 from runtime.sampling import SamplingParams
 
@@ -305,8 +305,10 @@ def _odd_value(rng: random.Random, depth: int = 0):
               b"\xff", np.int64(3), np.float32(0.5), np.bool_(False), np.array([1, 2]), np.array([]),
               np.datetime64("2024-01-01"), datetime.date(2024, 1, 1), {1, 2}, ("a",), object()]
     if depth < 2 and rng.random() < 0.3:
+        odd_key = rng.choice([(1, 2), datetime.date(2024, 1, 1), None, 1.5, math.nan, frozenset({1}), 7])
         return rng.choice([[_odd_value(rng, depth + 1)],
-                           {"role": _odd_value(rng, depth + 1), "content": _odd_value(rng, depth + 1)}])
+                           {"role": _odd_value(rng, depth + 1), "content": _odd_value(rng, depth + 1)},
+                           {odd_key: _odd_value(rng, depth + 1)}])
     return rng.choice(leaves)
 
 
@@ -328,7 +330,23 @@ def test_no_record_of_odd_values_raises_and_every_row_can_be_written():
         row = (error_row(got) if isinstance(got, Rejected) else
                completion_row(got, Completion(got.id, [SampleOutput(0, [1], "ok", "stop")], 1, Timings(0.0))))
         rows_to_arrow([row])
-        row_to_json(row).encode("utf-8")
+        # Strict JSON, which other readers than Python's take: no bare NaN or Infinity.
+        json.loads(row_to_json(row).encode("utf-8"), parse_constant=_refuse)
+        json.loads(row_to_arrow_dict(row)["passthrough"], parse_constant=_refuse)
+
+
+def _refuse(constant):
+    raise ValueError(f"not strict JSON: {constant}")
+
+
+def test_passthrough_that_strict_json_cannot_hold_is_written_as_text():
+    record = {"id": "a", "prompt": "Hi", "score": math.nan, "bounds": [-math.inf, 1.0],
+              "by_pair": {(1, 2): "x", datetime.date(2024, 1, 2): "y", 3: "z"}}
+    row = completion_row(parse_record(record), Completion("a", [SampleOutput(0, [1], "ok", "stop")], 1,
+                                                          Timings(0.0)))
+    expected = {"score": "nan", "bounds": ["-inf", 1.0], "by_pair": {"(1, 2)": "x", "2024-01-02": "y", "3": "z"}}
+    assert json.loads(row_to_json(row), parse_constant=_refuse)["passthrough"] == expected
+    assert json.loads(row_to_arrow_dict(row)["passthrough"], parse_constant=_refuse) == expected
 
 
 def test_messages_are_normalised_copies():
