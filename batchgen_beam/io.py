@@ -109,7 +109,7 @@ def _text_records(readable_file, fixed_dir: str):
                 prompt = line.decode("utf-8-sig")  # the first line may carry a byte-order mark
             except UnicodeDecodeError:
                 # Left as bytes: `Generate` rejects the record with an error row that carries
-                # the line's id ("prompt: must be a string, got bytes").
+                # the line's id ("prompt: not valid UTF-8 (...)").
                 prompt = line
             yield {"id": f"{name}:{number}", "prompt": prompt}
 

@@ -23,6 +23,8 @@ Choices:
 - Passthrough values that strict JSON cannot hold (dates, decimals from Parquet or BigQuery,
   NaN and infinities, mapping keys that are not strings or numbers) are written as their str()
   in output rows rather than failing the pipeline or writing a bare NaN.
+- Text fields (id, prompt, a message's role and content) given as bytes, as some Parquet
+  writers store strings, are decoded as UTF-8; bytes that are not UTF-8 reject the record.
 - A message's content may be OpenAI's list of text parts, joined by newlines (as vLLM does);
   any other part (an image) rejects the record.
 - numpy scalars and arrays (pandas and DataFrame sources hold them) count as the Python values
@@ -229,7 +231,19 @@ def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
     return Parsed(record_id, prompt, messages, params, passthrough)
 
 
+def _utf8(value: Any, where: str) -> Any:
+    """Bytes as the text they hold in UTF-8 (Parquet writers that store strings as plain binary
+    give bytes); other values as they are."""
+    if not isinstance(value, bytes):
+        return value
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _Invalid(f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
 def _check_id(value: Any, key: str) -> str:
+    value = _utf8(value, key)
     if value is None:
         raise _Invalid(f"{key}: missing (every record needs an id; its row carries it)")
     if isinstance(value, int) and not isinstance(value, bool):
@@ -249,6 +263,7 @@ def _check_prompt(fields: Mapping) -> tuple[str | None, list[dict] | None]:
         raise _Invalid("prompt, messages: give one of them, not both")
     if messages is not None:
         return None, _check_messages(messages)
+    prompt = _utf8(prompt, "prompt")
     if not isinstance(prompt, str):
         raise _Invalid(f"prompt: must be a string, got {_type_name(prompt)}")
     if not prompt.strip():
@@ -269,7 +284,8 @@ def _check_message(where: str, message: Any) -> dict:
     if not isinstance(message, Mapping):
         raise _Invalid(f"{where}: must be an object with role and content, "
                        f"got {_type_name(message)}")
-    role, content = message.get("role"), message.get("content")
+    role = _utf8(message.get("role"), f"{where}.role")
+    content = _utf8(message.get("content"), f"{where}.content")
     if role is None:
         raise _Invalid(f"{where}.role: missing")
     if not isinstance(role, str) or role not in ROLES:

@@ -133,7 +133,7 @@ def test_text_input_ids_are_file_and_line(chat_model, tmp_path):
     assert sorted(rows) == ["x/prompts.txt:1", "x/prompts.txt:3", "x/prompts.txt:4",
                             "x/prompts.txt:5", "y/prompts.txt:1"]
     assert summary["records"] == 5 and summary["errors"] == 1
-    assert rows["x/prompts.txt:4"]["error"] == "prompt: must be a string, got bytes"
+    assert rows["x/prompts.txt:4"]["error"] == "prompt: not valid UTF-8 (invalid start byte at byte 0)"
     # Equal prompts, distinct ids, the same greedy text.
     assert rows["x/prompts.txt:1"]["token_ids"] == rows["x/prompts.txt:3"]["token_ids"] \
         == rows["y/prompts.txt:1"]["token_ids"]

@@ -269,6 +269,19 @@ def test_a_byte_order_mark_before_a_json_line_is_ignored():
     assert parse_record(b"\xef\xbb\xbfHi", fallback_id="t:1").prompt == "Hi"
 
 
+def test_text_fields_given_as_bytes_are_utf8():
+    # Parquet writers that store strings as plain binary give bytes.
+    got = parse_record({"id": b"a", "prompt": "caf\u00e9".encode(), "n": 1})
+    assert isinstance(got, Parsed) and (got.id, got.prompt) == ("a", "caf\u00e9"), got
+    chat = parse_record({"id": "c", "messages": [{"role": b"user", "content": b"Hi"}]})
+    assert chat.messages == [{"role": "user", "content": "Hi"}], chat
+    for record, problem in (({"id": "a", "prompt": b"caf\xe9"}, "prompt: not valid UTF-8"),
+                            ({"id": b"\xff", "prompt": "x"}, "id: not valid UTF-8"),
+                            ({"id": "a", "messages": [{"role": "user", "content": b"\xc3"}]},
+                             "messages[0].content: not valid UTF-8")):
+        assert parse_record(record).error.startswith(problem), record
+
+
 def test_a_namedtuple_or_beam_row_is_a_record():
     class Prompted(NamedTuple):
         id: str
