@@ -29,6 +29,8 @@ Choices:
   any other part (an image) rejects the record.
 - numpy scalars and arrays (pandas and DataFrame sources hold them) count as the Python values
   they hold, and a namedtuple or `beam.Row` as a mapping of its fields.
+- A record nested deeper than `MAX_NESTING` levels is an error row: writing its passthrough
+  (json, pyarrow) could recurse past Python's stack limit inside the write step.
 - A value no check foresaw still gives an error row ("record: could not be validated ..."),
   never an exception that would stop the pipeline.
 - Text that UTF-8 cannot hold (a lone surrogate, which JSON's "\\ud800" escape makes) rejects
@@ -52,6 +54,7 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
                    "n", "logprobs", "ignore_eos")
 ROLES = ("system", "user", "assistant")
 RAW_PREVIEW_CHARS = 200
+MAX_NESTING = 32  # levels of mappings and lists in a record: far past any real one
 
 _NATIVE_KEYS = {"id", "prompt", "messages", *SAMPLING_FIELDS}
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
@@ -112,6 +115,10 @@ def parse_record(raw: Any, defaults: Mapping[str, Any] | None = None,
     except _Invalid as bad:
         return Rejected(None, str(bad), {"raw": _preview(raw)})
     try:
+        if _nests_deeper(record, MAX_NESTING):
+            # Checking it (or writing its row: json, pyarrow, repr) would recurse past Python's
+            # stack limit.
+            return Rejected(None, f"record: nested deeper than {MAX_NESTING} levels", {"raw": _preview(raw)})
         return _parse_mapping(_plain(record), base)
     except Exception as exc:  # noqa: BLE001 - one odd record must not stop the pipeline
         return Rejected(None, _writable(f"record: could not be validated ({type(exc).__name__}: {exc})"),
@@ -178,10 +185,39 @@ def _same(value: Any, expected: Any) -> bool:
     return (value == expected) is True
 
 
+def _nests_deeper(value: Any, limit: int) -> bool:
+    """Whether mappings, lists and arrays nest deeper than `limit` in value, found without
+    recursion."""
+    pending = [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, Mapping):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        elif isinstance(item, np.ndarray) and item.dtype.kind == "O":
+            children = item.ravel().tolist()
+        elif isinstance(item, np.ndarray):  # numbers or text: no need to visit each one
+            if depth + item.ndim > limit:
+                return True
+            continue
+        else:
+            continue
+        if depth == limit:
+            return True
+        pending.extend((child, depth + 1) for child in children)
+    return False
+
+
 def _preview(raw: Any) -> str:
     if isinstance(raw, bytes):
         return raw[:RAW_PREVIEW_CHARS].decode("utf-8", "backslashreplace")
-    return _writable((raw if isinstance(raw, str) else repr(raw))[:RAW_PREVIEW_CHARS])
+    if not isinstance(raw, str):
+        try:
+            raw = repr(raw)
+        except RecursionError:
+            raw = f"<a {type(raw).__name__} nested too deeply to show>"
+    return _writable(raw[:RAW_PREVIEW_CHARS])
 
 
 def _writable(text: str) -> str:

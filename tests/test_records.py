@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen_beam.records import (OUTPUT_SCHEMA, Parsed, Rejected, arrow_to_rows, check_defaults,
+from batchgen_beam.records import (MAX_NESTING, OUTPUT_SCHEMA, Parsed, Rejected, arrow_to_rows, check_defaults,
                                    completion_row, error_row, parse_record, row_from_json,
                                    row_to_arrow_dict, row_to_json, rows_to_arrow)
 from runtime.request import Completion, Request, SampleOutput, Timings
@@ -280,6 +280,28 @@ def test_text_fields_given_as_bytes_are_utf8():
                             ({"id": "a", "messages": [{"role": "user", "content": b"\xc3"}]},
                              "messages[0].content: not valid UTF-8")):
         assert parse_record(record).error.startswith(problem), record
+
+
+def _nested(depth: int):
+    value = "leaf"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_a_record_nested_past_the_limit_is_an_error_row_that_can_be_written():
+    # One level below the limit: a record as usual. The record itself is the first level.
+    fine = parse_record({"id": "a", "prompt": "Hi", "deep": _nested(MAX_NESTING - 1)})
+    assert isinstance(fine, Parsed), fine
+    # Past it, whatever the depth (a Python object deeper than repr or json can walk too):
+    # an error row, which writes.
+    for depth in (MAX_NESTING, 5 * MAX_NESTING, 3000):
+        for raw in ({"id": "a", "prompt": "Hi", "deep": _nested(depth)},
+                    '{"id": "a", "prompt": "Hi", "deep": ' + "[" * depth + "]" * depth + "}"):
+            got = parse_record(raw)
+            assert isinstance(got, Rejected) and "nested" in got.error, (depth, got)
+            json.loads(row_to_json(error_row(got)))
+            rows_to_arrow([error_row(got)])
 
 
 def test_a_namedtuple_or_beam_row_is_a_record():
