@@ -205,8 +205,11 @@ def _nests_deeper(value: Any, limit: int) -> bool:
             continue
         if depth == limit:
             return True
-        pending.extend((child, depth + 1) for child in children)
+        pending.extend((child, depth + 1) for child in children if isinstance(child, _CONTAINERS))
     return False
+
+
+_CONTAINERS = (Mapping, list, tuple, np.ndarray)
 
 
 def _preview(raw: Any) -> str:
