@@ -21,7 +21,7 @@ from typing import Any, Iterable
 
 from apache_beam.utils.multi_process_shared import MultiProcessShared
 
-from runtime.request import Completion, Request, SampleOutput, Timings
+from runtime.request import Completion, Request
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +113,7 @@ class EngineService:
             try:
                 self.engine.submit(request)
             except ValueError as bad:  # e.g. stop strings on a model without a tokenizer
-                self._deliver(Completion(request.id, [SampleOutput(0, [], "", "error")], 0,
-                                         Timings(submitted=time.perf_counter()), error=str(bad)))
+                self._deliver(Completion.failed(request.id, str(bad)))
 
     def resume(self, client_id: str, states: list[dict]) -> None:
         """Continue requests another engine (or an earlier attempt) migrated out, from their

@@ -16,7 +16,6 @@ others, and each record still gets exactly one row: from the first stage or from
 """
 
 import dataclasses
-import hashlib
 import time
 import uuid
 import zlib
@@ -54,9 +53,7 @@ def engine_request_id(namespace: str, parsed: Parsed, key_suffix: str = "") -> s
     suffix) and a digest of what it asks. Records that share an id but not a request (ids are
     not always unique in real data) each run; identical ones, as a retried bundle resubmits,
     run once."""
-    digest = hashlib.blake2b(repr(parsed.to_request()).encode("utf-8", "backslashreplace"),
-                             digest_size=8).hexdigest()
-    return f"{namespace}:{parsed.id}{key_suffix}#{digest}"
+    return f"{namespace}:{parsed.id}{key_suffix}#{parsed.request_digest}"
 
 
 def _key_of(request_id: str, namespace: str) -> str:

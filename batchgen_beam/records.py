@@ -38,10 +38,12 @@ Choices:
   the error row's passthrough, which must be writable.
 """
 
+import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -88,6 +90,12 @@ class Parsed:
 
     def to_request(self) -> Request:
         return Request(self.id, prompt=self.prompt, messages=self.messages, params=self.params)
+
+    @cached_property
+    def request_digest(self) -> str:
+        """Short, stable across processes: equal for records that ask the engine the same."""
+        return hashlib.blake2b(repr(self.to_request()).encode("utf-8", "backslashreplace"),
+                               digest_size=8).hexdigest()
 
 
 @dataclass
@@ -144,11 +152,11 @@ def check_defaults(defaults: Mapping[str, Any] | None) -> dict:
 def _to_mapping(raw: Any, fallback_id: str | None) -> Mapping:
     if isinstance(raw, bytes):
         try:
-            raw = raw.decode("utf-8-sig")  # -sig: a file's first line may carry a byte-order mark
+            raw = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise _Invalid(f"record: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     if isinstance(raw, str):
-        raw = raw.removeprefix("\ufeff")
+        raw = raw.removeprefix("\ufeff")  # a file's first line may carry a byte-order mark
         if fallback_id is not None:
             return {"id": fallback_id, "prompt": raw}
         try:

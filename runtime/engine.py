@@ -230,8 +230,7 @@ class Engine:
                 del self._requests[request.id]
             raise
         if error is not None:
-            self._complete(Completion(request.id, [SampleOutput(0, [], "", "error")], 0, timings,
-                                      error=error))
+            self._complete(Completion.failed(request.id, error, timings))
             return
         state = _RequestState(request.id, len(prompt_ids), request.params.n, timings)
         state.seqs.append(self._new_sequence(request.id, 0, prompt_ids, request.params))
@@ -376,8 +375,7 @@ class Engine:
             self.scheduler.remove(seq)
         self.stats.failed_requests += 1
         state.timings.finished = time.perf_counter()
-        self._complete(Completion(request_id, [SampleOutput(0, [], "", "error")], state.prompt_tokens,
-                                  state.timings, error=error))
+        self._complete(Completion.failed(request_id, error, state.timings, state.prompt_tokens))
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         bs = self.kv.block_size

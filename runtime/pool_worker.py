@@ -21,7 +21,7 @@ import torch
 
 from runtime.engine import Engine
 from runtime.rebalance import choose_donation
-from runtime.request import Completion, SampleOutput, Timings
+from runtime.request import Completion
 
 
 class _Worker:
@@ -104,9 +104,7 @@ class _Worker:
         try:
             self.engine.submit(request)
         except (ValueError, TypeError) as bad:  # the pool answers it, like a bad prompt
-            self.outbox.put(("update", self.index, [Completion(
-                request.id, [SampleOutput(0, [], "", "error")], 0,
-                Timings(submitted=time.perf_counter()), error=str(bad))], self.report()))
+            self.outbox.put(("update", self.index, [Completion.failed(request.id, str(bad))], self.report()))
 
 
 def run(index: int, model, engine_args: dict, threads: int, inboxes: list, outbox,

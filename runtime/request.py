@@ -1,6 +1,7 @@
 """What callers hand the engine and what they get back."""
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 from runtime.sampling import SamplingParams
@@ -44,6 +45,13 @@ class Completion:
     prompt_tokens: int
     timings: Timings
     error: str | None = None
+
+    @classmethod
+    def failed(cls, request_id: str, error: str, timings: Timings | None = None,
+               prompt_tokens: int = 0) -> "Completion":
+        """A request that ends in an error: one empty output whose finish_reason is "error"."""
+        return cls(request_id, [SampleOutput(0, [], "", "error")], prompt_tokens,
+                   timings or Timings(submitted=time.perf_counter()), error=error)
 
     @property
     def completion_tokens(self) -> int:
