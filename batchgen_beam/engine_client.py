@@ -229,6 +229,7 @@ class EngineClient:
             for request in fresh:
                 self._resident[request.id] = request
         if fresh:
+            self._acknowledge_before_reuse([r.id for r in fresh])
             self._call("submit", self.client_id, fresh)
 
     def resume(self, states: Iterable[dict]) -> None:
@@ -238,7 +239,17 @@ class EngineClient:
             for state in fresh:
                 self._resident[state["request_id"]] = state
         if fresh:
+            self._acknowledge_before_reuse([s["request_id"] for s in fresh])
             self._call("resume", self.client_id, fresh)
+
+    def _acknowledge_before_reuse(self, request_ids: list[str]) -> None:
+        """The engine holds an id this client took until the next poll acknowledges it; an id
+        submitted again before that (an identical record after the first's row went out) would
+        be taken for the one in flight and never run. So acknowledge first."""
+        with self._lock:
+            reused = not set(self._taken).isdisjoint(request_ids)
+        if reused:
+            self._pull(0.0)
 
     def migrate_out(self, request_ids: Iterable[str]) -> dict[str, dict]:
         """Take these requests, if still running, out of the engine: their states by id. They

@@ -414,6 +414,18 @@ def test_submit_right_after_an_engine_death(model_dir, bare_engine, caplog):
     assert client.take(ids, timeout=1.0) == {}
 
 
+def test_an_id_submitted_again_right_after_it_was_taken_runs_again(model_dir, bare_engine):
+    """Taking a completion is acknowledged to the engine only at the client's next poll; a
+    record identical to one whose row just went out reuses its id before that."""
+    client = EngineClient(EngineConfig.of(str(model_dir), **ENGINE_ARGS))
+    [request] = engine_requests(bundled_prompts(bare_engine.tokenizer, 1, 20), "again-")
+    client.submit([request])
+    first = client.wait_all([request.id])
+    client.submit([request])  # no poll in between
+    second = client.take([request.id], timeout=60)
+    assert second and second[request.id].token_ids == first[request.id].token_ids
+
+
 def test_a_request_resubmitted_by_another_process_runs_once(model_dir, bare_engine):
     """A timer firing in another SDK process resubmits pending records by id: that client takes
     the requests over (finished or still running) instead of the engine running them twice, and
