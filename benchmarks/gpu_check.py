@@ -48,11 +48,11 @@ def _randn(*shape, dtype, scale=1.0):
 
 
 def _paged_cache(context_lens, dtype):
-    """K/V caches holding every sequence's context in shuffled blocks; tables padded with -1
-    (the torch op reads those too, as the last block: harmless, they are masked)."""
+    """K/V caches holding every sequence's context in shuffled blocks; tables padded with block 0
+    (the ops' contract: any valid block id, masked)."""
     blocks = [-(-n // BLOCK) for n in context_lens]
     free = torch.randperm(sum(blocks)).tolist()
-    tables = [[free.pop() for _ in range(n)] + [-1] * (max(blocks) - n) for n in blocks]
+    tables = [[free.pop() for _ in range(n)] + [0] * (max(blocks) - n) for n in blocks]
     k, v = (_randn(sum(blocks), BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(2))
     return k, v, torch.tensor(tables, device="cuda")
 
