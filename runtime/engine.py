@@ -130,17 +130,24 @@ class Engine:
                  admission: str = "fifo", preemption: str = "suspend",
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 num_threads: int | None = None, weight_budget_bytes: int | None = None):
+                 num_threads: int | None = None, weight_budget_bytes: int | None = None,
+                 weights_in_host_memory: bool = False):
         """weight_budget_bytes: memory-constrained mode (runtime/weight_stream.py): the decoder
         layers stream from the safetensors files, and the weights held in memory (resident
         parts, two layer slots, the MoE expert ring) stay within this many bytes. The KV cache
         (kv_cache_bytes, host_kv_bytes) is budgeted apart. max_num_seqs and
-        max_num_batched_tokens then default to STREAMING_BATCH."""
+        max_num_batched_tokens then default to STREAMING_BATCH.
+
+        weights_in_host_memory (CUDA, with weight_budget_bytes): read the streamed layers into
+        pinned host memory once and stream each step from there, not from the files; host RAM
+        must hold the checkpoint."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_dir = Path(model) if model is not None else default_model_dir()
         self.device = torch.device(device)
         streaming = weight_budget_bytes is not None
+        if weights_in_host_memory and not streaming:
+            raise ValueError("weights_in_host_memory streams weights: give weight_budget_bytes too")
         if streaming and self.device.type not in ("cpu", "cuda"):
             raise NotImplementedError(f"weight streaming runs on CPU and CUDA, not {self.device.type}")
         kernels.prepare(self.device)  # the C++ kernel's build (once per machine) outside any step
@@ -152,7 +159,8 @@ class Engine:
         if streaming:
             self.model = on_a_passing_thread(build_model, self.model_dir, self.device, dtype,
                                              stream_layers=True)
-            self.weights = WeightStreamer(self.model, self.model_dir, weight_budget_bytes)
+            self.weights = WeightStreamer(self.model, self.model_dir, weight_budget_bytes,
+                                          host_copy=weights_in_host_memory)
         else:
             self.model = on_a_passing_thread(load_model, self.model_dir, self.device, dtype)
             self.weights = None

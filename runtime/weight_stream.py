@@ -14,6 +14,11 @@ On CUDA the slots and the ring are pinned host buffers that the reads fill, each
 twin that the layers compute on; a copy stream moves a slot to its twin (`_DeviceCopies`), so the
 copy of layer i overlaps the kernels of layer i-1 still queued on the compute stream. The budget
 then bounds the weights held on the device.
+
+With `host_copy` (CUDA only) the streamed weights are read from the files once, into pinned host
+memory laid out like the slots (experts as the fused checkpoint: every gate_up, then every down),
+and each step copies straight from there to the device twins: no file reads per step, so the copy
+engine's bandwidth, not the page cache's, bounds a step. Host RAM must then hold the checkpoint.
 """
 
 import json
@@ -116,7 +121,7 @@ class WeightStreamer:
     pre-hook) and unbinds them after; reads the next layer meanwhile. `bytes_read` counts every
     byte read from the checkpoint."""
 
-    def __init__(self, model: CausalLM, model_dir: str | Path, budget_bytes: int):
+    def __init__(self, model: CausalLM, model_dir: str | Path, budget_bytes: int, host_copy: bool = False):
         spec = model.spec
         self.dtype = model.embed_tokens.weight.dtype
         self._element = torch.empty((), dtype=self.dtype).element_size()
@@ -125,8 +130,7 @@ class WeightStreamer:
         self._count_lock = threading.Lock()  # reader threads add to bytes_read
         self.num_layers = spec.num_layers
         self._plans = [self._plan_layer(model, i) for i in range(spec.num_layers)]
-        self.slot_bytes = max((_aligned(b.offset + _nbytes(b.meta)) for plan in self._plans for b in plan),
-                              default=0)
+        self.slot_bytes = max(map(_layer_bytes, self._plans), default=0)
         self.resident_bytes = (sum(_nbytes(p) for p in model.parameters() if not p.is_meta)
                                + sum(_nbytes(b) for b in model.buffers()))
         blocks = [(i, layer.mlp) for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
@@ -135,6 +139,10 @@ class WeightStreamer:
         self.device = model.embed_tokens.weight.device
         self._pinned = self.device.type == "cuda"  # host buffers a copy stream reads asynchronously
         self._copies = device_copies(self.device)
+        if host_copy and self._copies is None:
+            raise ValueError("host_copy streams from host memory to a CUDA device; on CPU the budget "
+                             "is host memory itself")
+        self.host_copy = host_copy
 
         self._pool = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix=READER_THREAD)
         self._pending: tuple[int, int, list[Future]] | None = None  # (layer, slot, reads) in flight
@@ -142,13 +150,19 @@ class WeightStreamer:
         # thread, which cannot join itself: no waiting.
         weakref.finalize(self, self._pool.shutdown, wait=False)
         self._read_resident(model)
-        self._slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self._pinned) for _ in range(2)]
+        # Where each step's layer reads land: two host slots, or (host_copy) one buffer per layer.
+        self._slots = [torch.empty(self.slot_bytes if not host_copy else _layer_bytes(plan), dtype=torch.uint8,
+                                   pin_memory=self._pinned) for plan in (self._plans if host_copy else range(2))]
         self._slot_views = [memoryview(s.numpy()) for s in self._slots]
-        self._device_slots = [self._twin(host) for host in self._slots]
+        self._device_slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+                              if self._copies else self._slots[slot] for slot in range(2)]
         self._bound_slot = 0  # the slot of the layer running now
         self._bound = [[self._params_in(slot, plan) for slot in range(2)] for plan in self._plans]
+        self._experts, self._host_experts = {}, {}  # MoE layers: see _init_ring
         if blocks:
             self._init_ring(spec, blocks)
+        if host_copy:
+            self._fill_host_copy()
         for i, layer in enumerate(model.layers):
             layer.register_forward_pre_hook(lambda module, args, i=i: self._before(i))
             layer.register_forward_hook(lambda module, args, out, i=i: self._after(i))
@@ -185,9 +199,18 @@ class WeightStreamer:
             param.detach().copy_(host)
         self.bytes_read = 0  # counts what streaming reads, from here on
 
-    def _twin(self, host: torch.Tensor) -> torch.Tensor:
-        """Where the layers read a host buffer's weights: its device copy, or itself on CPU."""
-        return torch.empty_like(host, device=self.device) if self._copies else host
+    def _fill_host_copy(self) -> None:
+        """host_copy: every layer and every routed expert read into host memory, once."""
+        copies = [copy for i, plan in enumerate(self._plans) for binding in plan
+                  for copy in _back_to_back(binding.extents, self._slot_views[i], binding.offset)]
+        for layer, (gate_ups, downs) in self._experts.items():
+            view, count = self._host_experts[layer][1], len(gate_ups)
+            for e in range(count):
+                copies += _back_to_back(gate_ups[e], view, e * self._gate_up_bytes)
+                copies += _back_to_back(downs[e], view, count * self._gate_up_bytes + e * self._gate_up_bytes // 2)
+        _wait(self._submit(copies))
+        self.host_bytes = sum(s.numel() for s in self._slots) + sum(h.numel() for h, _ in self._host_experts.values())
+        self.bytes_read = 0  # counts what steps stream to the device, from here on
 
     def _ring_size(self, budget: int, num_experts: int) -> int:
         """Experts per ring half: as many as the budget leaves room for, up to all of them."""
@@ -207,17 +230,23 @@ class WeightStreamer:
 
     def _init_ring(self, spec, blocks) -> None:
         moe, hidden, count = spec.moe, spec.hidden_size, self.ring_experts
-        self._experts = {}  # layer -> (gate_up extents per expert, down extents per expert)
+        # layer -> (gate_up extents per expert, down extents per expert)
         for i, block in blocks:
             self._experts[i] = tuple(self._index.expert_extents(f"model.layers.{i}.mlp.experts.{kind}",
                                                                 moe.num_experts)
                                      for kind in ("gate_up_proj", "down_proj"))
             block.experts = StreamedExperts(self, i, moe.num_experts)
         self._gate_up_bytes = 2 * moe.intermediate_size * hidden * self._element
+        # Routed experts, read per step into the ring's host halves, or (host_copy) held per layer.
         self._ring = [torch.empty(count * self.expert_bytes, dtype=torch.uint8, pin_memory=self._pinned)
-                      for _ in range(2)]
+                      for _ in range(0 if self.host_copy else 2)]
         self._ring_views = [memoryview(half.numpy()) for half in self._ring]
-        self._device_ring = [self._twin(half) for half in self._ring]
+        if self.host_copy:  # layer -> (buffer, its view)
+            for i in self._experts:
+                buffer = torch.empty(moe.num_experts * self.expert_bytes, dtype=torch.uint8, pin_memory=self._pinned)
+                self._host_experts[i] = (buffer, memoryview(buffer.numpy()))
+        self._device_ring = [torch.empty(count * self.expert_bytes, dtype=torch.uint8, device=self.device)
+                             if self._copies else self._ring[half] for half in range(2)]
         split = count * self._gate_up_bytes
         self._ring_tensors = [(half[:split].view(self.dtype).view(count, 2 * moe.intermediate_size, hidden),
                                half[split:].view(self.dtype).view(count, hidden, moe.intermediate_size))
@@ -249,6 +278,8 @@ class WeightStreamer:
             self.bytes_read += extent.nbytes
 
     def _read_layer(self, i: int, slot: int) -> list[Future]:
+        if self.host_copy:
+            return []  # in host memory already: `_before` copies it
         if self._copies:
             self._copies.wait_copied(slot)  # the slot's last layer is on the device
         view = self._slot_views[slot]
@@ -270,8 +301,12 @@ class WeightStreamer:
     # ---- the compute side ----------------------------------------------------------------
     def _before(self, i: int) -> None:
         slot = self._wait_for(i)
-        if self._copies:
-            self._copies.to_device(self._slots[slot], self._device_slots[slot], slot)
+        if self.host_copy:
+            host = self._slots[i]
+            self._copies.to_device([(host, self._device_slots[slot][:host.numel()])], slot)
+            self._count(host.numel())
+        elif self._copies:
+            self._copies.to_device([(self._slots[slot], self._device_slots[slot])], slot)
         self._bound_slot = slot
         for binding, param in zip(self._plans[i], self._bound[i][slot]):
             binding.module._parameters[binding.attr] = param
@@ -302,18 +337,41 @@ class WeightStreamer:
         chunks = [chosen[j:j + self.ring_experts] for j in range(0, len(chosen), self.ring_experts)]
         if not chunks:
             return
-        reads = self._read_experts(layer, chunks[0], 0)
+        reads = [] if self.host_copy else self._read_experts(layer, chunks[0], 0)
         for j, chunk in enumerate(chunks):
             half = j % 2
             _wait(reads)
-            if self._copies:
-                self._copies.to_device(self._ring[half], self._device_ring[half], 2 + half)
-            if j + 1 < len(chunks):  # its half held chunk j-1: computed (CUDA: copied) by now
+            if self.host_copy:
+                self._copies.to_device(self._host_expert_copies(layer, chunk, half), 2 + half)
+            elif self._copies:
+                self._copies.to_device([(self._ring[half], self._device_ring[half])], 2 + half)
+            if j + 1 < len(chunks) and not self.host_copy:  # its half held chunk j-1: computed (CUDA: copied) by now
                 reads = self._read_experts(layer, chunks[j + 1], 1 - half)
             gate_up, down = self._ring_tensors[half]
             yield chunk, gate_up[:len(chunk)], down[:len(chunk)]
             if self._copies:  # the caller has queued chunk j's kernels
                 self._copies.release(2 + half)
+
+
+    def _host_expert_copies(self, layer: int, chunk: list[int], half: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(host, device) pairs that put the chunk's experts in ring half `half`: one pair per run
+        of consecutive expert ids for the gate_ups and one for the downs."""
+        host, ring = self._host_experts[layer][0], self._device_ring[half]
+        gate_up, down = self._gate_up_bytes, self._gate_up_bytes // 2
+        host_downs, ring_downs = (len(host) // self.expert_bytes) * gate_up, self.ring_experts * gate_up
+        pairs, pos = [], 0
+        for run in _consecutive_runs(chunk):
+            first, n = run[0], len(run)
+            pairs.append((host[first * gate_up:(first + n) * gate_up], ring[pos * gate_up:(pos + n) * gate_up]))
+            pairs.append((host[host_downs + first * down:host_downs + (first + n) * down],
+                          ring[ring_downs + pos * down:ring_downs + (pos + n) * down]))
+            pos += n
+        self._count(len(chunk) * self.expert_bytes)
+        return pairs
+
+    def _count(self, nbytes: int) -> None:
+        with self._count_lock:
+            self.bytes_read += nbytes
 
 
 def device_copies(device: torch.device) -> "_DeviceCopies | None":
@@ -333,12 +391,14 @@ class _DeviceCopies:
         self._copied: dict[int, torch.cuda.Event] = {}
         self._released: dict[int, torch.cuda.Event] = {}
 
-    def to_device(self, host: torch.Tensor, twin: torch.Tensor, buffer: int) -> None:
+    def to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], buffer: int) -> None:
+        """Copy each (host, twin) pair; `buffer` numbers the twin they fill."""
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
             if buffer in self._released:
                 self.stream.wait_event(self._released[buffer])
-            twin.copy_(host, non_blocking=True)
+            for host, twin in pairs:
+                twin.copy_(host, non_blocking=True)
             self._copied[buffer] = self.stream.record_event()
         compute.wait_event(self._copied[buffer])
 
@@ -368,6 +428,21 @@ class StreamedExperts(nn.Module):
             lo, hi = starts[chunk[0]], starts[chunk[-1] + 1]  # sorted by expert: one run of rows
             out[lo:hi] = expert_ffn(rows[lo:hi], gate_up, down, counts[chunk])
         return combine(x, out, weights, order, token_of_pair), counts
+
+
+def _layer_bytes(plan: list[_Binding]) -> int:
+    return max((_aligned(b.offset + _nbytes(b.meta)) for b in plan), default=0)
+
+
+def _consecutive_runs(ids: list[int]) -> list[list[int]]:
+    """[1, 2, 3, 7, 8] -> [[1, 2, 3], [7, 8]]."""
+    runs = []
+    for i in ids:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 def _back_to_back(extents: list[Extent], dest: memoryview, offset: int) -> list[tuple[Extent, memoryview]]:

@@ -1,7 +1,7 @@
 """Memory-constrained mode (runtime/weight_stream.py): greedy output token-exact with the engine
 that holds every weight, dense and MoE, also with the smallest budget that fits (an expert ring
 of one expert per half, so routed experts stream in many chunks) and under KV preemption to the
-host tier; bytes read counted exactly (each layer once per step; MoE: only the routed experts);
+host tier; with weights_in_host_memory, steps copy from a host copy and read no file; bytes read counted exactly (each layer once per step; MoE: only the routed experts);
 checkpoints with experts stored fused stream alike; budgets too small, a device other than CPU
 or CUDA, a dtype other
 than the checkpoint's and a truncated checkpoint refused clearly; reads run on the background reader thread, the next
@@ -108,18 +108,24 @@ def test_a_budget_too_small_names_each_term(tiny, family):
 
 class SynchronousCopies:
     """runtime.weight_stream's device copies as CPU stand-ins (the CUDA one needs a GPU:
-    benchmarks/gpu_check.py): each copy lands in a twin buffer and then poisons its host buffer,
-    so a layer that computed on the host buffer, or on a twin overwritten before its layer was
-    done with it, would change the tokens."""
+    benchmarks/gpu_check.py): each copy lands in a twin buffer and then (poison_hosts) poisons its
+    host buffer, so a layer that computed on the host buffer, or on a twin overwritten before its
+    layer was done with it, would change the tokens. Host buffers that must outlive their copy
+    (host_copy) are left as they are."""
 
-    def __init__(self):
-        self.copies, self.in_use = [], set()
+    def __init__(self, poison_hosts=True):
+        self.copies, self.in_use, self.poison_hosts = [], set(), poison_hosts
+        self.hosts = set()  # data pointers of the host buffers copied from
 
-    def to_device(self, host, twin, buffer):
+    def to_device(self, pairs, buffer):
         assert buffer not in self.in_use, f"buffer {buffer}'s twin overwritten while still in use"
-        assert twin.data_ptr() != host.data_ptr()
-        twin.copy_(host)
-        host.fill_(255)  # NaN weights, were a layer to read them
+        for host, twin in pairs:
+            assert twin.data_ptr() != host.data_ptr()
+            twin.copy_(host)
+            self.hosts.add(host.data_ptr())
+        for host, _ in pairs:
+            if self.poison_hosts:
+                host.fill_(255)  # NaN weights, were a layer to read them
         self.copies.append(buffer)
         self.in_use.add(buffer)
 
@@ -143,6 +149,41 @@ def test_layers_compute_on_the_device_twins_of_the_slots(tiny, family, monkeypat
     assert not copies.in_use
     assert {0, 1} <= set(copies.copies)
     assert ({2, 3} <= set(copies.copies)) == (family in MOE)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("budget", ["smallest", "plenty"])
+def test_host_copy_streams_from_host_memory_without_reading_the_files(tiny, family, budget, monkeypatch):
+    """weights_in_host_memory's protocol on CPU (stand-in copies): the layers and routed experts
+    are read once, then every step copies from the host copy to the twins; tokens stay exact,
+    with one expert per ring half (many chunks) and with every expert in one chunk (runs of
+    consecutive experts copied together)."""
+    directory = tiny.dir(family)
+    expected = make_engine(directory).generate(greedy_requests(PROMPTS, MAX_TOKENS))
+    copies = SynchronousCopies(poison_hosts=False)
+    monkeypatch.setattr(weight_stream, "device_copies", lambda device: copies)
+    engine = make_engine(directory, weight_budget_bytes=smallest_budget(directory) if budget == "smallest" else PLENTY,
+                         weights_in_host_memory=True)
+    streamer = engine.weights
+    assert streamer.host_bytes >= stored_layer_bytes(directory, experts=True)
+    file_reads = CallCounter(streamer, "_read")
+    assert_same_tokens(expected, engine.generate(greedy_requests(PROMPTS, MAX_TOKENS)))
+    assert len(file_reads) == 0
+    assert not copies.in_use and ({2, 3} & set(copies.copies) != set()) == (family in MOE)
+    host_buffers = {t.data_ptr() for t in streamer._slots} | {b.data_ptr() for b, _ in streamer._host_experts.values()}
+    assert copies.hosts and all(any(0 <= h - b < streamer.host_bytes for b in host_buffers) for h in copies.hosts)
+    layers = sum(t.numel() for t in streamer._slots)
+    if family in MOE:  # only the routed experts: more than the layers, less than every expert
+        assert engine.stats.steps * layers < engine.stats.weight_bytes_read < engine.stats.steps * streamer.host_bytes
+    else:
+        assert engine.stats.weight_bytes_read == engine.stats.steps * layers
+
+
+def test_host_copy_needs_a_cuda_device_and_a_budget(tiny):
+    with pytest.raises(ValueError, match="CUDA device"):
+        make_engine(tiny.dir("llama"), weight_budget_bytes=PLENTY, weights_in_host_memory=True)
+    with pytest.raises(ValueError, match="give weight_budget_bytes"):
+        make_engine(tiny.dir("llama"), weights_in_host_memory=True)
 
 
 def test_streaming_on_a_device_other_than_cpu_or_cuda_is_refused(tiny):
