@@ -189,14 +189,14 @@ def check_engine() -> list[dict]:
                              ok=same == len(requests), cuda_s=elapsed))
             print(f"engine {family:10} greedy tokens identical to CPU torch: {same}/{len(requests)}"
                   f" ({elapsed:.1f} s on CUDA)", flush=True)
-            rows.append(_check_streaming(model, requests, got))
+            rows += [_check_streaming(model, requests, got, host_copy) for host_copy in (False, True)]
     return rows
 
 
-def _check_streaming(model: Path, requests, expected: list[list[int]]) -> dict:
-    """Weight streaming on CUDA (pinned slots, a copy stream) at the smallest budget that fits,
-    so an MoE layer's routed experts stream in chunks of one: greedy tokens against the CUDA
-    engine that holds every weight."""
+def _check_streaming(model: Path, requests, expected: list[list[int]], host_copy: bool) -> dict:
+    """Weight streaming on CUDA (pinned slots, a copy stream; host_copy: from a pinned host copy
+    of the weights) at the smallest budget that fits, so an MoE layer's routed experts stream in
+    chunks of one: greedy tokens against the CUDA engine that holds every weight."""
     from runtime import Engine
 
     probe = Engine(model, device="cuda", weight_budget_bytes=1 << 30, kv_cache_bytes=64 << 20).weights
@@ -206,16 +206,17 @@ def _check_streaming(model: Path, requests, expected: list[list[int]]) -> dict:
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     engine = Engine(model, device="cuda", weight_budget_bytes=budget, kv_cache_bytes=64 << 20,
-                    max_num_batched_tokens=64)
+                    max_num_batched_tokens=64, weights_in_host_memory=host_copy)
+    label = f"{model.name}{' host copy' if host_copy else ''}"
     start = time.perf_counter()
     got = [c.token_ids for c in engine.generate(requests)]
     elapsed = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() - base  # weights, KV cache and activations
     same = sum(a == b for a, b in zip(expected, got))
-    print(f"streaming {model.name:7} greedy tokens identical to CUDA resident: {same}/{len(requests)}"
+    print(f"streaming {label:17} greedy tokens identical to CUDA resident: {same}/{len(requests)}"
           f" (budget {budget:,} B + KV {64 << 20:,} B; peak device memory {peak:,} B; "
           f"{engine.stats.weight_bytes_read:,} B read, {elapsed:.1f} s)", flush=True)
-    return dict(model=f"{model.name} (weight streaming)", requests=len(requests), identical=same,
+    return dict(model=f"{label} (weight streaming)", requests=len(requests), identical=same,
                 ok=same == len(requests), cuda_s=elapsed, weight_budget_bytes=budget,
                 kv_cache_bytes=64 << 20, peak_device_bytes=peak,
                 weight_bytes_read=engine.stats.weight_bytes_read)

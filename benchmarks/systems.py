@@ -99,9 +99,9 @@ def hf_padded(model_dir: Path, items: list[WorkItem], batch_size: int) -> dict:
 
 
 @torch.inference_mode()
-def padded_generate(model, items: list[WorkItem], batch_size: int) -> tuple[dict, int, float]:
-    """Greedy `generate` over left-padded batches in item order: (tokens per item, tokens generated
-    including each batch's padding to its longest request, seconds)."""
+def padded_generate(model, items: list[WorkItem], batch_size: int, device: str = "cpu") -> tuple[dict, int, float]:
+    """Greedy `generate` over left-padded batches in item order, inputs on `device`: (tokens per
+    item, tokens generated including each batch's padding to its longest request, seconds)."""
     pad = model.generation_config.pad_token_id or 0
     tokens, generated = {}, 0
     start = time.perf_counter()
@@ -111,7 +111,7 @@ def padded_generate(model, items: list[WorkItem], batch_size: int) -> tuple[dict
         ids = torch.tensor([[pad] * (width - len(it.prompt_ids)) + it.prompt_ids for it in batch])
         mask = torch.tensor([[0] * (width - len(it.prompt_ids)) + [1] * len(it.prompt_ids) for it in batch])
         longest = max(it.max_tokens for it in batch)
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
                              max_new_tokens=longest, min_new_tokens=longest, pad_token_id=pad)
         for row, it in enumerate(batch):
             tokens[it.id] = out[row, width:width + it.max_tokens].tolist()

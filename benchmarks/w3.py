@@ -1,6 +1,7 @@
 """W3 memory-constrained (DESIGN.md §8): models larger than the weight budget, weights on disk.
 
     python -m benchmarks.w3 [--quick | --smoke] [--models dense moe] [--systems ours peer resident]
+                            [--device cuda]
 
 Two random-initialised fp32 models of over 4 GB (a Llama-style dense one and a Qwen3-MoE with 64
 experts, top-8), built once and cached under ~/.cache/batchgen-beam/w3 (--smoke: two tiny ones).
@@ -11,6 +12,11 @@ greedy `generate` in batches. Same prompts (bundled prompts, chat template), sam
 (ignore_eos), greedy, fp32, two threads. Reports throughput, peak RSS against budget + KV +
 baseline, weight bytes read per generated token, and token agreement; writes results/W3*.json.
 `--systems ours resident` checks streaming against our engine with every weight in memory.
+`--device cuda`: the budget is GPU memory; we stream through pinned host slots on a copy stream,
+the peer is accelerate offloading what exceeds `max_memory={0: budget}` to disk; peak GPU memory
+is reported beside peak RSS. Two more systems there: `host`, our engine streaming from a pinned
+host copy of the weights (weights_in_host_memory), and `peer-ram`, accelerate keeping what
+exceeds the budget in host RAM.
 """
 
 import argparse
@@ -30,7 +36,10 @@ from runtime.default_model import default_model_dir
 CACHE = Path.home() / ".cache" / "batchgen-beam" / "w3"
 BUDGET_FRACTION = 0.25
 PEER_BATCH = 8
-SYSTEMS = ["ours", "peer", "resident"]  # benchmarks/w3_run.py: streaming, accelerate offload, all in memory
+# benchmarks/w3_run.py: streaming, accelerate disk offload, all in memory; on cuda also streaming
+# from pinned host memory and accelerate offloading to host RAM.
+SYSTEMS = ["ours", "peer", "resident", "host", "peer-ram"]
+CUDA_ONLY = {"host", "peer-ram"}
 # Vocabulary of the default model, whose tokenizer makes the prompts; embeddings tied.
 _BASE = dict(vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048,
              bos_token_id=1, eos_token_id=2, pad_token_id=2, rms_norm_eps=1e-5)
@@ -116,24 +125,29 @@ def run_child(system: str, work: dict) -> dict:
         return json.loads(result_file.read_text())
 
 
-def run_model(name: str, items: list[WorkItem], threads: int, fraction: float, systems: list[str]) -> dict:
+def run_model(name: str, items: list[WorkItem], threads: int, fraction: float, systems: list[str],
+              device: str) -> dict:
     model_dir = build_model(name)
     weights = weight_bytes(model_dir)
     work = {"model": str(model_dir), "items": [vars(it) for it in items], "threads": threads,
             "budget": int(weights * fraction), "kv_bytes": kv_bytes(model_dir, items),
-            "peer_batch": PEER_BATCH}
+            "peer_batch": PEER_BATCH, "device": device}
     print(f"{name}: {weights / 1e9:.2f} GB of weights, budget {work['budget'] / 1e9:.2f} GB, "
           f"KV {work['kv_bytes'] / 1e9:.2f} GB", flush=True)
     results = []
     for system in ["ours"] + [s for s in systems if s != "ours"]:  # ours first: the reference
         results.append(run_child(system, work))
         r = results[-1]
-        print(f"  {r['system']:<48} {r['batch_completion_s']:7.1f} s  peak RSS {r['peak_rss'] / 1e9:.2f} GB  "
+        gpu = f"  peak GPU {r['peak_device_bytes'] / 1e9:.2f} GB" if device == "cuda" else ""
+        print(f"  {r['system']:<48} {r['batch_completion_s']:7.1f} s  peak RSS {r['peak_rss'] / 1e9:.2f} GB{gpu}  "
               f"{r['weight_bytes_per_token'] / 1e6:,.0f} MB read/token", flush=True)
     report.compare(results, items)
     ours = results[0]
-    ours["rss_bound"] = work["budget"] + work["kv_bytes"] + ours["baseline_rss"]
-    ours["peak_rss_over_budget_kv_baseline"] = ours["peak_rss"] - ours["rss_bound"]
+    if device == "cpu":
+        ours["rss_bound"] = work["budget"] + work["kv_bytes"] + ours["baseline_rss"]
+        ours["peak_rss_over_budget_kv_baseline"] = ours["peak_rss"] - ours["rss_bound"]
+    else:
+        ours["peak_device_over_budget_kv"] = ours["peak_device_bytes"] - work["budget"] - work["kv_bytes"]
     return {"model": name, "model_dir": str(model_dir), "weight_bytes": weights,
             "weight_budget_bytes": work["budget"], "kv_cache_bytes": work["kv_bytes"],
             "peer_batch": PEER_BATCH, "results": results}
@@ -147,7 +161,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--models", nargs="+", choices=["dense", "moe"], default=["dense", "moe"])
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["ours", "peer"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args(argv)
+    if args.device == "cpu" and CUDA_ONLY & set(args.systems):
+        parser.error(f"--systems {' '.join(sorted(CUDA_ONLY))} stream from host memory to a GPU: add --device cuda")
 
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     num_requests, max_tokens = SIZES[mode]
@@ -155,14 +172,18 @@ def main(argv=None) -> dict:
     workload = ("W3" if mode == "full" else f"W3-{mode}") + (
         "" if args.models == ["dense", "moe"] else "-" + "-".join(args.models)) + (
         "" if args.systems == ["ours", "peer"] else "-" + "-".join(args.systems)) + (
-        "" if args.threads == 2 else f"-{args.threads}thread")
+        "" if args.threads == 2 else f"-{args.threads}thread") + (
+        "" if args.device == "cpu" else f"-{args.device}")
     fraction = SMOKE_BUDGET_FRACTION if args.smoke else BUDGET_FRACTION
     print(f"{workload}: {num_requests} requests x {max_tokens} tokens, weight budget "
           f"{fraction:.0%} of the weights", flush=True)
-    runs = [run_model(name + ("-smoke" if args.smoke else ""), items, args.threads, fraction, args.systems)
-            for name in args.models]
+    runs = [run_model(name + ("-smoke" if args.smoke else ""), items, args.threads, fraction, args.systems,
+                      args.device) for name in args.models]
     summary = {"workload": workload, "requests": num_requests, "output_tokens": num_requests * max_tokens,
-               "budget_fraction": fraction, "machine": report.machine(args.threads), "models": runs}
+               "budget_fraction": fraction, "device": args.device,
+               "machine": report.machine(args.threads), "models": runs}
+    if args.device == "cuda":
+        summary["machine"]["gpu"] = torch.cuda.get_device_name()
     for run in runs:
         for r in run["results"]:
             r.pop("tokens")

@@ -1,11 +1,12 @@
 """One W3 system on one model, alone in this process, so its peak memory is its own:
 
-    python -m benchmarks.w3_run {ours,resident,peer} WORK_JSON RESULT_JSON
+    python -m benchmarks.w3_run {ours,host,resident,peer,peer-ram} WORK_JSON RESULT_JSON
 
-WORK_JSON: model dir, items, weight budget, KV bytes, threads, peer batch size, offload folder.
-Peak RSS is the kernel's high-water mark for this program (VmHWM: anonymous and file-mapped
+WORK_JSON: model dir, items, weight budget, KV bytes, threads, peer batch size, offload folder,
+device (on cuda the budget is GPU memory). Peak RSS is the kernel's high-water mark for this program (VmHWM: anonymous and file-mapped
 pages, model load included); `baseline_rss` is the RSS after imports, before any model is loaded
-(the interpreter, torch and transformers).
+(the interpreter, torch and transformers). On cuda, `peak_device_bytes` is the most GPU memory
+torch's allocator held (weights, KV cache and activations).
 """
 
 import json
@@ -33,7 +34,7 @@ def _engine_run(work: dict, items: list[WorkItem], **engine_args) -> tuple[objec
 
     start = time.perf_counter()
     engine = Engine(work["model"], kv_cache_bytes=work["kv_bytes"], num_threads=work["threads"],
-                    **engine_args)
+                    device=work["device"], **engine_args)
     load = time.perf_counter() - start
     start = time.perf_counter()
     completions = engine.generate([it.request() for it in items])
@@ -55,6 +56,14 @@ def ours(work: dict, items: list[WorkItem]) -> dict:
                             "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
                             "ring_experts_per_half": engine.weights.ring_experts},
             "bytes_read_counted_by": "engine counter: bytes read from the safetensors files (os.preadv)"}
+
+
+def host(work: dict, items: list[WorkItem]) -> dict:
+    """CUDA: streaming from pinned host memory (the checkpoint read once) instead of the files."""
+    engine, result = _engine_run(work, items, weight_budget_bytes=work["budget"], weights_in_host_memory=True)
+    return {"system": "batchgen engine (weight streaming from pinned host memory)", **result,
+            "weight_bytes_held": engine.weights.budget_used, "host_bytes": engine.weights.host_bytes,
+            "bytes_read_counted_by": "engine counter: bytes copied from host memory to the device"}
 
 
 def resident(work: dict, items: list[WorkItem]) -> dict:
@@ -84,6 +93,17 @@ class _OffloadCounter:
 
 
 def peer(work: dict, items: list[WorkItem]) -> dict:
+    # What exceeds the budget goes to disk: on cuda nothing is kept in host RAM either.
+    memory = {"cpu": work["budget"]} if work["device"] == "cpu" else {0: work["budget"], "cpu": 0}
+    return _accelerate(work, items, memory, "disk offload")
+
+
+def peer_ram(work: dict, items: list[WorkItem]) -> dict:
+    """CUDA: what exceeds the GPU budget stays in host RAM (accelerate's CPU offload)."""
+    return _accelerate(work, items, {0: work["budget"], "cpu": "1000GiB"}, "CPU offload")
+
+
+def _accelerate(work: dict, items: list[WorkItem], memory: dict, kind: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from benchmarks.systems import padded_generate
@@ -92,17 +112,18 @@ def peer(work: dict, items: list[WorkItem]) -> dict:
     counter = _OffloadCounter()
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
-        work["model"], dtype=torch.float32, device_map="auto", max_memory={"cpu": work["budget"]},
+        work["model"], dtype=torch.float32, device_map="auto", max_memory=memory,
         offload_folder=work["offload_folder"]).eval()
     load = time.perf_counter() - start
     placement = list(model.hf_device_map.values())
     load_bytes, counter.bytes = counter.bytes, 0
-    tokens, generated, elapsed = padded_generate(model, items, work["peer_batch"])
-    return {"system": f"transformers + accelerate disk offload (batch {work['peer_batch']})",
+    tokens, generated, elapsed = padded_generate(model, items, work["peer_batch"], work["device"])
+    return {"system": f"transformers + accelerate {kind} (batch {work['peer_batch']})",
             "load_s": load, "batch_completion_s": elapsed, "tokens": tokens,
             "generated_tokens": generated, "weight_bytes_read": counter.bytes,
             "weight_bytes_per_token": counter.bytes / generated, "weight_bytes_read_at_load": load_bytes,
             "modules_on_disk": placement.count("disk"), "modules_in_ram": placement.count("cpu"),
+            "modules_on_gpu": placement.count(0),
             "bytes_read_counted_by": "offloaded tensors accelerate loads back (OffloadedWeightsLoader)"}
 
 
@@ -113,9 +134,11 @@ def main() -> None:
     import runtime  # noqa: F401  both systems' libraries, so the baseline counts them for both
     import transformers  # noqa: F401
     baseline = psutil.Process().memory_info().rss
-    result = {"ours": ours, "resident": resident, "peer": peer}[system](work, items)
+    result = {"ours": ours, "host": host, "resident": resident, "peer": peer, "peer-ram": peer_ram}[system](work, items)
     result.update(output_tokens=sum(len(t) for t in result["tokens"].values()),
                   baseline_rss=baseline, peak_rss=_peak_rss())
+    if work["device"] == "cuda":
+        result["peak_device_bytes"] = torch.cuda.max_memory_allocated()
     Path(result_file).write_text(json.dumps(result))
 
 
