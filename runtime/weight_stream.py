@@ -119,7 +119,7 @@ class _Binding:
 class WeightStreamer:
     """Binds each decoder layer's parameters to a slot just before the layer runs (forward
     pre-hook) and unbinds them after; reads the next layer meanwhile. `bytes_read` counts every
-    byte read from the checkpoint."""
+    byte streamed: read from the checkpoint, or (host_copy) copied from host memory to the device."""
 
     def __init__(self, model: CausalLM, model_dir: str | Path, budget_bytes: int, host_copy: bool = False):
         spec = model.spec
@@ -230,8 +230,7 @@ class WeightStreamer:
 
     def _init_ring(self, spec, blocks) -> None:
         moe, hidden, count = spec.moe, spec.hidden_size, self.ring_experts
-        # layer -> (gate_up extents per expert, down extents per expert)
-        for i, block in blocks:
+        for i, block in blocks:  # self._experts: layer -> (gate_up extents, down extents) per expert
             self._experts[i] = tuple(self._index.expert_extents(f"model.layers.{i}.mlp.experts.{kind}",
                                                                 moe.num_experts)
                                      for kind in ("gate_up_proj", "down_proj"))
@@ -345,13 +344,13 @@ class WeightStreamer:
                 self._copies.to_device(self._host_expert_copies(layer, chunk, half), 2 + half)
             elif self._copies:
                 self._copies.to_device([(self._ring[half], self._device_ring[half])], 2 + half)
-            if j + 1 < len(chunks) and not self.host_copy:  # its half held chunk j-1: computed (CUDA: copied) by now
+            if j + 1 < len(chunks) and not self.host_copy:
+                # Its half held chunk j-1: computed (CUDA: copied) by now.
                 reads = self._read_experts(layer, chunks[j + 1], 1 - half)
             gate_up, down = self._ring_tensors[half]
             yield chunk, gate_up[:len(chunk)], down[:len(chunk)]
             if self._copies:  # the caller has queued chunk j's kernels
                 self._copies.release(2 + half)
-
 
     def _host_expert_copies(self, layer: int, chunk: list[int], half: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(host, device) pairs that put the chunk's experts in ring half `half`: one pair per run
