@@ -109,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="device KV cache size in MiB (engine default if not given)")
     engine.add_argument("--num_threads", type=int, default=None,
                         help="torch threads of the engine (default: all cores)")
+    engine.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="where the engine runs (default: cpu)")
+    engine.add_argument("--weight_budget_mb", type=int, default=None,
+                        help="memory-constrained mode: decoder layers stream from the checkpoint "
+                             "and the weights held on the device stay within this many MiB")
+    engine.add_argument("--weights_in_host_memory", action="store_true", default=None,
+                        help="with --device cuda and --weight_budget_mb: stream from a pinned host "
+                             "copy of the weights instead of re-reading the files every step")
     engine.add_argument("--num_key_shards", type=int, default=16,
                         help="keys that records are spread over in the Generate transform")
     engine.add_argument("--max_in_flight", type=int, default=1024,
@@ -141,7 +149,9 @@ def engine_args_of(args: argparse.Namespace) -> dict:
     given = {"max_num_seqs": args.max_num_seqs,
              "max_num_batched_tokens": args.max_num_batched_tokens,
              "kv_cache_bytes": None if args.kv_cache_mb is None else args.kv_cache_mb << 20,
-             "num_threads": args.num_threads}
+             "num_threads": args.num_threads, "device": args.device,
+             "weight_budget_bytes": None if args.weight_budget_mb is None else args.weight_budget_mb << 20,
+             "weights_in_host_memory": args.weights_in_host_memory}
     return {k: v for k, v in given.items() if v is not None}
 
 

@@ -210,6 +210,9 @@ def test_argument_handling():
     args, beam_args = cli.parse_args(["--runner", "FnApiRunner", "--kv_cache_mb", "2"])
     assert beam_args == ["--runner", "FnApiRunner"]
     assert cli.engine_args_of(args) == {"kv_cache_bytes": 2 << 20}
+    args, _ = cli.parse_args(["--device", "cuda", "--weight_budget_mb", "300", "--weights_in_host_memory"])
+    assert cli.engine_args_of(args) == {"device": "cuda", "weight_budget_bytes": 300 << 20,
+                                        "weights_in_host_memory": True}
     assert cli._is_local("DirectRunner") and not cli._is_local("DataflowRunner")
     with pytest.raises(ValueError, match="temperature"):
         cli.main(["--input", "x.jsonl", "--temperature", "-1", "--no_progress"])
