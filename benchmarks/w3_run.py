@@ -3,9 +3,9 @@
     python -m benchmarks.w3_run {ours,host,resident,peer,peer-ram} WORK_JSON RESULT_JSON
 
 WORK_JSON: model dir, items, weight budget, KV bytes, threads, peer batch size, offload folder,
-device (on cuda the budget is GPU memory). Peak RSS is the kernel's high-water mark for this program (VmHWM: anonymous and file-mapped
-pages, model load included); `baseline_rss` is the RSS after imports, before any model is loaded
-(the interpreter, torch and transformers). On cuda, `peak_device_bytes` is the most GPU memory
+device (on cuda the budget is GPU memory). Peak RSS is the kernel's high-water mark for this
+program (VmHWM: anonymous and file-mapped pages, model load included); `baseline_rss` is the RSS
+after imports, before any model is loaded (the interpreter, torch and transformers). On cuda, `peak_device_bytes` is the most GPU memory
 torch's allocator held (weights, KV cache and activations).
 """
 
