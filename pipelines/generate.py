@@ -137,7 +137,11 @@ def _count_lines(path: Path) -> int:
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    args, beam_args = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    args, beam_args = parser.parse_known_args(argv)
+    if args.weights_in_host_memory and (args.device != "cuda" or args.weight_budget_mb is None):
+        parser.error("--weights_in_host_memory streams weights to a GPU: it needs --device cuda "
+                     "and --weight_budget_mb")
     if not any(a == "--runner" or a.startswith("--runner=") for a in beam_args):
         beam_args = ["--runner=DirectRunner", *beam_args]
     return args, beam_args
