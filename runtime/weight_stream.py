@@ -8,7 +8,9 @@ Embeddings, final norm, LM head and RoPE tables stay resident and count against 
 
 Reads go through os.preadv straight into the slot buffers, not through a memory map: a mapped
 file's touched pages count as this process's resident memory, which would blur the budget. The
-reads do go through the OS page cache (not our RSS); a warm cache makes them memory copies.
+reads do go through the OS page cache (not our RSS); a warm cache makes them memory copies. A
+tensor stored in another float type than the engine runs (a bf16 checkpoint, an fp32 engine) is
+read piece by piece into a reader's staging buffer and converted into the slot from there.
 
 On CUDA the slots and the ring are pinned host buffers that the reads fill, each with a device
 twin that the layers compute on; a copy stream moves a slot to its twin (`_DeviceCopies`), so the
@@ -54,16 +56,21 @@ class Extent:
     fd: int
     offset: int
     nbytes: int
+    dtype: torch.dtype  # as stored
+
+    def loaded_nbytes(self, dtype: torch.dtype, stored_bytes: int | None = None) -> int:
+        """Bytes that `stored_bytes` of it (default all) take once converted to `dtype`."""
+        stored = self.nbytes if stored_bytes is None else stored_bytes
+        return stored // self.dtype.itemsize * dtype.itemsize
 
 
 class _Index:
     """Where each stored tensor's bytes are, from the safetensors headers."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype):
-        self.dtype = dtype
+    def __init__(self, model_dir: Path):
         self.fds: list[int] = []
         weakref.finalize(self, _close_all, self.fds)
-        self._tensors: dict[str, tuple[Extent, str]] = {}
+        self._tensors: dict[str, tuple[int, int, int, str]] = {}  # fd, offset, bytes, stored type
         for path in safetensors_files(model_dir):
             fd = os.open(path, os.O_RDONLY)
             self.fds.append(fd)
@@ -72,7 +79,7 @@ class _Index:
             for name, meta in header.items():
                 if name != "__metadata__":
                     start, end = meta["data_offsets"]
-                    self._tensors[canonical_name(name)] = (Extent(fd, 8 + size + start, end - start), meta["dtype"])
+                    self._tensors[canonical_name(name)] = (fd, 8 + size + start, end - start, meta["dtype"])
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -80,12 +87,11 @@ class _Index:
     def extent(self, name: str) -> Extent:
         if name not in self._tensors:
             raise KeyError(f"checkpoint has no tensor {name!r}")
-        extent, stored = self._tensors[name]
-        if _DTYPES.get(stored) != self.dtype:
-            # Bytes go straight from the file into the slots: no conversion pass.
-            raise NotImplementedError(f"weight streaming reads stored bytes as they are: {name} is "
-                                      f"{stored}, the engine runs {self.dtype}; convert the checkpoint")
-        return extent
+        fd, offset, nbytes, stored = self._tensors[name]
+        if stored not in _DTYPES:
+            raise NotImplementedError(f"weight streaming reads float checkpoints ({', '.join(_DTYPES)}): "
+                                      f"{name} is stored as {stored}")
+        return Extent(fd, offset, nbytes, _DTYPES[stored])
 
     def expert_extents(self, hf_name: str, num_experts: int) -> list[list[Extent]]:
         """Per expert, the extents that make up its slice of the stacked tensor `hf_name`
@@ -95,7 +101,7 @@ class _Index:
             return [[self.extent(part) for part in parts] for parts in per_expert]
         whole = self.extent(hf_name)
         size = whole.nbytes // num_experts
-        return [[Extent(whole.fd, whole.offset + e * size, size)] for e in range(num_experts)]
+        return [[Extent(whole.fd, whole.offset + e * size, size, whole.dtype)] for e in range(num_experts)]
 
 
 def _aligned(nbytes: int) -> int:
@@ -125,9 +131,10 @@ class WeightStreamer:
         spec = model.spec
         self.dtype = model.embed_tokens.weight.dtype
         self._element = torch.empty((), dtype=self.dtype).element_size()
-        self._index = _Index(Path(model_dir), self.dtype)
+        self._index = _Index(Path(model_dir))
         self.bytes_read = 0
         self._count_lock = threading.Lock()  # reader threads add to bytes_read
+        self._local = threading.local()  # a reader's staging buffer
         self.num_layers = spec.num_layers
         self._plans = [self._plan_layer(model, i) for i in range(spec.num_layers)]
         self.slot_bytes = max(map(_layer_bytes, self._plans), default=0)
@@ -174,9 +181,10 @@ class WeightStreamer:
             if ".experts." in name:  # routed experts stream through the ring
                 continue
             extents = [self._index.extent(src) for src in hf_sources(f"layers.{i}.{name}")]
-            if sum(e.nbytes for e in extents) != _nbytes(param):
-                raise ValueError(f"layers.{i}.{name}: checkpoint holds {sum(e.nbytes for e in extents)} "
-                                 f"bytes, the model expects {_nbytes(param)}")
+            loaded = sum(e.loaded_nbytes(self.dtype) for e in extents)
+            if loaded != _nbytes(param):
+                raise ValueError(f"layers.{i}.{name}: checkpoint holds {loaded} bytes (as {self.dtype}), "
+                                 f"the model expects {_nbytes(param)}")
             module_name, _, attr = name.rpartition(".")
             plan.append(_Binding(model.layers[i].get_submodule(module_name), attr, param, offset, extents))
             offset = _aligned(offset + _nbytes(param))
@@ -193,7 +201,7 @@ class WeightStreamer:
                     host = torch.empty(param.shape, dtype=param.dtype)
                     staged.append((param, host))
                 view = memoryview(host.view(-1).view(torch.uint8).numpy())
-                copies += _back_to_back([self._index.extent(src) for src in hf_sources(name)], view, 0)
+                copies += self._back_to_back([self._index.extent(src) for src in hf_sources(name)], view, 0)
         _wait(self._submit(copies))
         for param, host in staged:
             param.detach().copy_(host)
@@ -202,12 +210,12 @@ class WeightStreamer:
     def _fill_host_copy(self) -> None:
         """host_copy: every layer and every routed expert read into host memory, once."""
         copies = [copy for i, plan in enumerate(self._plans) for binding in plan
-                  for copy in _back_to_back(binding.extents, self._slot_views[i], binding.offset)]
+                  for copy in self._back_to_back(binding.extents, self._slot_views[i], binding.offset)]
         for layer, (gate_ups, downs) in self._experts.items():
             view, count = self._host_experts[layer][1], len(gate_ups)
             for e in range(count):
-                copies += _back_to_back(gate_ups[e], view, e * self._gate_up_bytes)
-                copies += _back_to_back(downs[e], view, count * self._gate_up_bytes + e * self._gate_up_bytes // 2)
+                copies += self._back_to_back(gate_ups[e], view, e * self._gate_up_bytes)
+                copies += self._back_to_back(downs[e], view, count * self._gate_up_bytes + e * self._gate_up_bytes // 2)
         _wait(self._submit(copies))
         self.host_bytes = sum(s.numel() for s in self._slots) + sum(h.numel() for h, _ in self._host_experts.values())
         self.bytes_read = 0  # counts what steps stream to the device, from here on
@@ -251,6 +259,16 @@ class WeightStreamer:
                                half[split:].view(self.dtype).view(count, hidden, moe.intermediate_size))
                               for half in self._device_ring]
 
+    def _back_to_back(self, extents: list[Extent], dest: memoryview, offset: int) -> list[tuple[Extent, memoryview]]:
+        """Copies of the extents into dest one after another from offset (packed q|k|v, gate|up),
+        each taking its size in the engine's dtype."""
+        copies = []
+        for extent in extents:
+            size = extent.loaded_nbytes(self.dtype)
+            copies.append((extent, dest[offset:offset + size]))
+            offset += size
+        return copies
+
     def _params_in(self, slot: int, plan: list[_Binding]) -> list[nn.Parameter]:
         return [nn.Parameter(self._device_slots[slot][b.offset:b.offset + _nbytes(b.meta)].view(self.dtype)
                              .view(b.meta.shape), requires_grad=False) for b in plan]
@@ -258,8 +276,12 @@ class WeightStreamer:
     # ---- reading (on the reader threads) -------------------------------------------------
     def _submit(self, copies: list[tuple[Extent, memoryview]]) -> list[Future]:
         """Start reading each extent into its destination, spread over the reader threads."""
-        pieces = [(Extent(e.fd, e.offset + at, min(_PIECE, e.nbytes - at)), dest[at:at + _PIECE])
-                  for e, dest in copies for at in range(0, e.nbytes, _PIECE)]
+        pieces = []
+        for e, dest in copies:
+            for at in range(0, e.nbytes, _PIECE):
+                piece = Extent(e.fd, e.offset + at, min(_PIECE, e.nbytes - at), e.dtype)
+                start = e.loaded_nbytes(self.dtype, at)
+                pieces.append((piece, dest[start:start + piece.loaded_nbytes(self.dtype)]))
         return [self._pool.submit(self._read_all, pieces[r::READERS]) for r in range(READERS)]
 
     def _read_all(self, pieces: list[tuple[Extent, memoryview]]) -> None:
@@ -267,14 +289,24 @@ class WeightStreamer:
             self._read(extent, dest)
 
     def _read(self, extent: Extent, dest: memoryview) -> None:
+        """One piece (at most _PIECE stored bytes) into dest, converted if stored in another type."""
+        converting = extent.dtype != self.dtype
+        target = self._staging()[:extent.nbytes] if converting else dest
         done = 0
         while done < extent.nbytes:  # preadv may return short
-            n = os.preadv(extent.fd, [dest[done:extent.nbytes]], extent.offset + done)
+            n = os.preadv(extent.fd, [target[done:extent.nbytes]], extent.offset + done)
             if n == 0:
                 raise EOFError(f"checkpoint file ended {extent.nbytes - done} bytes early")
             done += n
-        with self._count_lock:
-            self.bytes_read += extent.nbytes
+        if converting:
+            torch.frombuffer(dest, dtype=self.dtype).copy_(torch.frombuffer(target, dtype=extent.dtype))
+        self._count(extent.nbytes)
+
+    def _staging(self) -> memoryview:
+        """This reader thread's buffer for pieces that need converting."""
+        if not hasattr(self._local, "staging"):
+            self._local.staging = memoryview(bytearray(_PIECE))
+        return self._local.staging
 
     def _read_layer(self, i: int, slot: int) -> list[Future]:
         if self.host_copy:
@@ -283,7 +315,7 @@ class WeightStreamer:
             self._copies.wait_copied(slot)  # the slot's last layer is on the device
         view = self._slot_views[slot]
         return self._submit([copy for binding in self._plans[i]  # packed parameters: parts back to back
-                             for copy in _back_to_back(binding.extents, view, binding.offset)])
+                             for copy in self._back_to_back(binding.extents, view, binding.offset)])
 
     def _read_experts(self, layer: int, experts: list[int], half: int) -> list[Future]:
         if self._copies:
@@ -293,8 +325,8 @@ class WeightStreamer:
         down_bytes = self._gate_up_bytes // 2
         copies = []
         for pos, expert in enumerate(experts):
-            copies += _back_to_back(gate_ups[expert], view, pos * self._gate_up_bytes)
-            copies += _back_to_back(downs[expert], view, down_start + pos * down_bytes)
+            copies += self._back_to_back(gate_ups[expert], view, pos * self._gate_up_bytes)
+            copies += self._back_to_back(downs[expert], view, down_start + pos * down_bytes)
         return self._submit(copies)
 
     # ---- the compute side ----------------------------------------------------------------
@@ -442,15 +474,6 @@ def _consecutive_runs(ids: list[int]) -> list[list[int]]:
         else:
             runs.append([i])
     return runs
-
-
-def _back_to_back(extents: list[Extent], dest: memoryview, offset: int) -> list[tuple[Extent, memoryview]]:
-    """Copies of the extents into dest one after another from offset (packed q|k|v, gate|up)."""
-    copies = []
-    for extent in extents:
-        copies.append((extent, dest[offset:offset + extent.nbytes]))
-        offset += extent.nbytes
-    return copies
 
 
 def _wait(reads: list[Future]) -> None:

@@ -1,19 +1,22 @@
 """Memory-constrained mode (runtime/weight_stream.py): greedy output token-exact with the engine
 that holds every weight, dense and MoE, also with the smallest budget that fits (an expert ring
 of one expert per half, so routed experts stream in many chunks) and under KV preemption to the
-host tier; with weights_in_host_memory, steps copy from a host copy and read no file; bytes read counted exactly (each layer once per step; MoE: only the routed experts);
-checkpoints with experts stored fused stream alike; budgets too small, a device other than CPU
-or CUDA, a dtype other
-than the checkpoint's and a truncated checkpoint refused clearly; reads run on the background reader thread, the next
-layer's read issued before the current layer computes."""
+host tier; with weights_in_host_memory, steps copy from a host copy and read no file; bytes read
+counted exactly (each layer once per step; MoE: only the routed experts); checkpoints with
+experts stored fused stream alike, and half-precision checkpoints converted as they are read;
+budgets too small, a device other than CPU or CUDA, a checkpoint that is not float and a
+truncated checkpoint refused clearly; reads run on the background reader thread, the next layer's
+read issued before the current layer computes."""
 
-import math
 import shutil
 import threading
+from pathlib import Path
 
 import pytest
 import torch
+
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from helpers import CallCounter, assert_idle_and_clean, greedy_requests, make_engine, random_prompts
 from runtime import Engine
@@ -34,9 +37,9 @@ def smallest_budget(model_dir) -> int:
 
 
 def stored_layer_bytes(model_dir, experts: bool) -> int:
-    """fp32 bytes of the decoder layers' tensors in the checkpoint, routed experts included or not."""
+    """Stored bytes of the decoder layers' tensors in the checkpoint, routed experts included or not."""
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
-        return sum(math.prod(f.get_slice(n).get_shape()) * 4 for n in f.keys()
+        return sum(f.get_tensor(n).nbytes for n in f.keys()
                    if n.startswith("model.layers.") and (experts or ".experts." not in n))
 
 
@@ -228,9 +231,34 @@ def test_experts_stored_fused_stream_alike(tiny, family, tmp_path):
     assert_same_tokens(expected, engine.generate(greedy_requests(PROMPTS, MAX_TOKENS)))
 
 
-def test_a_dtype_other_than_the_checkpoints_is_not_implemented(tiny):
-    with pytest.raises(NotImplementedError, match="convert the checkpoint"):
-        make_engine(tiny.dir("llama"), dtype=torch.bfloat16, weight_budget_bytes=PLENTY)
+def stored_as(source, directory, convert) -> Path:
+    """A copy of the checkpoint at `source` with each tensor passed through `convert`."""
+    directory.mkdir()
+    shutil.copy(source / "config.json", directory / "config.json")
+    with safe_open(str(source / "model.safetensors"), framework="pt") as f:
+        save_file({name: convert(name, f.get_tensor(name)) for name in f.keys()},
+                  str(directory / "model.safetensors"))
+    return directory
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+def test_a_checkpoint_stored_in_half_precision_streams_converted(tiny, family, stored, tmp_path):
+    """Most published checkpoints are bf16: each piece read is converted into the fp32 slot, and
+    the output is the resident engine's on the same checkpoint (which converts at load)."""
+    directory = stored_as(tiny.dir(family), tmp_path / "half", lambda name, t: t.to(stored))
+    expected = make_engine(directory).generate(greedy_requests(PROMPTS, MAX_TOKENS))
+    engine = make_engine(directory, weight_budget_bytes=smallest_budget(directory))
+    assert_same_tokens(expected, engine.generate(greedy_requests(PROMPTS, MAX_TOKENS)))
+    steps, read = engine.stats.steps, engine.stats.weight_bytes_read  # stored (half) bytes
+    assert steps * stored_layer_bytes(directory, False) <= read <= (steps + 1) * stored_layer_bytes(directory, True)
+
+
+def test_a_checkpoint_that_is_not_float_is_not_implemented(tiny, tmp_path):
+    directory = stored_as(tiny.dir("llama"), tmp_path / "int8", lambda name, t: t.to(torch.int8)
+                          if name == "model.layers.0.self_attn.q_proj.weight" else t)
+    with pytest.raises(NotImplementedError, match="q_proj.weight is stored as I8"):
+        make_engine(directory, weight_budget_bytes=PLENTY)
 
 
 def test_a_truncated_checkpoint_fails_loudly(tiny, tmp_path):
