@@ -150,11 +150,7 @@ def check_defaults(defaults: Mapping[str, Any] | None) -> dict:
 
 
 def _to_mapping(raw: Any, fallback_id: str | None) -> Mapping:
-    if isinstance(raw, bytes):
-        try:
-            raw = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise _Invalid(f"record: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    raw = _utf8(raw, "record")
     if isinstance(raw, str):
         raw = raw.removeprefix("\ufeff")  # a file's first line may carry a byte-order mark
         if fallback_id is not None:
@@ -193,6 +189,9 @@ def _same(value: Any, expected: Any) -> bool:
     return (value == expected) is True
 
 
+_CONTAINERS = (Mapping, list, tuple, np.ndarray)
+
+
 def _nests_deeper(value: Any, limit: int) -> bool:
     """Whether mappings, lists and arrays nest deeper than `limit` in value, found without
     recursion."""
@@ -215,9 +214,6 @@ def _nests_deeper(value: Any, limit: int) -> bool:
             return True
         pending.extend((child, depth + 1) for child in children if isinstance(child, _CONTAINERS))
     return False
-
-
-_CONTAINERS = (Mapping, list, tuple, np.ndarray)
 
 
 def _preview(raw: Any) -> str:

@@ -158,8 +158,8 @@ class WeightStreamer:
         weakref.finalize(self, self._pool.shutdown, wait=False)
         self._read_resident(model)
         # Where each step's layer reads land: two host slots, or (host_copy) one buffer per layer.
-        self._slots = [torch.empty(self.slot_bytes if not host_copy else _layer_bytes(plan), dtype=torch.uint8,
-                                   pin_memory=self._pinned) for plan in (self._plans if host_copy else range(2))]
+        sizes = [_layer_bytes(plan) for plan in self._plans] if host_copy else [self.slot_bytes] * 2
+        self._slots = [torch.empty(size, dtype=torch.uint8, pin_memory=self._pinned) for size in sizes]
         self._slot_views = [memoryview(s.numpy()) for s in self._slots]
         self._device_slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
                               if self._copies else self._slots[slot] for slot in range(2)]
