@@ -219,6 +219,17 @@ def test_paged_prefill_attention(kt, heads, kv_heads, window, context, start):
     check(out, expected, torch.float32)
 
 
+@pytest.mark.parametrize("max_block_m,block_n", [(16, 16), (32, 64), (64, 16)])
+def test_paged_prefill_attention_any_tiles(kt, max_block_m, block_n):
+    """Each launch shape benchmarks.triton_tiles may pick computes the same attention."""
+    cache = PagedCache([70], kv_heads=2, seed=4)
+    q = torch.randn(53, 6, 16, generator=gen(4))
+    table = cache.tables[0]
+    tiles = kt.common.Tiles(max_block_m=max_block_m, block_n=block_n)
+    out = kt.paged_prefill_attention(q, cache.k, cache.v, table, 17, 0.25, 9, tiles=tiles)
+    check(out, attention.paged_prefill_attention(q, cache.k, cache.v, table, 17, 0.25, 9), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 7])
 def test_paged_prefill_attention_half(kt, dtype, window):
@@ -254,18 +265,21 @@ def test_grouped_experts(kt, dtype):
     check(out, expected, dtype)
 
 
-def test_grouped_experts_many_tiles_per_expert_and_no_tokens(kt):
+@pytest.mark.parametrize("tiles", [None, (16, 32, 16), (32, 128, 64)])
+def test_grouped_experts_many_tiles_per_expert_and_no_tokens(kt, tiles):
+    """Also with launch shapes benchmarks.triton_tiles may pick (rows, columns, reduction step)."""
     g = gen(11)
     topk_ids = torch.stack([torch.full((150,), 2), torch.randint(0, 2, (150,), generator=g)], 1)
-    hidden = torch.randn(150, 32, generator=g)
-    gate_up, down = torch.randn(4, 32, 32, generator=g) * 0.2, torch.randn(4, 32, 16, generator=g) * 0.2
+    hidden = torch.randn(150, 72, generator=g)
+    gate_up, down = torch.randn(4, 80, 72, generator=g) * 0.2, torch.randn(4, 72, 40, generator=g) * 0.2
     weights = routed(topk_ids, 11)
-    out, counts = kt.grouped_experts(hidden, topk_ids, weights, gate_up, down)
+    tiles = tiles and kt.common.Tiles(*tiles)
+    out, counts = kt.grouped_experts(hidden, topk_ids, weights, gate_up, down, tiles=tiles)
     expected, expected_counts = moe.grouped_experts(hidden, topk_ids, weights, gate_up, down)
     assert torch.equal(counts, expected_counts) and counts[2] == 150 and counts[3] == 0
     check(out, expected, torch.float32)
     out, counts = kt.grouped_experts(hidden[:0], topk_ids[:0], weights[:0], gate_up, down)
-    assert out.shape == (0, 32) and counts.tolist() == [0, 0, 0, 0]
+    assert out.shape == (0, 72) and counts.tolist() == [0, 0, 0, 0]
 
 
 # ---- end to end ----------------------------------------------------------------------------

@@ -13,10 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import check_launchable, dot, dot_dtype, tile
+from kernels.triton.common import Tiles, check_launchable, dot, dot_dtype, tile
 
-_BLOCK_N = 32  # cached positions per step of the softmax
-_MAX_BLOCK_M = 64
+# Query rows (a GQA group's heads x queries) per program and cached positions per softmax step.
+TILES = {torch.float32: Tiles(max_block_m=64, block_n=32),
+         torch.float16: Tiles(max_block_m=64, block_n=32),
+         torch.bfloat16: Tiles(max_block_m=64, block_n=32)}
 
 
 @triton.jit
@@ -123,7 +125,7 @@ def _paged_attention_kernel(
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-            sliding_window: int | None) -> torch.Tensor:
+            sliding_window: int | None, tiles: Tiles | None) -> torch.Tensor:
     """q: [seqs, queries, heads, head_dim], the last `queries` positions of each sequence's
     context; block_tables: [seqs, max_blocks]; context_lens: [seqs]."""
     check_launchable(q)
@@ -132,7 +134,8 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group = heads // kv_heads
     assert k_cache.stride() == v_cache.stride() and q.stride(3) == 1 and k_cache.stride(3) == 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    block_m = tile(min(num_queries * group, _MAX_BLOCK_M), at_least=16)
+    tiles = tiles or TILES[q.dtype]
+    block_m = tiles.block_m(num_queries * group)
     grid = (seqs, kv_heads, triton.cdiv(num_queries * group, block_m))
     if seqs and num_queries:
         _paged_attention_kernel[grid](
@@ -140,24 +143,29 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             sliding_window or 0, num_queries, *q.stride()[:3], *out.stride()[:3],
             block_tables.stride(0), *k_cache.stride()[:3], GROUP=group, HEAD_DIM=head_dim,
             BLOCK_SIZE=k_cache.shape[1], SLIDING=sliding_window is not None, BLOCK_M=block_m,
-            BLOCK_N=_BLOCK_N, DIM_TILE=tile(head_dim, at_least=16), DOT=dot_dtype(q.dtype))
+            BLOCK_N=tiles.block_n, DIM_TILE=tile(head_dim, at_least=16), DOT=dot_dtype(q.dtype),
+            num_warps=tiles.num_warps)
     return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, tiles: Tiles | None = None
+                           ) -> torch.Tensor:
     """One query per sequence over its first context_lens[i] cached positions
     (kernels.attention.paged_decode_attention); block table entries past the context are never
-    read, so any padding value works."""
+    read, so any padding value works. `tiles` overrides TILES (benchmarks.triton_tiles)."""
     return _attend(q[:, None], k_cache, v_cache, block_tables, context_lens, scale,
-                   sliding_window)[:, 0]
+                   sliding_window, tiles)[:, 0]
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, start_pos: int, scale: float,
-                            sliding_window: int | None = None) -> torch.Tensor:
+                            sliding_window: int | None = None, tiles: Tiles | None = None
+                            ) -> torch.Tensor:
     """A chunk of one sequence's queries at positions start_pos.. attending causally to the
-    cache, which already holds the chunk's keys (kernels.attention.paged_prefill_attention)."""
+    cache, which already holds the chunk's keys (kernels.attention.paged_prefill_attention).
+    `tiles` overrides TILES (benchmarks.triton_tiles)."""
     context = torch.full((1,), start_pos + q.shape[0], dtype=torch.int32, device=q.device)
-    return _attend(q[None], k_cache, v_cache, block_table[None], context, scale, sliding_window)[0]
+    return _attend(q[None], k_cache, v_cache, block_table[None], context, scale, sliding_window,
+                   tiles)[0]

@@ -1,5 +1,7 @@
 """What the Triton kernels share: the launch check, tile sizes and the fp32-accumulating dot."""
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -13,6 +15,20 @@ def check_launchable(tensor: torch.Tensor) -> None:
     if tensor.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError("Triton kernels run CPU tensors only under TRITON_INTERPRET=1, set "
                            "before kernels.triton is first imported")
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A kernel's launch shape: at most max_block_m rows per program (fewer rows take the
+    smallest tile covering them), block_n columns (or cached positions) and block_k reduction
+    elements per step, num_warps warps."""
+    max_block_m: int
+    block_n: int
+    block_k: int = 0
+    num_warps: int = 4
+
+    def block_m(self, rows: int) -> int:
+        return tile(min(rows, self.max_block_m), at_least=16)
 
 
 def tile(n: int, at_least: int = 1) -> int:

@@ -7,29 +7,30 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import check_launchable, dot, dot_dtype, tile
+from kernels.triton.common import Tiles, check_launchable, dot, dot_dtype
 
-_MAX_BLOCK_M = 64  # pairs per tile
-_BLOCK_N = 64  # output columns per program
-_BLOCK_K = 32  # reduction step
+# Pairs per tile, output columns per program, reduction step.
+TILES = {torch.float32: Tiles(max_block_m=64, block_n=64, block_k=32),
+         torch.float16: Tiles(max_block_m=64, block_n=64, block_k=32),
+         torch.bfloat16: Tiles(max_block_m=64, block_n=64, block_k=32)}
 
 
 @triton.jit
-def _tile_rows(tiles, order, top_k, BLOCK_M: tl.constexpr):
+def _tile_rows(schedule, order, top_k, BLOCK_M: tl.constexpr):
     """The tile's expert, its rows in the sorted pairs, which of them exist, and their tokens."""
     tile_id = tl.program_id(0)
-    expert = tl.load(tiles + 3 * tile_id).to(tl.int64)
-    rows = tl.load(tiles + 3 * tile_id + 1).to(tl.int64) + tl.arange(0, BLOCK_M)
-    row_ok = rows < tl.load(tiles + 3 * tile_id + 2)
+    expert = tl.load(schedule + 3 * tile_id).to(tl.int64)
+    rows = tl.load(schedule + 3 * tile_id + 1).to(tl.int64) + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(schedule + 3 * tile_id + 2)
     pair = tl.load(order + rows, mask=row_ok, other=0)
     return expert, rows, row_ok, pair, pair // top_k
 
 
 @triton.jit
-def _gate_up_kernel(hidden, gate_up_proj, act, tiles, order, top_k, hidden_size, inter_size,
+def _gate_up_kernel(hidden, gate_up_proj, act, schedule, order, top_k, hidden_size, inter_size,
                     hidden_stride, expert_stride, row_stride, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
-    expert, rows, row_ok, _, token = _tile_rows(tiles, order, top_k, BLOCK_M)
+    expert, rows, row_ok, _, token = _tile_rows(schedule, order, top_k, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter_size
     weights = gate_up_proj + expert * expert_stride
@@ -53,10 +54,10 @@ def _gate_up_kernel(hidden, gate_up_proj, act, tiles, order, top_k, hidden_size,
 
 
 @triton.jit
-def _down_kernel(act, down_proj, pair_out, router_weights, tiles, order, top_k, hidden_size,
+def _down_kernel(act, down_proj, pair_out, router_weights, schedule, order, top_k, hidden_size,
                  inter_size, expert_stride, row_stride, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
-    expert, rows, row_ok, pair, _ = _tile_rows(tiles, order, top_k, BLOCK_M)
+    expert, rows, row_ok, pair, _ = _tile_rows(schedule, order, top_k, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden_size
     weights = down_proj + expert * expert_stride
@@ -89,10 +90,11 @@ def _schedule(counts: torch.Tensor, block_m: int) -> torch.Tensor:
 
 
 def grouped_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor, tiles: Tiles | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """SwiGLU experts over routed tokens (kernels.moe.grouped_experts, same arguments and
-    results: the combined output [T, H] and each expert's token count [E], on the CPU)."""
+    results: the combined output [T, H] and each expert's token count [E], on the CPU).
+    `tiles` overrides TILES (benchmarks.triton_tiles)."""
     check_launchable(hidden)
     tokens, top_k = topk_ids.shape
     num_experts, double_inter, hidden_size = gate_up_proj.shape
@@ -103,17 +105,19 @@ def grouped_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     if tokens == 0:
         return torch.zeros_like(hidden), counts
 
-    block_m = tile(min(int(counts.max()), _MAX_BLOCK_M), at_least=16)
-    tiles = _schedule(counts, block_m).to(hidden.device)
+    tiles = tiles or TILES[hidden.dtype]
+    block_m = tiles.block_m(int(counts.max()))
+    schedule = _schedule(counts, block_m).to(hidden.device)
     hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()
     act = torch.empty(tokens * top_k, inter_size, dtype=hidden.dtype, device=hidden.device)
     pair_out = torch.empty(tokens * top_k, hidden_size, dtype=torch.float32, device=hidden.device)
-    blocks, dot_type = dict(BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K), dot_dtype(hidden.dtype)
-    _gate_up_kernel[(len(tiles), triton.cdiv(inter_size, _BLOCK_N))](
-        hidden, gate_up_proj, act, tiles, order, top_k, hidden_size, inter_size, hidden.stride(0),
-        gate_up_proj.stride(0), gate_up_proj.stride(1), **blocks, DOT=dot_type)
-    _down_kernel[(len(tiles), triton.cdiv(hidden_size, _BLOCK_N))](
-        act, down_proj, pair_out, topk_weights.reshape(-1).contiguous(), tiles, order, top_k,
-        hidden_size, inter_size, down_proj.stride(0), down_proj.stride(1), **blocks, DOT=dot_type)
+    launch = dict(BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                  DOT=dot_dtype(hidden.dtype), num_warps=tiles.num_warps)
+    _gate_up_kernel[(len(schedule), triton.cdiv(inter_size, tiles.block_n))](
+        hidden, gate_up_proj, act, schedule, order, top_k, hidden_size, inter_size,
+        hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), **launch)
+    _down_kernel[(len(schedule), triton.cdiv(hidden_size, tiles.block_n))](
+        act, down_proj, pair_out, topk_weights.reshape(-1).contiguous(), schedule, order, top_k,
+        hidden_size, inter_size, down_proj.stride(0), down_proj.stride(1), **launch)
     return pair_out.view(tokens, top_k, hidden_size).sum(1).to(hidden.dtype), counts
