@@ -15,10 +15,15 @@ import triton.language as tl
 
 from kernels.triton.common import Tiles, check_launchable, dot, dot_dtype, tile
 
-# Query rows (a GQA group's heads x queries) per program and cached positions per softmax step.
-TILES = {torch.float32: Tiles(max_block_m=64, block_n=32),
-         torch.float16: Tiles(max_block_m=64, block_n=32),
-         torch.bfloat16: Tiles(max_block_m=64, block_n=32)}
+# Query rows per program (a GQA group's heads x queries) and cached positions per softmax step,
+# from benchmarks.triton_tiles on an H200 (results/triton_tiles.json). fp32 dots run on CUDA
+# cores (not TF32) and fall off a cliff where a tile spills registers: fp32 prefill with 64-row
+# tiles took 13.1 ms where these take 0.97; fp32 decode went from 1.10 to 0.61 ms.
+_HALF = Tiles(max_block_m=64, block_n=32)
+DECODE_TILES = {torch.float32: Tiles(max_block_m=16, block_n=64), torch.float16: _HALF,
+                torch.bfloat16: _HALF}
+PREFILL_TILES = {torch.float32: Tiles(max_block_m=32, block_n=32), torch.float16: _HALF,
+                 torch.bfloat16: _HALF}
 
 
 @triton.jit
@@ -125,7 +130,7 @@ def _paged_attention_kernel(
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-            sliding_window: int | None, tiles: Tiles | None) -> torch.Tensor:
+            sliding_window: int | None, tiles: Tiles) -> torch.Tensor:
     """q: [seqs, queries, heads, head_dim], the last `queries` positions of each sequence's
     context; block_tables: [seqs, max_blocks]; context_lens: [seqs]."""
     check_launchable(q)
@@ -134,7 +139,6 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group = heads // kv_heads
     assert k_cache.stride() == v_cache.stride() and q.stride(3) == 1 and k_cache.stride(3) == 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    tiles = tiles or TILES[q.dtype]
     block_m = tiles.block_m(num_queries * group)
     grid = (seqs, kv_heads, triton.cdiv(num_queries * group, block_m))
     if seqs and num_queries:
@@ -154,9 +158,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            ) -> torch.Tensor:
     """One query per sequence over its first context_lens[i] cached positions
     (kernels.attention.paged_decode_attention); block table entries past the context are never
-    read, so any padding value works. `tiles` overrides TILES (benchmarks.triton_tiles)."""
+    read, so any padding value works. `tiles` overrides DECODE_TILES (benchmarks.triton_tiles)."""
     return _attend(q[:, None], k_cache, v_cache, block_tables, context_lens, scale,
-                   sliding_window, tiles)[:, 0]
+                   sliding_window, tiles or DECODE_TILES[q.dtype])[:, 0]
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -165,7 +169,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             ) -> torch.Tensor:
     """A chunk of one sequence's queries at positions start_pos.. attending causally to the
     cache, which already holds the chunk's keys (kernels.attention.paged_prefill_attention).
-    `tiles` overrides TILES (benchmarks.triton_tiles)."""
+    `tiles` overrides PREFILL_TILES (benchmarks.triton_tiles)."""
     context = torch.full((1,), start_pos + q.shape[0], dtype=torch.int32, device=q.device)
     return _attend(q[None], k_cache, v_cache, block_table[None], context, scale, sliding_window,
-                   tiles)[0]
+                   tiles or PREFILL_TILES[q.dtype])[0]
