@@ -142,12 +142,13 @@ def run_model(name: str, items: list[WorkItem], threads: int, fraction: float, s
         print(f"  {r['system']:<48} {r['batch_completion_s']:7.1f} s  peak RSS {r['peak_rss'] / 1e9:.2f} GB{gpu}  "
               f"{r['weight_bytes_per_token'] / 1e6:,.0f} MB read/token", flush=True)
     report.compare(results, items)
-    ours = results[0]
-    if device == "cpu":
-        ours["rss_bound"] = work["budget"] + work["kv_bytes"] + ours["baseline_rss"]
-        ours["peak_rss_over_budget_kv_baseline"] = ours["peak_rss"] - ours["rss_bound"]
-    else:
-        ours["peak_device_over_budget_kv"] = ours["peak_device_bytes"] - work["budget"] - work["kv_bytes"]
+    for streamed in (r for r in results if "weight_bytes_held" in r):  # our streaming rows
+        if device == "cpu":
+            streamed["rss_bound"] = work["budget"] + work["kv_bytes"] + streamed["baseline_rss"]
+            streamed["peak_rss_over_budget_kv_baseline"] = streamed["peak_rss"] - streamed["rss_bound"]
+        else:
+            streamed["peak_device_over_budget_kv"] = (streamed["peak_device_bytes"] - work["budget"]
+                                                      - work["kv_bytes"])
     return {"model": name, "model_dir": str(model_dir), "weight_bytes": weights,
             "weight_budget_bytes": work["budget"], "kv_cache_bytes": work["kv_bytes"],
             "peer_batch": PEER_BATCH, "results": results}

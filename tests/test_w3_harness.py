@@ -30,4 +30,6 @@ def test_smoke_run_of_both_systems(tmp_path, monkeypatch):
         assert result["weight_bytes_per_token"] > 0
         assert result["peak_rss"] > result["baseline_rss"]
     assert ours["weight_bytes_held"] <= run["weight_budget_bytes"]
+    assert ours["rss_bound"] == run["weight_budget_bytes"] + run["kv_cache_bytes"] + ours["baseline_rss"]
+    assert "rss_bound" not in peer  # the budget is ours; the peer is measured, not bounded
     assert json.loads((tmp_path / "results" / "W3-smoke-dense.json").read_text())["workload"] == "W3-smoke-dense"
