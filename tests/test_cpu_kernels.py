@@ -354,6 +354,19 @@ def test_write_kv_matches_torch_from_views_of_a_packed_projection(dtype, tokens)
     assert all(torch.equal(a, b) for a, b in zip(ours, want))
 
 
+@pytest.mark.parametrize("dtype", POINTWISE_DTYPES)
+def test_write_kv_into_a_head_major_cache(dtype):
+    """KVCache stores each block head by head: a token's heads land apart, at the strides."""
+    g = gen(9)
+    caches = [torch.randn(5, 4, 3, 8, generator=g).to(dtype) for _ in range(2)]
+    stored = [c.transpose(1, 2).contiguous().transpose(1, 2) for c in caches]
+    k, v = torch.randn(2, 6, 3, 8, generator=g).to(dtype)
+    slots = torch.randperm(20, generator=g)[:6]
+    cpu_kernels.write_kv(*stored, slots, k, v)
+    attention.write_kv(*caches, slots, k, v)
+    assert all(torch.equal(a, b) for a, b in zip(stored, caches))
+
+
 def test_the_public_write_kv_takes_the_cpp_kernel_on_cpu(monkeypatch):
     calls = []
     monkeypatch.setattr(cpu_kernels, "build", lambda: SimpleNamespace(write_kv=lambda *args: calls.append(args)))

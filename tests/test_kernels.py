@@ -141,6 +141,32 @@ def test_write_kv_stores_each_token_at_its_slot():
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same cache, stored as runtime.kv_cache.KVCache stores it: each block head by head."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.usefixtures("both_cpu_kernel_choices")
+@pytest.mark.parametrize("window", [None, 5])
+def test_ops_take_a_head_major_cache_as_they_take_a_slot_major_one(window):
+    paged = PagedSequences([1, 15, 17, 40], kv_heads=2, seed=6)
+    stored = [head_major(c) for c in (paged.k_cache, paged.v_cache)]
+    assert stored[0].stride(1) == HEAD_DIM and torch.equal(stored[0], paged.k_cache)
+    q = torch.randn(4, 4, HEAD_DIM, generator=gen(6))
+    tables, lens = paged.padded_tables(pad_with=0), torch.tensor([1, 15, 17, 40])
+    assert torch.equal(paged_decode_attention(q, *stored, tables, lens, 0.3, window),
+                       paged_decode_attention(q, paged.k_cache, paged.v_cache, tables, lens, 0.3, window))
+    chunk = torch.randn(9, 4, HEAD_DIM, generator=gen(7))
+    table = torch.tensor(paged.tables[3])
+    assert torch.equal(paged_prefill_attention(chunk, *stored, table, 31, 0.3, window),
+                       paged_prefill_attention(chunk, paged.k_cache, paged.v_cache, table, 31, 0.3, window))
+    slots = torch.tensor([5 * BLOCK + 3, 0, 7 * BLOCK + 15])
+    k, v = torch.randn(2, 3, 2, HEAD_DIM, generator=gen(8))
+    write_kv(*stored, slots, k, v)
+    write_kv(paged.k_cache, paged.v_cache, slots, k, v)
+    assert torch.equal(stored[0], paged.k_cache) and torch.equal(stored[1], paged.v_cache)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_matches_the_formula_and_transformers(dtype):
     g = gen(5)

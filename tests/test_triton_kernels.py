@@ -186,6 +186,24 @@ def test_paged_decode_attention(kt, dtype, heads, kv_heads, window):
     check(out, expected, dtype)
 
 
+def test_kernels_take_a_head_major_cache(kt):
+    """runtime.kv_cache.KVCache stores each block head by head: the strides say so."""
+    cache = PagedCache([1, 15, 16, 40], kv_heads=2, seed=12)
+    stored = [c.transpose(1, 2).contiguous().transpose(1, 2) for c in (cache.k, cache.v)]
+    q = torch.randn(4, 4, 16, generator=gen(12))
+    tables, lens = cache.tables.clamp(min=0), torch.tensor([1, 15, 16, 40])
+    check(kt.paged_decode_attention(q, *stored, tables, lens, 0.25),
+          attention.paged_decode_attention(q, cache.k, cache.v, tables, lens, 0.25), torch.float32)
+    chunk = torch.randn(20, 4, 16, generator=gen(13))
+    check(kt.paged_prefill_attention(chunk, *stored, tables[3], 20, 0.25),
+          attention.paged_prefill_attention(chunk, cache.k, cache.v, tables[3], 20, 0.25), torch.float32)
+    slots = torch.tensor([3, 40, 17])
+    k, v = torch.randn(2, 3, 2, 16, generator=gen(14))
+    kt.write_kv(*stored, slots, k, v)
+    attention.write_kv(cache.k, cache.v, slots, k, v)
+    assert torch.equal(stored[0], cache.k) and torch.equal(stored[1], cache.v)
+
+
 def test_paged_decode_attention_reads_nothing_past_the_context(kt):
     lengths = [20, 7, 33]
     cache = PagedCache(lengths, kv_heads=1, block_size=12, seed=8)  # block size not a power of 2

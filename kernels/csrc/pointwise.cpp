@@ -154,19 +154,21 @@ torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const
 }
 
 // kernels.attention.write_kv: k and v [tokens, kv_heads, head_dim] into the caches [blocks,
-// block_size, kv_heads, head_dim] at flat slots (block * block_size + offset), k and v read in
-// place where token_rows allows; a token's row is one copy.
+// block_size, kv_heads, head_dim] (any strides with head_dim contiguous) at flat slots
+// (block * block_size + offset), k and v read in place where token_rows allows; a token's row
+// of one head is one copy.
 void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
               const torch::Tensor& k, const torch::Tensor& v) {
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && k.device().is_cpu() &&
               v.device().is_cpu() && slot_mapping.device().is_cpu(),
               "the C++ pointwise ops run CPU tensors");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-              v_cache.is_contiguous(), "the caches must be contiguous [blocks, block_size, kv_heads, "
-              "head_dim], both of one shape");
-  const int64_t tokens = k.size(0), row = k_cache.size(2) * k_cache.size(3);
-  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) &&
-              k.size(2) == k_cache.size(3), "k and v must be [tokens, kv_heads, head_dim] of the cache's");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+              k_cache.strides() == v_cache.strides() && k_cache.stride(3) == 1,
+              "the caches must be [blocks, block_size, kv_heads, head_dim] with head_dim "
+              "contiguous, both of one shape and layout");
+  const int64_t tokens = k.size(0), heads = k_cache.size(2), head_dim = k_cache.size(3);
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == heads && k.size(2) == head_dim,
+              "k and v must be [tokens, kv_heads, head_dim] of the cache's");
   TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
               v_cache.scalar_type() == k_cache.scalar_type(), "k, v and the caches must share a dtype");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens,
@@ -174,19 +176,24 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
   const auto kc = token_rows(k), vc = token_rows(v);
   const auto slots = slot_mapping.to(torch::kLong).contiguous();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t block_size = k_cache.size(1), num_slots = k_cache.size(0) * block_size;
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot_mapping[", t, "] = ", sp[t],
                 " is not a slot of the cache (", num_slots, " slots)");
-  const int64_t bytes = row * k.element_size();
+  const int64_t element = k.element_size(), bytes = head_dim * element;
+  const int64_t block_step = k_cache.stride(0) * element, slot_step = k_cache.stride(1) * element,
+                head_step = k_cache.stride(2) * element;
   auto* kd = static_cast<char*>(k_cache.data_ptr());
   auto* vd = static_cast<char*>(v_cache.data_ptr());
   const auto* ks = static_cast<const char*>(kc.data_ptr());
   const auto* vs = static_cast<const char*>(vc.data_ptr());
-  const int64_t k_step = kc.stride(0) * k.element_size(), v_step = vc.stride(0) * v.element_size();
+  const int64_t k_step = kc.stride(0) * element, v_step = vc.stride(0) * element;
   for (int64_t t = 0; t < tokens; ++t) {
-    std::memcpy(kd + sp[t] * bytes, ks + t * k_step, bytes);
-    std::memcpy(vd + sp[t] * bytes, vs + t * v_step, bytes);
+    const int64_t slot = (sp[t] / block_size) * block_step + (sp[t] % block_size) * slot_step;
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(kd + slot + h * head_step, ks + t * k_step + h * bytes, bytes);
+      std::memcpy(vd + slot + h * head_step, vs + t * v_step + h * bytes, bytes);
+    }
   }
 }
 
