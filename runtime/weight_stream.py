@@ -209,13 +209,10 @@ class WeightStreamer:
 
     def _fill_host_copy(self) -> None:
         """host_copy: every layer and every routed expert read into host memory, once."""
-        copies = [copy for i, plan in enumerate(self._plans) for binding in plan
-                  for copy in self._back_to_back(binding.extents, self._slot_views[i], binding.offset)]
-        for layer, (gate_ups, downs) in self._experts.items():
-            view, count = self._host_experts[layer][1], len(gate_ups)
-            for e in range(count):
-                copies += self._back_to_back(gate_ups[e], view, e * self._gate_up_bytes)
-                copies += self._back_to_back(downs[e], view, count * self._gate_up_bytes + e * self._gate_up_bytes // 2)
+        copies = [copy for i in range(self.num_layers) for copy in self._layer_copies(i, self._slot_views[i])]
+        for layer, (gate_ups, _) in self._experts.items():
+            experts = range(len(gate_ups))
+            copies += self._expert_copies(layer, experts, self._host_experts[layer][1], len(experts))
         _wait(self._submit(copies))
         self.host_bytes = sum(s.numel() for s in self._slots) + sum(h.numel() for h, _ in self._host_experts.values())
         self.bytes_read = 0  # counts what steps stream to the device, from here on
@@ -313,21 +310,29 @@ class WeightStreamer:
             return []  # in host memory already: `_before` copies it
         if self._copies:
             self._copies.wait_copied(slot)  # the slot's last layer is on the device
-        view = self._slot_views[slot]
-        return self._submit([copy for binding in self._plans[i]  # packed parameters: parts back to back
-                             for copy in self._back_to_back(binding.extents, view, binding.offset)])
+        return self._submit(self._layer_copies(i, self._slot_views[slot]))
 
     def _read_experts(self, layer: int, experts: list[int], half: int) -> list[Future]:
         if self._copies:
             self._copies.wait_copied(2 + half)
-        view, gate_ups, downs = self._ring_views[half], *self._experts[layer]
-        down_start = self.ring_experts * self._gate_up_bytes
-        down_bytes = self._gate_up_bytes // 2
+        return self._submit(self._expert_copies(layer, experts, self._ring_views[half], self.ring_experts))
+
+    def _layer_copies(self, i: int, view: memoryview) -> list[tuple[Extent, memoryview]]:
+        """Layer i's parameters into view at their planned offsets (packed ones part after part)."""
+        return [copy for binding in self._plans[i]
+                for copy in self._back_to_back(binding.extents, view, binding.offset)]
+
+    def _expert_copies(self, layer: int, experts, view: memoryview, capacity: int
+                       ) -> list[tuple[Extent, memoryview]]:
+        """The experts' weights into view, which holds `capacity` of them as the fused checkpoint
+        does: the n-th expert's gate_up n-th of all gate_ups, its down n-th of the downs after."""
+        gate_ups, downs = self._experts[layer]
+        down_start, down_bytes = capacity * self._gate_up_bytes, self._gate_up_bytes // 2
         copies = []
         for pos, expert in enumerate(experts):
             copies += self._back_to_back(gate_ups[expert], view, pos * self._gate_up_bytes)
             copies += self._back_to_back(downs[expert], view, down_start + pos * down_bytes)
-        return self._submit(copies)
+        return copies
 
     # ---- the compute side ----------------------------------------------------------------
     def _before(self, i: int) -> None:
