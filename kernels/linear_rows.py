@@ -9,12 +9,14 @@ experts. MKL's sgemm through torch takes every other row count.
 Which wins where depends on the CPU, and on the shapes too. On an AMD EPYC (Zen 4) the panel
 kernel beats MKL at every row count, 2,048-row prefills included, and the few-row kernel beats
 it up to ~256 rows; on an Intel Xeon (AVX-512) the few-row kernel won at 4-24 rows only
-(benchmarks/cpu_kernels_micro.py). So a process times all three once, on weights larger than
-the CPU caches (memory-bound, as a model's are), at a ladder of row counts; each kernel's span
-runs from its first rung to beat MKL up to where MKL beats it at two rungs in a row (this
-machine's noise flips single rungs). The panel kernel blocks its rows (192 at a time), so its
-cost per row is flat past the last rung: a span no loss ended stays open. (A calibration that
-ended it at 64, 128 or 256 rows on a noisy tie sent the rest to MKL: whole W1 runs 20% slower.)
+(benchmarks/cpu_kernels_micro.py), and MKL beats the panel kernel from ~512 rows (prefill chunks:
+W1's prefill 20% faster on MKL). So a process times all three once, on weights larger than
+the CPU caches (memory-bound, as a model's are), at a ladder of row counts up to a full prefill
+step; each kernel's span runs from its first rung to beat MKL up to where MKL beats it at two
+rungs in a row (this machine's noise flips single rungs). The panel kernel blocks its rows (192
+at a time), so its cost per row is flat past the last rung: a span no loss ended stays open. (A
+calibration that ended it at 64, 128 or 256 rows on a noisy tie sent the rest to MKL: whole W1
+runs 20% slower.)
 BATCHGEN_CPU_PANEL_ROWS and BATCHGEN_CPU_LINEAR_ROWS (LO-HI, LO- for open-ended, or 0 for
 none) set the two spans instead, for runs that must not depend on a measurement; with both set
 nothing is measured.
@@ -33,10 +35,15 @@ import torch.nn.functional as F
 
 ROWS_VAR = "BATCHGEN_CPU_LINEAR_ROWS"
 PANEL_VAR = "BATCHGEN_CPU_PANEL_ROWS"
-RUNGS = (1, 2, 3, 4, 8, 16, 24, 32, 64, 128, 256)
+RUNGS = (1, 2, 3, 4, 8, 16, 24, 32, 64, 128, 256, 512, 1024, 2048)
+# The few-row kernel re-reads the weight for every few rows: past this rung it has long lost,
+# and timing it there would cost seconds.
+FEW_ROWS_LAST_RUNG = 256
 OPEN_END = sys.maxsize  # a span's stop when it has none
-# Six 2048 x 1024 weights: 48 MB, more than the last-level caches of the CPUs we run on.
+# Six 2048 x 1024 weights: 48 MB, more than the last-level caches of the CPUs we run on. Past
+# FEW_ROWS_LAST_RUNG a linear is bound by its arithmetic, not its weight reads: two weights do.
 WEIGHTS, OUT_FEATURES, IN_FEATURES = 6, 2048, 1024
+COMPUTE_BOUND_WEIGHTS = 2
 REPEATS = 4  # alternating, best of; the first round also warms up
 # A rung goes to a kernel only when it is this much faster than MKL: near a tie either is as
 # fast, and the margin keeps the verdict from flipping with the noise.
@@ -83,48 +90,56 @@ def verdict(kernel_s: float, other_s: float) -> bool | None:
 
 
 def span_of_wins(wins: dict[int, bool | None], open_ended: bool = False) -> range:
-    """From each rung's verdict, the rows from the kernel's first winning rung to its last one
-    before it loses for good: a loss ends the span only where the next rung loses too (or there
-    is none); a loss the next rung does not confirm is the machine's noise, and so is a tie.
-    `open_ended`: a span no loss ended has no end."""
+    """From each rung's verdict, the rows from the kernel's first winning rung up to where it
+    loses for good: a loss ends the span only where the next rung loses too (or there is none);
+    a loss the next rung does not confirm is the machine's noise, and so is a tie. An ended span
+    keeps the ties before its first loss: MKL at a calibration tie was 8-10% slower in whole
+    decode steps (129-256 rows, Xeon). `open_ended`: a span no loss ended has no end."""
     rungs = sorted(wins)
-    won, ended = [], False
+    won, end = [], None
     for index, rows in enumerate(rungs):
         if wins[rows]:
             won.append(rows)
         elif wins[rows] is False and won:
             following = rungs[index + 1:index + 2]
             if all(wins[after] is False for after in following):
-                ended = True
+                end = rungs[index - 1] + 1  # a win or a tie: a loss there would have ended it
                 break
     if not won:
         return range(0)
-    return range(won[0], OPEN_END if open_ended and not ended else won[-1] + 1)
+    if end is None:
+        end = OPEN_END if open_ended else won[-1] + 1
+    return range(won[0], end)
 
 
 def plan_of_times(times: dict[int, dict[str, float]]) -> Plan:
-    """The plan from each rung's seconds per implementation ("panel", "cpp" and "mkl")."""
+    """The plan from each rung's seconds per implementation ("panel", "cpp" and "mkl"; "cpp"
+    only at the rungs it was timed)."""
     def wins(name: str) -> dict[int, bool | None]:
-        return {rows: verdict(t[name], t["mkl"]) for rows, t in times.items()}
+        return {rows: verdict(t[name], t["mkl"]) for rows, t in times.items() if name in t}
 
     return Plan(span_of_wins(wins("panel"), open_ended=True), span_of_wins(wins("cpp")))
 
 
 def measure(kernel, panel, pack) -> dict[int, dict[str, float]]:
-    """Best-of-REPEATS seconds at each rung of the few-row kernel (`kernel(x, weight)`), of the
-    panel kernel (`panel(x, pack(weight), out_features)`) and of MKL, on the calling thread."""
+    """Best-of-REPEATS seconds at each rung of the few-row kernel (`kernel(x, weight)`; up to
+    FEW_ROWS_LAST_RUNG), of the panel kernel (`panel(x, pack(weight), out_features)`) and of MKL,
+    on the calling thread."""
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(OUT_FEATURES, IN_FEATURES, generator=g) for _ in range(WEIGHTS)]
     ops = {"panel": (lambda x, panels: panel(x, panels, OUT_FEATURES), [pack(w) for w in weights]),
            "cpp": (kernel, weights), "mkl": (F.linear, weights)}
-    best = {rows: {name: float("inf") for name in ops} for rows in RUNGS}
+    best = {}
     with torch.inference_mode():
         for rows in RUNGS:
             x = torch.randn(rows, IN_FEATURES, generator=g)
+            timed = {name: op for name, op in ops.items() if name != "cpp" or rows <= FEW_ROWS_LAST_RUNG}
+            count = WEIGHTS if rows <= FEW_ROWS_LAST_RUNG else COMPUTE_BOUND_WEIGHTS
+            best[rows] = {name: float("inf") for name in timed}
             for _ in range(REPEATS + 1):
-                for name, (op, op_weights) in ops.items():
+                for name, (op, op_weights) in timed.items():
                     start = time.perf_counter()
-                    for w in op_weights:
+                    for w in op_weights[:count]:
                         op(x, w)
                     best[rows][name] = min(best[rows][name], time.perf_counter() - start)
     return best

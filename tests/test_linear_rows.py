@@ -47,7 +47,9 @@ def test_a_malformed_span_is_refused(text):
     ({1: True, 8: False, 16: True, 24: False, 32: None}, range(1, 17)),  # a loss then a win: noise
     ({1: True, 2: True, 4: False, 8: None, 16: True}, range(1, 17)),  # a loss then a tie: noise too
     ({1: True, 2: True, 4: False, 8: False, 16: True}, range(1, 3)),  # two losses in a row: the end
-    ({1: None, 2: True, 4: None, 8: False}, range(2, 3)),
+    ({1: None, 2: True, 4: None, 8: False}, range(2, 5)),  # the tie before the end stays
+    ({8: True, 128: True, 256: None, 512: False, 1024: False, 2048: True}, range(8, 257)),
+    ({1: True, 2: None, 4: None}, range(1, 2)),  # trailing ties no loss ended: not won
 ])
 def test_the_span_runs_from_the_first_winning_rung_to_the_last_before_it_loses_for_good(wins, span):
     assert linear_rows.span_of_wins(wins) == span
@@ -80,14 +82,14 @@ def test_the_plan_is_measured_once_on_a_thread_of_its_own(unmeasured, monkeypatc
 
     def measure(kernel, panel, pack):
         seen.append(threading.current_thread())
-        # The few-row kernel wins at 2-8 rows, ties within the margin at 16, loses elsewhere;
-        # the panel kernel wins at 4-128.
+        # The few-row kernel wins at 2-8 rows, ties within the margin at 16 (which it keeps),
+        # loses elsewhere; the panel kernel wins at 4-128.
         return rung_times(cpp=lambda rows: 0.5 if 2 <= rows <= 8 else 0.97 if rows == 16 else 2.0,
                           panel=lambda rows: 0.5 if 4 <= rows <= 128 else 2.0)
 
     monkeypatch.setattr(linear_rows, "measure", measure)
-    assert cpu_kernels.linear_plan() == Plan(range(4, 129), range(2, 9))
-    assert cpu_kernels.linear_plan() == Plan(range(4, 129), range(2, 9))
+    assert cpu_kernels.linear_plan() == Plan(range(4, 129), range(2, 17))
+    assert cpu_kernels.linear_plan() == Plan(range(4, 129), range(2, 17))
     assert len(seen) == 1 and seen[0] is not threading.current_thread()
 
 
@@ -139,10 +141,23 @@ def test_measure_times_every_implementation_at_every_rung(monkeypatch):
         return x @ packed
 
     times = linear_rows.measure(kernel, panel, lambda weight: weight.T)
-    assert sorted(times) == sorted(linear_rows.RUNGS)
-    assert all(set(t) == {"panel", "cpp", "mkl"} and all(0 < v < 1 for v in t.values())
-               for t in times.values())
-    assert all(sorted(set(rows)) == sorted(linear_rows.RUNGS) for rows in calls.values())
+    few_rows = [rows for rows in linear_rows.RUNGS if rows <= linear_rows.FEW_ROWS_LAST_RUNG]
+    assert sorted(times) == sorted(linear_rows.RUNGS) and few_rows != list(linear_rows.RUNGS)
+    assert all(set(t) == ({"panel", "cpp", "mkl"} if rows in few_rows else {"panel", "mkl"})
+               and all(0 < v < 1 for v in t.values()) for rows, t in times.items())
+    assert sorted(set(calls["panel"])) == sorted(linear_rows.RUNGS)
+    assert sorted(set(calls["cpp"])) == few_rows
+
+
+def test_mkl_takes_the_rows_past_where_it_beats_the_panel_kernel_twice():
+    """As on an Intel Xeon: the panel kernel wins decode-sized rows, MKL prefill-sized ones; the
+    few-row kernel, timed only up to its last rung, keeps the span it won there."""
+    times = rung_times(cpp=lambda rows: 0.5 if rows <= 16 else 2.0,
+                       panel=lambda rows: 0.5 if rows <= 256 else 1.2)
+    for rows in linear_rows.RUNGS:
+        if rows > linear_rows.FEW_ROWS_LAST_RUNG:
+            del times[rows]["cpp"]
+    assert linear_rows.plan_of_times(times) == Plan(range(1, 257), range(1, 17))
 
 
 def test_dispatch_gives_each_kernel_the_rows_of_its_span(monkeypatch):
