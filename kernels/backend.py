@@ -57,6 +57,13 @@ def decode_attention_pads(device: torch.device) -> bool:
     return backend_for(device) == "torch" and not uses_cpp(device)
 
 
+def bf16_matmul_is_fast(device: torch.device) -> bool:
+    """Whether bf16 matmuls run on matrix units here, several times fp32's speed: CPUs with
+    AVX512-BF16 or AMX (oneDNN takes them). CUDA's tensor cores are too, but the screen that
+    asks (runtime/logit_screen.py) has not been timed on a GPU, so not yet claimed."""
+    return device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def prepare(device: str | torch.device) -> None:
     """Build (or load from the cache) the C++ kernels where `device` will run them, and measure
     which fp32 linears the few-row kernel and which sgemm take, so no step pays for either. Raises

@@ -24,7 +24,7 @@ from runtime.loader import build_model, load_model
 from runtime.moe import moe_blocks
 from runtime.request import Completion, CompletionWaiter, Request, SampleOutput, Timings
 from runtime.runner import ModelRunner
-from runtime.sampling import SampleRow, SamplingParams, sample
+from runtime.sampling import SampledToken, SampleRow, SamplingParams, sample
 from runtime.scheduler import Scheduler
 from runtime.sequence import Event, Sequence, Status, StopRule
 from runtime.step_lock import StepLock
@@ -103,6 +103,8 @@ class EngineStats:
     decode_step_context: int = 0  # sum of attended context lengths (attention FLOPs)
     generated_tokens: int = 0  # tokens sampled, all sequences
     weight_bytes_read: int = 0  # memory-constrained mode: weight bytes read from the checkpoint
+    screened_rows: int = 0  # greedy rows the logit screen took (greedy_screen)
+    screen_misses: int = 0  # of them, rows its bound could not clear: full fp32 logits computed
 
     @property
     def weight_bytes_per_token(self) -> float:
@@ -131,7 +133,7 @@ class Engine:
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  num_threads: int | None = None, weight_budget_bytes: int | None = None,
-                 weights_in_host_memory: bool = False):
+                 weights_in_host_memory: bool = False, greedy_screen: bool | None = None):
         """weight_budget_bytes: memory-constrained mode (runtime/weight_stream.py): the decoder
         layers stream from the safetensors files, and the weights held in memory (resident
         parts, two layer slots, the MoE expert ring) stay within this many bytes. The KV cache
@@ -140,7 +142,12 @@ class Engine:
 
         weights_in_host_memory (CUDA, with weight_budget_bytes): read the streamed layers into
         pinned host memory once and stream each step from there, not from the files; host RAM
-        must hold the checkpoint."""
+        must hold the checkpoint.
+
+        greedy_screen: greedy rows without logprobs take the argmax of a bf16 screen of the
+        vocabulary verified in fp32 (runtime/logit_screen.py), not full fp32 logits; the tokens
+        are the same. It keeps a bf16 copy of the lm_head. None (the default): on where bf16
+        matmuls run on matrix units (kernels.bf16_matmul_is_fast), for fp32 weights held whole."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_dir = Path(model) if model is not None else default_model_dir()
@@ -164,6 +171,12 @@ class Engine:
         else:
             self.model = on_a_passing_thread(load_model, self.model_dir, self.device, dtype)
             self.weights = None
+        if greedy_screen is None:
+            greedy_screen = not streaming and dtype == torch.float32 and kernels.bf16_matmul_is_fast(self.device)
+        if greedy_screen and streaming:
+            raise ValueError("greedy_screen keeps a bf16 copy of the lm_head, outside weight_budget_bytes")
+        if greedy_screen:
+            self.model.screen_logits()
         self.spec = self.model.spec
         self._moe_blocks = moe_blocks(self.model)
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -311,7 +324,7 @@ class Engine:
             for seq in batch.decodes + [s for s, _ in batch.prefills]:
                 timings = self._requests[seq.request_id].timings
                 timings.first_scheduled = timings.first_scheduled or now
-            logits, samplers = self.runner.run(batch)
+            hidden, samplers = self.runner.run(batch)
             self.stats.steps += 1
             self.stats.decode_tokens += len(batch.decodes)
             self.stats.prefill_tokens += batch.num_tokens - len(batch.decodes)
@@ -321,7 +334,7 @@ class Engine:
             if self.weights is not None:
                 self.stats.weight_bytes_read = self.weights.bytes_read
             context = 0 if batch.prefills else sum(s.num_tokens for s in batch.decodes)
-            self._postprocess(batch, logits, samplers)
+            self._postprocess(batch, hidden, samplers)
             if not batch.prefills:  # the whole step, sampling included
                 self.stats.decode_steps += 1
                 self.stats.decode_step_seconds += time.perf_counter() - now
@@ -340,7 +353,7 @@ class Engine:
                 if not seq.is_finished:
                     self.scheduler.add(seq, state.arriving_kv.pop(seq.seq_id, None))
 
-    def _postprocess(self, batch, logits: torch.Tensor, samplers: list[Sequence]) -> None:
+    def _postprocess(self, batch, hidden: torch.Tensor, samplers: list[Sequence]) -> None:
         sampling = {id(s) for s in samplers}
         for seq, num in batch.prefills:
             if id(seq) not in sampling:
@@ -354,8 +367,8 @@ class Engine:
             rows += [row] * len(group)
             row_seqs += group
         if len(rows) != len(samplers):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens = sample(logits, [SampleRow(s.params, s.generator) for s in row_seqs])
+            hidden = hidden[torch.tensor(rows, device=hidden.device)]
+        tokens = self._sample(hidden, row_seqs)
         self.stats.generated_tokens += len(tokens)
         now = time.perf_counter()
         for seq, token in zip(row_seqs, tokens):
@@ -374,6 +387,34 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the rest
                 log.exception("request %r failed after token %d", seq.request_id, seq.num_generated)
                 self._fail_request(seq.request_id, f"{type(exc).__name__}: {exc}")
+
+    @torch.inference_mode()
+    def _sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        """One token per row: greedy rows that want no logprobs need only their argmax (which the
+        model may screen for); the others sample from their full logits."""
+        argmax_only = [s.params.greedy and s.params.logprobs is None for s in seqs]
+        if all(argmax_only):
+            return self._greedy(hidden)
+        if not any(argmax_only):
+            return sample(self.model.compute_logits(hidden), [SampleRow(s.params, s.generator) for s in seqs])
+        parts = {True: [], False: []}
+        for row, plain in enumerate(argmax_only):
+            parts[plain].append(row)
+        picked = {plain: hidden[torch.tensor(rows, device=hidden.device)] for plain, rows in parts.items()}
+        sampled = sample(self.model.compute_logits(picked[False]),
+                         [SampleRow(seqs[row].params, seqs[row].generator) for row in parts[False]])
+        tokens = [None] * len(seqs)
+        for rows, got in ((parts[True], self._greedy(picked[True])), (parts[False], sampled)):
+            for row, token in zip(rows, got):
+                tokens[row] = token
+        return tokens
+
+    def _greedy(self, hidden: torch.Tensor) -> list[SampledToken]:
+        ids, misses = self.model.greedy_tokens(hidden)
+        if self.model.logit_screen is not None:
+            self.stats.screened_rows += len(ids)
+            self.stats.screen_misses += misses
+        return [SampledToken(token) for token in ids.tolist()]
 
     def _fail_request(self, request_id: str, error: str) -> None:
         """End a request whose own values broke a step: its sequences leave the scheduler (their

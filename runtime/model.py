@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import (add_rms_norm, apply_rope, decode_stack, decode_stack_runs, linear,
+from kernels import (add_rms_norm, apply_rope, argmax, decode_stack, decode_stack_runs, linear,
                      pack_linear_weight, paged_decode_attention, paged_prefill_attention, rms_norm,
                      silu_and_mul, write_kv)
 from runtime.config import ModelSpec
+from runtime.logit_screen import LogitScreen, screened_argmax
 
 
 @dataclass
@@ -183,6 +184,7 @@ class CausalLM(nn.Module):
         self.register_buffer("rope_cos", rope_cos, persistent=False)
         self.register_buffer("rope_sin", rope_sin, persistent=False)
         self._decode_stack = None  # built at the first step that can use it; False: it cannot
+        self.logit_screen: LogitScreen | None = None  # see screen_logits
 
     def _stack_for(self, batch: AttentionBatch, x: torch.Tensor):
         """The C++ decode stack, where it can run this step: decode rows only (one ragged group),
@@ -216,3 +218,15 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def screen_logits(self) -> None:
+        """From here on, greedy tokens come from a bf16 screen of the vocabulary verified in
+        fp32 (runtime/logit_screen.py); once the weights are final, as it keeps a copy."""
+        self.logit_screen = LogitScreen.of(self.lm_head.weight)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Each row's greedy token (the argmax of its fp32 logits), and how many rows the
+        screen, if on, could not clear and gave their full logits."""
+        if self.logit_screen is None:
+            return argmax(self.compute_logits(hidden)), 0
+        return screened_argmax(hidden, self.lm_head.weight, self.logit_screen, self.compute_logits)

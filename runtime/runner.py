@@ -1,5 +1,6 @@
-"""Turns a scheduled batch into one flattened forward pass and returns logits for the rows
-that sample (decodes, and prefill chunks that finish their sequence's pending tokens)."""
+"""Turns a scheduled batch into one flattened forward pass and returns the final hidden states
+of the rows that sample (decodes, and prefill chunks that finish their sequence's pending
+tokens)."""
 
 import torch
 
@@ -42,7 +43,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Returns logits [sampling rows, vocab] and the sequence of each row."""
+        """Returns hidden states [sampling rows, hidden] (normed) and the sequence of each row."""
         bs = self.block_size
         decodes = sorted(batch.decodes, key=lambda s: s.num_tokens, reverse=True)
         input_ids = [s.token_ids[-1] for s in decodes]
@@ -75,4 +76,4 @@ class ModelRunner:
 
         attention = AttentionBatch(self._tensor(slots), groups, chunks)
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), attention, self.kv.layers)
-        return self.model.compute_logits(hidden[self._tensor(sampling_rows)]), samplers
+        return hidden[self._tensor(sampling_rows)], samplers

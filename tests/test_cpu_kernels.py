@@ -537,9 +537,6 @@ class DecodeGroupSpy:
         self.steps.append([len(group.context_lens) for group in attention.decodes])
         return self.model(input_ids, positions, attention, kv_layers)
 
-    def compute_logits(self, hidden):
-        return self.model.compute_logits(hidden)
-
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "smollm", "qwen3_moe"])  # GQA 2, sliding window, MQA, MoE
 def test_engine_greedy_is_token_exact_with_the_torch_path(tiny, family, monkeypatch):
@@ -598,9 +595,6 @@ class StackVersusLayers:
             self.compared.append(torch.equal(hidden["stack"], hidden["layers"]) and all(
                 torch.equal(a, b) for pair in zip(caches["stack"], caches["layers"]) for a, b in zip(*pair)))
         return self.model(input_ids, positions, attention, kv_layers)
-
-    def compute_logits(self, hidden):
-        return self.model.compute_logits(hidden)
 
 
 @pytest.fixture

@@ -65,6 +65,19 @@ def test_logprobs_off_by_default(tiny):
     assert completion.token_ids == expected(tiny, "qwen2", PROMPTS[2], 5)[0]
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_screened_greedy_matches_transformers(tiny, family):
+    """Greedy rows without logprobs take their token from the bf16 screen verified in fp32
+    (runtime/logit_screen.py): still transformers' greedy output."""
+    engine = make_engine(tiny.dir(family), greedy_screen=True)
+    requests = [Request(f"r{i}", prompt_token_ids=p, params=SamplingParams(max_tokens=MAX_TOKENS))
+                for i, p in enumerate(PROMPTS)]
+    completions = engine.generate(requests)
+    for prompt, completion in zip(PROMPTS, completions):
+        assert completion.token_ids == expected(tiny, family, prompt)[0], completion.id
+    assert engine.stats.screened_rows == sum(c.completion_tokens for c in completions)
+
+
 # ---- chunked prefill -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -1,5 +1,7 @@
-// y = x @ weight^T + bias (fp32) on a weight packed once into panels of kPanel output columns,
-// each panel k-major: packed[p][i][j] = weight[p * kPanel + j][i] (zeros past the last output).
+// y = x @ weight^T + bias (fp32 x and y) on a weight packed once into panels of kPanel output
+// columns, each panel k-major: packed[p][i][j] = weight[p * kPanel + j][i] (zeros past the last
+// output). The weight is fp32, or bf16 (the logit screen, runtime/logit_screen.py: half the bytes
+// to read, widened exactly to fp32 as loaded).
 // A register tile of up to kMaxRows rows of x meets a whole panel: per step along k, the
 // panel's two vectors are loaded once and every row's x[i] is broadcast into them, so each load
 // feeds 2 * rows fused multiply-adds and no output needs a horizontal sum. The dot-product form
@@ -35,13 +37,13 @@ constexpr int64_t kAhead = 2;
 // One tile: R rows of x, k-major (x[i * R + r], as pack_rows left them), against one panel; the
 // group-th of `groups` tiles on this panel prefetches every groups-th step of the panel ahead,
 // so the reads spread over all of them.
-template <int R>
-void tile(const float* x, int64_t k, const float* panel, float* y, int64_t n_total, int64_t cols,
-          const float* bias, const float* ahead, int64_t group, int64_t groups) {
+template <int R, typename W>
+void tile(const float* x, int64_t k, const W* panel, float* y, int64_t n_total, int64_t cols,
+          const float* bias, const W* ahead, int64_t group, int64_t groups) {
   vec16 acc[R][2] = {};
   int64_t countdown = group + 1;
   for (int64_t i = 0; i < k; ++i) {
-    const float* w = panel + i * kPanel;
+    const W* w = panel + i * kPanel;
     const vec16 w0 = load16(w), w1 = load16(w + 16);
     if (ahead && --countdown == 0) {
       countdown = groups;
@@ -64,14 +66,16 @@ void tile(const float* x, int64_t k, const float* panel, float* y, int64_t n_tot
   }
 }
 
-using Tile = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, const float*,
-                      const float*, int64_t, int64_t);
+template <typename W>
+using Tile = void (*)(const float*, int64_t, const W*, float*, int64_t, int64_t, const float*,
+                      const W*, int64_t, int64_t);
 
-template <int... R>
-constexpr std::array<Tile, sizeof...(R)> tiles_of(std::integer_sequence<int, R...>) {
-  return {&tile<R + 1>...};
+template <typename W, int... R>
+constexpr std::array<Tile<W>, sizeof...(R)> tiles_of(std::integer_sequence<int, R...>) {
+  return {&tile<R + 1, W>...};
 }
-constexpr auto kTiles = tiles_of(std::make_integer_sequence<int, kMaxRows>{});  // [r - 1]: r rows
+template <typename W>  // [r - 1]: the tile of r rows
+constexpr auto kTiles = tiles_of<W>(std::make_integer_sequence<int, kMaxRows>{});
 
 // How `rows` rows split into tiles: as few as kMaxRows allows, of even sizes; the g-th of
 // `groups` has tile_rows(rows, groups, g) rows, and those before it their sum.
@@ -100,15 +104,16 @@ void pack_rows(const float* x, int64_t rows, int64_t k, float* packed) {
 }
 
 // The `rows` rows of a row block (packed by pack_rows) against panel p.
-void panel_rows(const float* x, int64_t rows, int64_t k, const float* packed, int64_t p,
+template <typename W>
+void panel_rows(const float* x, int64_t rows, int64_t k, const W* packed, int64_t p,
                 int64_t panels, float* y, int64_t n_total, const float* bias) {
   const int64_t n = p * kPanel, cols = std::min(kPanel, n_total - n);
-  const float* panel = packed + p * k * kPanel;
-  const float* ahead = p + kAhead < panels ? panel + kAhead * k * kPanel : nullptr;
+  const W* panel = packed + p * k * kPanel;
+  const W* ahead = p + kAhead < panels ? panel + kAhead * k * kPanel : nullptr;
   const int64_t groups = num_groups(rows);
   for (int64_t g = 0, m = 0; g < groups; ++g) {
     const int64_t r = tile_rows(rows, groups, g);
-    kTiles[r - 1](x + m * k, k, panel, y + m * n_total + n, n_total, cols, bias ? bias + n : nullptr,
+    kTiles<W>[r - 1](x + m * k, k, panel, y + m * n_total + n, n_total, cols, bias ? bias + n : nullptr,
                   ahead, g, groups);
     m += r;
   }
@@ -119,8 +124,9 @@ void panel_rows(const float* x, int64_t rows, int64_t k, const float* packed, in
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                            const std::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "panel_linear runs CPU tensors");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
-              "panel_linear is fp32 only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat &&
+                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16),
+              "panel_linear takes fp32 x and fp32 or bf16 panels");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
               "packed must be contiguous [panels, in, ", kPanel, "]");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1), "x must be [rows, in]");
@@ -136,14 +142,19 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   auto y = torch::empty({rows, out_features}, x.options());
   pack_rows(xc.data_ptr<float>(), rows, k, xt.data_ptr<float>());
   const float* xp = xt.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
   const float* bp = bias ? bc.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t m = 0; m < rows; m += kRowBlock)
-      for (int64_t p = begin; p < end; ++p)
-        panel_rows(xp + m * k, std::min(kRowBlock, rows - m), k, wp, p, panels, yp + m * out_features,
-                   out_features, bp);
-  });
+  auto run = [&](auto* wp) {
+    at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t m = 0; m < rows; m += kRowBlock)
+        for (int64_t p = begin; p < end; ++p)
+          panel_rows(xp + m * k, std::min(kRowBlock, rows - m), k, wp, p, panels,
+                     yp + m * out_features, out_features, bp);
+    });
+  };
+  if (packed.scalar_type() == at::kBFloat16)
+    run(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()));
+  else
+    run(packed.data_ptr<float>());
   return y;
 }

@@ -17,6 +17,19 @@ inline vec16 load16(const float* p) {
 
 inline void store16(float* p, vec16 v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
+// bf16 is the upper half of an fp32, so widening one is exact: a shift into place.
+typedef uint16_t bf16x16 __attribute__((vector_size(16 * sizeof(uint16_t))));
+typedef uint32_t ulanes16 __attribute__((vector_size(16 * sizeof(uint32_t))));
+
+inline vec16 load16(const uint16_t* p) {
+  bf16x16 half;
+  __builtin_memcpy(&half, p, sizeof(half));
+  const ulanes16 wide = __builtin_convertvector(half, ulanes16) << 16;
+  vec16 v;
+  __builtin_memcpy(&v, &wide, sizeof(v));
+  return v;
+}
+
 inline float lane_sum(vec16 v) {
   v += __builtin_shuffle(v, lanes16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
   v += __builtin_shuffle(v, lanes16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});

@@ -1,0 +1,129 @@
+"""runtime/logit_screen.py: greedy tokens from a bf16 screen of the vocabulary, verified in fp32,
+are the fp32 argmax, on either backend of kernels.bf16_weight_linear; rows the bound cannot
+clear (near-ties, NaN) take the full logits; and the engine routes only greedy rows without
+logprobs through it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from helpers import make_engine, random_prompts
+from kernels import cpu_kernels, matmul
+from runtime import Request, SamplingParams
+from runtime.logit_screen import CANDIDATES, LogitScreen, screened_argmax
+
+BACKENDS = ["cpp", "torch"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", request.param)
+    return request.param
+
+
+def screen_and_reference(hidden, weight):
+    calls = []
+
+    def full(rows):
+        calls.append(len(rows))
+        return F.linear(rows, weight)
+
+    tokens, misses = screened_argmax(hidden, weight, LogitScreen.of(weight), full)
+    assert misses == sum(calls)
+    return tokens, misses, F.linear(hidden, weight).argmax(dim=1)
+
+
+@pytest.mark.parametrize("rows", [1, 5, cpu_kernels.BF16_PANEL_ROWS, cpu_kernels.BF16_PANEL_ROWS + 1, 40])
+@pytest.mark.parametrize("vocab,size", [(3000, 64), (517, 96), (CANDIDATES, 32), (7, 16)])
+def test_the_screened_token_is_the_fp32_argmax(backend, rows, vocab, size):
+    g = torch.Generator().manual_seed(rows * vocab + size)
+    weight = torch.randn(vocab, size, generator=g) * 0.05
+    hidden = torch.randn(rows, size, generator=g) * 3
+    tokens, misses, reference = screen_and_reference(hidden, weight)
+    assert torch.equal(tokens, reference)
+    if vocab > 3 * CANDIDATES:
+        assert misses < rows  # the bound clears typical rows: the screen is not just the fallback
+
+
+def test_tied_logits_give_the_lowest_id_as_argmax_does(backend):
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(400, 32, generator=g)
+    weight[[50, 120, 399]] = weight[7].clone()  # four tokens with identical logits on every row
+    hidden = weight[7].expand(6, 32) * 2  # ... and those the largest
+    tokens, misses, reference = screen_and_reference(hidden, weight)
+    assert tokens.tolist() == reference.tolist() == [7] * 6
+
+
+def test_rows_the_bound_cannot_clear_take_the_full_logits(backend):
+    """A flat vocabulary (more than CANDIDATES tokens within bf16's error of the top): the screen
+    cannot prove its pick, so the row's full fp32 logits decide."""
+    g = torch.Generator().manual_seed(2)
+    size = 64
+    direction = torch.randn(size, generator=g)
+    weight = direction.repeat(300, 1) + 1e-4 * torch.randn(300, size, generator=g)
+    hidden = torch.stack([direction, -direction, torch.randn(size, generator=g)])
+    tokens, misses, reference = screen_and_reference(hidden, weight)
+    assert misses >= 1
+    assert torch.equal(tokens, reference)
+
+
+def test_a_row_with_nan_takes_the_full_logits(backend):
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(200, 16, generator=g)
+    hidden = torch.randn(3, 16, generator=g)
+    hidden[1, 4] = float("nan")
+    tokens, misses, reference = screen_and_reference(hidden, weight)
+    assert misses == 1
+    assert torch.equal(tokens, reference)
+
+
+@pytest.mark.parametrize("rows", [1, 7, cpu_kernels.BF16_PANEL_ROWS, 30])
+def test_bf16_weight_linear_is_within_the_bound_the_screen_assumes(backend, rows):
+    """Each entry within 2^-8 |w_j|.|x| + 2^-9 |y_j| (+ fp32 accumulation) of the exact product,
+    the C++ panel kernel (up to BF16_PANEL_ROWS) and oneDNN alike."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 200, generator=g) * 4
+    fp32_weight = torch.randn(1000, 200, generator=g) * 0.1  # the weight the bf16 one stands for
+    weight = fp32_weight.bfloat16()
+    got = kernels.bf16_weight_linear(x, weight, kernels.pack_bf16_weight(weight)).double()
+    exact = x.double() @ fp32_weight.double().T
+    dots = x.double().abs() @ fp32_weight.double().abs().T
+    bound = (2.0 ** -8 + 2 * 200 * 2.0 ** -24) * dots + 2.0 ** -9 * got.abs()
+    assert ((got - exact).abs() <= bound).all()
+
+
+def test_the_cpp_backend_takes_few_rows_on_its_panels():
+    weight = torch.randn(100, 32).bfloat16()
+    packed = cpu_kernels.pack_bf16_weight(weight)
+    assert packed is not None and matmul.pack_bf16_weight(weight) is None
+    few, many = torch.randn(3, 32), torch.randn(cpu_kernels.BF16_PANEL_ROWS + 1, 32)
+    assert cpu_kernels.bf16_weight_linear(few, weight, packed).dtype == torch.float32  # the panels
+    assert cpu_kernels.bf16_weight_linear(many, weight, packed).dtype == torch.bfloat16  # oneDNN
+    torch.testing.assert_close(cpu_kernels.bf16_weight_linear(few, weight, packed),
+                               few @ weight.float().T, rtol=1e-5, atol=1e-5)
+
+
+def test_the_engine_screens_only_greedy_rows_without_logprobs(tiny):
+    """A step mixing greedy, greedy-with-logprobs and sampled rows: every request's output is the
+    one the unscreened engine gives, and only the plain greedy rows were screened."""
+    prompts = random_prompts((5, 9, 14, 3), seed=4)
+    params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, logprobs=2),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=5), SamplingParams(max_tokens=12, n=2)]
+
+    def run(screen):
+        engine = make_engine(tiny.dir("llama"), greedy_screen=screen)
+        completions = engine.generate([Request(f"r{i}", prompt_token_ids=p, params=q)
+                                       for i, (p, q) in enumerate(zip(prompts, params))])
+        return [[o.token_ids for o in c.outputs] for c in completions], [c.logprobs for c in completions], engine
+
+    plain, plain_logprobs, unscreened = run(False)
+    screened, screened_logprobs, engine = run(True)
+    assert screened == plain and screened_logprobs == plain_logprobs
+    assert unscreened.stats.screened_rows == 0
+    assert engine.stats.screened_rows == 12 + 2 * 12  # r0, and both samples of r3
+
+
+def test_the_screen_is_refused_under_a_weight_budget(tiny):
+    with pytest.raises(ValueError, match="greedy_screen"):
+        make_engine(tiny.dir("llama"), greedy_screen=True, weight_budget_bytes=1 << 30)
