@@ -176,7 +176,7 @@ class Engine:
         if greedy_screen and streaming:
             raise ValueError("greedy_screen keeps a bf16 copy of the lm_head, outside weight_budget_bytes")
         if greedy_screen:
-            self.model.screen_logits()
+            on_a_passing_thread(self.model.screen_logits)  # its bf16 copies are parallel ops
         self.spec = self.model.spec
         self._moe_blocks = moe_blocks(self.model)
         self.tokenizer = load_tokenizer(self.model_dir)

@@ -3,6 +3,11 @@ are the fp32 argmax, on either backend of kernels.bf16_weight_linear; rows the b
 clear (near-ties, NaN) take the full logits; and the engine routes only greedy rows without
 logprobs through it."""
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,3 +132,30 @@ def test_the_engine_screens_only_greedy_rows_without_logprobs(tiny):
 def test_the_screen_is_refused_under_a_weight_budget(tiny):
     with pytest.raises(ValueError, match="greedy_screen"):
         make_engine(tiny.dir("llama"), greedy_screen=True, weight_budget_bytes=1 << 30)
+
+
+def test_the_screen_is_made_off_the_calling_thread(tiny):
+    """Building the screen's bf16 copies runs parallel ops; on the thread that constructs the
+    engine they would leave it an OpenMP pool beside the stepping thread's when `start()` steps
+    on another thread, and every step would wait on it (W1-quick through Generate: 37 -> 51 s).
+    In a fresh process (whose main thread has no pool yet), constructing the engine leaves no
+    threads behind."""
+    model = tiny.dir("llama", vocab_size=60000)  # an lm_head large enough for parallel copies
+    probe = textwrap.dedent(f"""
+        import os, time, torch
+        torch.set_num_threads(2)
+        from runtime import Engine
+
+        def threads():
+            return len(os.listdir("/proc/self/task"))
+
+        before = threads()
+        engine = Engine({str(model)!r}, greedy_screen=True, kv_cache_bytes=1 << 22)
+        deadline = time.monotonic() + 10  # the setup threads' pools wind down after them
+        while threads() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print(threads() - before)
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          cwd=Path(__file__).parent.parent, check=True)
+    assert done.stdout.split()[-1] == "0", done.stdout + done.stderr
