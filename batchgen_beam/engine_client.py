@@ -21,6 +21,7 @@ from typing import Any, Iterable
 
 from apache_beam.utils.multi_process_shared import MultiProcessShared
 
+from kernels import linear_rows
 from runtime.request import Completion, Request
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,10 @@ class EngineService:
                 "prefill_tokens": self.engine.stats.prefill_tokens,
                 "waiting": len(scheduler.waiting), "running": len(scheduler.running),
                 "suspended": len(scheduler.suspended), "finished": self._finished,
-                "generated_tokens": self._generated_tokens, "migrated_out": self._migrated_out}
+                "generated_tokens": self._generated_tokens, "migrated_out": self._migrated_out,
+                "screened_rows": self.engine.stats.screened_rows,
+                "screen_misses": self.engine.stats.screen_misses,
+                "linear_plan": linear_rows.described()}
 
 
 class EngineClient:

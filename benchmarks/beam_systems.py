@@ -52,9 +52,10 @@ def generate(records: list[dict], engine_args: dict) -> dict:
     engine_start = time.perf_counter() - start
     seconds, tokens = _run_pipeline(records, Generate(engine_args=engine_args),
                                     lambda row: (row["id"], row["token_ids"]))
+    plan = EngineClient.shared(config).info()["linear_plan"]  # measured in the engine's process
     return {"system": "Generate (Beam DirectRunner)", "load_s": engine_start,
             "batch_completion_s": seconds, "output_tokens": sum(map(len, tokens.values())),
-            "tokens": tokens}
+            "linear_plan": plan, "tokens": tokens}
 
 
 class _HFModel:

@@ -41,6 +41,7 @@ class ExpertCallCounter:
 
 def engine(model_dir: Path, items: list[WorkItem], return_engine: bool = False, **engine_args):
     """Our engine on the items; with `return_engine`, (result, engine) for its statistics."""
+    from kernels import linear_rows
     from runtime import Engine
 
     start = time.perf_counter()
@@ -54,20 +55,13 @@ def engine(model_dir: Path, items: list[WorkItem], return_engine: bool = False, 
               "output_tokens": sum(c.completion_tokens for c in completions),
               "steps": llm.stats.steps, "engine_args": engine_args,
               "parameters": sum(p.numel() for p in llm.model.parameters()),
-              "linear_plan": _linear_plan(), "tokens": {c.id: c.token_ids for c in completions}}
+              "linear_plan": linear_rows.described(), "tokens": {c.id: c.token_ids for c in completions}}
+    if llm.stats.screened_rows:  # greedy rows from the bf16 screen (runtime/logit_screen.py)
+        result.update(screened_rows=llm.stats.screened_rows, screen_misses=llm.stats.screen_misses)
     if llm.stats.expert_calls:
         result.update(expert_calls=llm.stats.expert_calls, expert_tokens=llm.stats.expert_tokens,
                       tokens_per_expert_call=llm.stats.tokens_per_expert_call)
     return (result, llm) if return_engine else result
-
-
-def _linear_plan() -> dict | None:
-    """The row spans this process measured for its CPU linears (kernels/linear_rows.py), if any."""
-    from kernels import linear_rows
-
-    plan = linear_rows.resolved()
-    return plan and {"panel_rows": linear_rows.shown(plan.panel_rows),
-                     "kernel_rows": linear_rows.shown(plan.kernel_rows)}
 
 
 def _load(model_dir: Path):

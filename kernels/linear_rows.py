@@ -164,6 +164,11 @@ def resolved() -> Plan | None:
     return _plan
 
 
+def described() -> dict | None:
+    """The resolved plan's spans as the variables write them (for reports), if any."""
+    return _plan and {"panel_rows": shown(_plan.panel_rows), "kernel_rows": shown(_plan.kernel_rows)}
+
+
 def _resolve(kernel, panel, pack) -> Plan:
     panel_text, rows_text = os.environ.get(PANEL_VAR), os.environ.get(ROWS_VAR)
     panel_rows = parse_span(panel_text, PANEL_VAR) if panel_text else None
