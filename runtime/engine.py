@@ -146,8 +146,9 @@ class Engine:
 
         greedy_screen: greedy rows without logprobs take the argmax of a bf16 screen of the
         vocabulary verified in fp32 (runtime/logit_screen.py), not full fp32 logits; the tokens
-        are the same. It keeps a bf16 copy of the lm_head. None (the default): on where bf16
-        matmuls run on matrix units (kernels.bf16_matmul_is_fast), for fp32 weights held whole."""
+        are the same. It keeps bf16 copies of the lm_head (on CPU two, each half its size).
+        None (the default): on where bf16 matmuls run on matrix units
+        (kernels.bf16_matmul_is_fast), for fp32 weights held whole."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_dir = Path(model) if model is not None else default_model_dir()
