@@ -393,19 +393,17 @@ class Engine:
     def _sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         """One token per row: greedy rows that want no logprobs need only their argmax (which the
         model may screen for); the others sample from their full logits."""
-        argmax_only = [s.params.greedy and s.params.logprobs is None for s in seqs]
-        if all(argmax_only):
+        plain = [s.params.greedy and s.params.logprobs is None for s in seqs]
+        if all(plain):  # the common case: no rows to pick apart
             return self._greedy(hidden)
-        if not any(argmax_only):
-            return sample(self.model.compute_logits(hidden), [SampleRow(s.params, s.generator) for s in seqs])
-        parts = {True: [], False: []}
-        for row, plain in enumerate(argmax_only):
-            parts[plain].append(row)
-        picked = {plain: hidden[torch.tensor(rows, device=hidden.device)] for plain, rows in parts.items()}
-        sampled = sample(self.model.compute_logits(picked[False]),
-                         [SampleRow(seqs[row].params, seqs[row].generator) for row in parts[False]])
         tokens = [None] * len(seqs)
-        for rows, got in ((parts[True], self._greedy(picked[True])), (parts[False], sampled)):
+        for wanted in (True, False):
+            rows = [row for row, is_plain in enumerate(plain) if is_plain == wanted]
+            if not rows:
+                continue
+            part = hidden[torch.tensor(rows, device=hidden.device)]
+            got = self._greedy(part) if wanted else sample(
+                self.model.compute_logits(part), [SampleRow(seqs[row].params, seqs[row].generator) for row in rows])
             for row, token in zip(rows, got):
                 tokens[row] = token
         return tokens

@@ -34,9 +34,12 @@ class LogitScreen:
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> "LogitScreen":
-        weight_bf16 = weight.detach().to(torch.bfloat16)
-        norm = weight.detach().double().norm(dim=1).max().item()
-        return cls(weight_bf16, pack_bf16_weight(weight_bf16), norm * (1 + 1e-6))
+        weight = weight.detach()
+        weight_bf16 = weight.to(torch.bfloat16)
+        # In fp32 (an fp64 copy of a large vocabulary's head would be gigabytes), rounded up by
+        # more than a K-term fp32 sum of squares can be off.
+        norm = weight.norm(dim=1).max().item() * (1 + weight.shape[1] * 2.0 ** -22)
+        return cls(weight_bf16, pack_bf16_weight(weight_bf16), norm)
 
 
 def screened_argmax(hidden: torch.Tensor, weight: torch.Tensor, screen: LogitScreen,
