@@ -22,9 +22,12 @@ Choices:
   any other key is rejected, naming it, rather than silently not honoured.
 - Passthrough values that strict JSON cannot hold (dates, decimals from Parquet or BigQuery,
   NaN and infinities, mapping keys that are not strings or numbers) are written as their str()
-  in output rows rather than failing the pipeline or writing a bare NaN.
+  in output rows rather than failing the pipeline or writing a bare NaN. Bytes are written in
+  base64, as BigQuery and protobuf's JSON mapping write them.
 - Text fields (id, prompt, a message's role and content) given as bytes, as some Parquet
   writers store strings, are decoded as UTF-8; bytes that are not UTF-8 reject the record.
+- A message of role "developer" (OpenAI's newer name for system instructions) is a system
+  message: chat templates know only "system".
 - A message's content may be OpenAI's list of text parts, joined by newlines (as vLLM does);
   any other part (an image) rejects the record.
 - numpy scalars and arrays (pandas and DataFrame sources hold them) count as the Python values
@@ -38,6 +41,7 @@ Choices:
   the error row's passthrough, which must be writable.
 """
 
+import base64
 import hashlib
 import json
 import math
@@ -55,6 +59,8 @@ from runtime.sampling import SamplingParams
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                    "n", "logprobs", "ignore_eos")
 ROLES = ("system", "user", "assistant")
+# OpenAI's newer name for the system role: chat templates know only "system".
+ROLE_ALIASES = {"developer": "system"}
 RAW_PREVIEW_CHARS = 200
 MAX_NESTING = 32  # levels of mappings and lists in a record: far past any real one
 
@@ -331,8 +337,11 @@ def _check_message(where: str, message: Any) -> dict:
     content = _utf8(message.get("content"), f"{where}.content")
     if role is None:
         raise _Invalid(f"{where}.role: missing")
+    if isinstance(role, str):
+        role = ROLE_ALIASES.get(role, role)
     if not isinstance(role, str) or role not in ROLES:
-        raise _Invalid(f"{where}.role: must be one of {', '.join(ROLES)}, got {_show(role)}")
+        raise _Invalid(f"{where}.role: must be one of {', '.join(ROLES + tuple(ROLE_ALIASES))}, "
+                       f"got {_show(role)}")
     if content is None:
         raise _Invalid(f"{where}.content: missing")
     # Keys like "name" or "tool_calls" mean something we would silently drop.
@@ -559,13 +568,16 @@ def _dumps(value: Any) -> str:
 def _json_safe(value: Any) -> Any:
     """value with what strict JSON cannot hold as its str(): NaN and infinities (Python's json
     would write a bare NaN, which other readers refuse) and mapping keys other than str, int,
-    finite float, bool or None (which json.dumps refuses). Other values are left to default=str."""
+    finite float, bool or None (which json.dumps refuses); bytes in base64 (their str() is a
+    Python repr no reader decodes). Other values are left to default=str."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, Mapping):
         return {_json_key(k): _json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_json_safe(v) for v in value]
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(value).decode("ascii")
     return value
 
 

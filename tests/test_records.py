@@ -2,6 +2,7 @@
 per-record fields combine as documented, OpenAI Batch API lines map onto our fields, and output
 rows survive Parquet and JSONL round trips unchanged."""
 
+import base64
 import datetime
 import json
 import math
@@ -395,6 +396,14 @@ def test_messages_are_normalised_copies():
     assert got.to_request() == Request("m", messages=got.messages, params=SamplingParams())
 
 
+def test_a_developer_message_is_a_system_message():
+    """OpenAI's newer name for system instructions; chat templates know only "system"."""
+    got = parse_record(json.dumps(chat_line({"messages": [{"role": "developer", "content": "Be brief."},
+                                                          {"role": "user", "content": "Hi"}]})))
+    assert isinstance(got, Parsed), got
+    assert got.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
 def test_text_content_parts_are_joined_by_newlines():
     parts = [{"type": "text", "text": "Translate:"}, {"type": "text", "text": "bonjour"}]
     got = parse_record(json.dumps(chat_line({"messages": [{"role": "user", "content": parts}]})))
@@ -615,3 +624,13 @@ def test_passthrough_values_json_cannot_hold_are_written_as_text():
     row = error_row("d", "x", {"day": datetime.date(2024, 5, 1)})
     assert row_from_json(row_to_json(row))["passthrough"] == {"day": "2024-05-01"}
     assert arrow_to_rows(rows_to_arrow([row]))[0]["passthrough"] == {"day": "2024-05-01"}
+
+
+def test_passthrough_bytes_are_written_in_base64():
+    """As BigQuery and protobuf's JSON mapping write them (a Parquet binary column gives bytes)."""
+    blob = bytes(range(256))
+    record = {"id": "b", "prompt": "Hi", "blob": blob, "parts": [b"\xff\x00", np.bytes_(b"ok")]}
+    row = error_row("b", "x", parse_record(record).passthrough)
+    for written in (row_from_json(row_to_json(row)), arrow_to_rows(rows_to_arrow([row]))[0]):
+        assert base64.b64decode(written["passthrough"]["blob"]) == blob
+        assert [base64.b64decode(p) for p in written["passthrough"]["parts"]] == [b"\xff\x00", b"ok"]
