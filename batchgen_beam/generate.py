@@ -4,8 +4,12 @@ Records are validated, then spread over sharded keys. For each key a stateful Do
 pending record in BagState while its sequence runs in the machine's engine; a record's row is
 emitted from `process` as soon as it is done, in the same bundle that drops it from state (so a
 retried bundle neither loses nor repeats a row), and an event-time timer at the window's end
-flushes the rest. Nothing depends on processing-time timers, which batch runners may never fire
-(DESIGN.md §4). A bundle never waits for its own stragglers, only for engine capacity.
+flushes the rest. Correctness rests on no processing-time timer, which batch runners may
+never fire (DESIGN.md §4). A bundle never waits for its own stragglers, only for engine capacity.
+
+Unbounded inputs (streaming): a window may end only when the job drains (the global window), so
+there a processing-time timer also emits each key's finished rows every `poll_interval_s` while
+any are pending. Bounded inputs run without it.
 
 Stragglers (`straggler_timeout_s`): the flush then waits at most that long. Records still
 running are taken out of the engine (their tokens so far and RNG state) and leave as
@@ -26,6 +30,7 @@ from apache_beam.pvalue import TaggedOutput
 from apache_beam.typehints import KV
 from apache_beam.coders import PickleCoder
 from apache_beam.metrics import Metrics
+from apache_beam.options.pipeline_options import StandardOptions
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import BagStateSpec, TimerSpec, on_timer
 
@@ -207,6 +212,33 @@ class _GenerateFn(beam.DoFn):
         return row
 
 
+class _StreamingGenerateFn(_GenerateFn):
+    """The first stage on an unbounded input: besides the window-end flush, a processing-time
+    timer emits the key's finished rows every `poll_interval_s` while any are pending, so a row
+    waits neither for its window to end nor for its key's next record."""
+    POLL = TimerSpec("poll", TimeDomain.REAL_TIME)
+    clock = staticmethod(time.time)  # what runners' processing time reads (as GroupIntoBatches has it)
+
+    def __init__(self, *args, poll_interval_s: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._poll_interval_s = poll_interval_s
+
+    def process(self, element, window=beam.DoFn.WindowParam,
+                pending=beam.DoFn.StateParam(_GenerateFn.PENDING),
+                flush=beam.DoFn.TimerParam(_GenerateFn.FLUSH), poll=beam.DoFn.TimerParam(POLL)):
+        yield from self._process(element, window, pending, flush)
+        poll.set(self.clock() + self._poll_interval_s)
+
+    @on_timer(POLL)
+    def poll(self, pending=beam.DoFn.StateParam(_GenerateFn.PENDING),
+             poll=beam.DoFn.TimerParam(POLL)):
+        # The key may have moved here from a failed worker: resubmit what no engine runs.
+        self._submit(list(pending.read()))
+        yield from self._emit_done(pending, wait=False)
+        if next(iter(pending.read()), None) is not None:
+            poll.set(self.clock() + self._poll_interval_s)
+
+
 class _ContinueFn(_GenerateFn):
     """The second stage. Its state and timer need their own names: with the first stage's, the
     DirectRunner fired one stage's timers on the other's DoFn (Beam 2.77)."""
@@ -230,11 +262,13 @@ class Generate(beam.PTransform):
     `engine_args` go to `runtime.Engine` (max_num_seqs, kv_cache_bytes, ...).
     `straggler_timeout_s`: at the end of input, wait at most this long for a key's records, then
     continue the unfinished ones in a second stage on other keys (module docstring); None: wait.
+    `poll_interval_s`: on an unbounded input (or with the `streaming` option), how often each
+    key's finished rows are emitted between its records; bounded inputs ignore it.
     """
 
     def __init__(self, model: str | None = None, *, num_shards: int = 16, max_in_flight: int = 1024,
                  engine_args: dict | None = None, straggler_timeout_s: float | None = None,
-                 **sampling_defaults):
+                 poll_interval_s: float = 1.0, **sampling_defaults):
         super().__init__()
         self._config = EngineConfig.of(model, **(engine_args or {}))
         self._defaults = sampling_defaults
@@ -244,8 +278,11 @@ class Generate(beam.PTransform):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if straggler_timeout_s is not None and straggler_timeout_s < 0:
             raise ValueError(f"straggler_timeout_s must be >= 0, got {straggler_timeout_s}")
+        if isinstance(poll_interval_s, bool) or not isinstance(poll_interval_s, (int, float)) \
+                or not poll_interval_s > 0:
+            raise ValueError(f"poll_interval_s must be a number > 0, got {poll_interval_s!r}")
         self._num_shards, self._max_in_flight = num_shards, max_in_flight
-        self._straggler_timeout_s = straggler_timeout_s
+        self._straggler_timeout_s, self._poll_interval_s = straggler_timeout_s, poll_interval_s
 
     def expand(self, records):
         defaults, shards = self._defaults, self._num_shards
@@ -257,8 +294,11 @@ class Generate(beam.PTransform):
             return (shard_of(str(parsed.id), shards), parsed)
 
         validated = records | "Validate" >> beam.Map(keyed).with_output_types(KV[int, Any])
-        first_stage = _GenerateFn(self._config, shards, self._max_in_flight, namespace,
-                                  self._straggler_timeout_s)
+        first_stage_args = (self._config, shards, self._max_in_flight, namespace, self._straggler_timeout_s)
+        if not records.is_bounded or records.pipeline.options.view_as(StandardOptions).streaming:
+            first_stage = _StreamingGenerateFn(*first_stage_args, poll_interval_s=self._poll_interval_s)
+        else:
+            first_stage = _GenerateFn(*first_stage_args)
         if self._straggler_timeout_s is None:
             return validated | "Generate" >> beam.ParDo(first_stage)
         first = validated | "Generate" >> beam.ParDo(first_stage).with_outputs(CONTINUATIONS, main="rows")

@@ -15,10 +15,13 @@ from pathlib import Path
 import apache_beam as beam
 import psutil
 import pytest
+from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.testing import test_stream
+from apache_beam.testing.util import assert_that
 from apache_beam.transforms.window import GlobalWindow
 
 from batchgen_beam.engine_client import EngineClient, EngineConfig
-from batchgen_beam.generate import Generate, _GenerateFn
+from batchgen_beam.generate import Generate, _GenerateFn, _StreamingGenerateFn
 from batchgen_beam.records import parse_record, row_to_json
 from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, MULTI_PROCESSING, bundled_prompts,
                           chat_model_dir, counter, distribution, run_pipeline, worker_pythonpath)
@@ -244,6 +247,7 @@ def test_passthrough_fields_come_back(rows_by_key):
     (dict(num_shards=0), "num_shards must be an integer >= 1, got 0"),
     (dict(max_in_flight=2.5), "max_in_flight must be an integer >= 1, got 2.5"),
     (dict(straggler_timeout_s=-1), "straggler_timeout_s must be >= 0"),
+    (dict(poll_interval_s=0), "poll_interval_s must be a number > 0, got 0"),
     (dict(temperature=-1), "defaults: temperature: must be >= 0, got -1"),
     (dict(engine_args={"max_num_seq": 8}), r"engine_args: unknown \['max_num_seq'\]"),
 ])
@@ -528,3 +532,70 @@ def test_records_left_in_state_are_resubmitted_by_a_restarted_worker(model_dir, 
     assert bag.items == []
     expected = {c.id: c.token_ids for c in bare_engine.generate([p.to_request() for p in records])}
     assert {row["id"]: row["token_ids"] for row in rows} == expected
+
+
+def test_on_an_unbounded_input_finished_rows_leave_before_the_window_ends(model_dir, good, bare_engine,
+                                                                           monkeypatch):
+    """Streaming: the global window ends only when the job drains, and a key may see no more
+    records. Its processing-time poll timer emits each row as it finishes, once, and is set
+    again only while rows are pending; the window's end then has nothing left to emit."""
+    records = [parse_record(r, {"max_tokens": 16, "ignore_eos": True}) for r in good[:5]]
+    bag, flush, poll, rows = Bag(), Timer(), Timer(), []
+    monkeypatch.setattr(EngineClient, "_instances", {})
+    fn = _StreamingGenerateFn(EngineConfig.of(str(model_dir), **ENGINE_ARGS), num_shards=1,
+                              max_in_flight=1024, namespace="stream-1", poll_interval_s=0.5)
+    fn.setup()
+    for parsed in records:
+        before = time.time()
+        rows += fn.process((0, parsed), window=GlobalWindow(), pending=bag, flush=flush, poll=poll)
+        assert before + 0.5 <= poll.set_to[-1] <= time.time() + 0.5
+    deadline = time.monotonic() + 120
+    while bag.items and time.monotonic() < deadline:
+        armed = len(poll.set_to)
+        rows += fn.poll(pending=bag, poll=poll)
+        assert len(poll.set_to) == armed + bool(bag.items)  # re-armed while rows are pending
+        time.sleep(0.05)
+    assert bag.items == []
+    assert list(fn.flush(pending=bag)) == []
+    expected = {c.id: c.token_ids for c in bare_engine.generate([p.to_request() for p in records])}
+    assert sorted(row["id"] for row in rows) == sorted(expected)  # one row each
+    assert {row["id"]: row["token_ids"] for row in rows} == expected
+
+
+def test_a_streaming_pipeline_emits_rows_before_its_window_ends(model_dir, good, bare_engine, monkeypatch):
+    """An unbounded input (a TestStream, on the DirectRunner's streaming mode) runs the polling
+    first stage: each record yields exactly one row, while the global window is still open (the
+    DirectRunner drops, as late, rows a window-end timer emits there)."""
+    monkeypatch.setattr(_StreamingGenerateFn, "clock", staticmethod(lambda: 0.0))  # a TestStream's clock
+    records = good[:6] + [{"id": "bad", "prompt": ""}]
+    stream = (test_stream.TestStream().advance_watermark_to(0).add_elements(records[:4])
+              .add_elements(["pause"]).advance_processing_time(10)
+              .add_elements(records[4:]).add_elements(["pause"]).advance_processing_time(10)
+              .advance_watermark_to_infinity())
+    parsed = [parse_record(r, {"max_tokens": MAX_TOKENS}) for r in records[:6]]
+    expected = {c.id: c.token_ids for c in bare_engine.generate([p.to_request() for p in parsed])}
+
+    def check(rows):
+        assert sorted(row["id"] for row in rows) == sorted([*expected, "bad"])  # one row each
+        assert {row["id"]: row["token_ids"] for row in rows if row["id"] != "bad"} == expected
+        [bad] = [row for row in rows if row["id"] == "bad"]
+        assert "prompt: must not be empty" in bad["error"], bad
+
+    with beam.Pipeline(options=PipelineOptions(["--runner=DirectRunner", "--streaming"])) as pipeline:
+        records_in = (pipeline | stream
+                      | "Pause" >> beam.Filter(lambda r: r != "pause" or time.sleep(3)))
+        rows = records_in | Generate(str(model_dir), engine_args=ENGINE_ARGS, max_tokens=MAX_TOKENS)
+        assert_that(rows, check)
+
+
+def test_generate_polls_only_on_unbounded_inputs(model_dir):
+    """Batch runners may never fire a processing-time timer (DESIGN.md §4), and a stateful
+    DoFn with one forces the DirectRunner's legacy path: bounded inputs run without it."""
+    def first_stage(pipeline, source):
+        rows = pipeline | source | Generate(str(model_dir), engine_args=ENGINE_ARGS)
+        return type(rows.producer.transform.fn)
+
+    assert first_stage(beam.Pipeline(), beam.Create([{"id": "a", "prompt": "Hi"}])) is _GenerateFn
+    unbounded = test_stream.TestStream().add_elements([{"id": "a", "prompt": "Hi"}])
+    streaming = beam.Pipeline(options=PipelineOptions(["--streaming"]))
+    assert first_stage(streaming, unbounded) is _StreamingGenerateFn
