@@ -18,7 +18,7 @@ Choices:
 - A field that is None counts as absent, so a column that is null in some rows means "use the
   default" there. The flip side: a record cannot switch a default seed or logprobs back off.
 - OpenAI body keys: harmless ones (`model`, `user`, ...) are ignored; keys that would change the
-  output (`tools`, `response_format`, penalties, ...) are accepted only at their no-op value;
+  output (`tools`, `response_format`, `logit_bias`, ...) are accepted only at their no-op value;
   any other key is rejected, naming it, rather than silently not honoured.
 - Passthrough values that strict JSON cannot hold (dates, decimals from Parquet or BigQuery,
   NaN and infinities, mapping keys that are not strings or numbers) are written as their str()
@@ -57,7 +57,8 @@ from runtime.request import Completion, Request, Timings
 from runtime.sampling import SamplingParams
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                   "n", "logprobs", "ignore_eos")
+                   "n", "logprobs", "ignore_eos", "repetition_penalty", "frequency_penalty",
+                   "presence_penalty")
 ROLES = ("system", "user", "assistant")
 # OpenAI's newer name for the system role: chat templates know only "system".
 ROLE_ALIASES = {"developer": "system"}
@@ -72,15 +73,15 @@ _OPENAI_URLS = {
                                           "logprobs", "top_logprobs"}),
     "/v1/completions": ("prompt", {"prompt", "max_tokens", "logprobs"}),
 }
-# Body keys that map one to one onto ours; top_k, stop_token_ids and ignore_eos are vLLM's
-# extensions of the API, so files written for vLLM work too.
+# Body keys that map one to one onto ours; top_k, stop_token_ids, ignore_eos and
+# repetition_penalty are vLLM's extensions of the API, so files written for vLLM work too.
 _OPENAI_SAMPLING = {"temperature", "top_p", "seed", "stop", "n", "top_k", "stop_token_ids",
-                    "ignore_eos"}
+                    "ignore_eos", "frequency_penalty", "presence_penalty", "repetition_penalty"}
 # Body keys that do not affect the generated text.
 _OPENAI_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
                    "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
 # Body keys we cannot honour, accepted only at the value that makes them a no-op.
-_OPENAI_NO_OP = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "echo": False,
+_OPENAI_NO_OP = {"logit_bias": {}, "echo": False,
                  "best_of": 1, "suffix": "", "stream": False, "tools": [], "tool_choice": "none",
                  "response_format": {"type": "text"}, "modalities": ["text"]}
 

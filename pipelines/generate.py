@@ -96,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
                           help="generate max_tokens whatever the model says")
     sampling.add_argument("--logprobs", type=int, default=None,
                           help="return the log-probability of each generated token")
+    sampling.add_argument("--repetition_penalty", type=float, default=None,
+                          help="divide (multiply, if negative) the logits of tokens already in the "
+                               "prompt or output by this (1: off)")
+    sampling.add_argument("--frequency_penalty", type=float, default=None,
+                          help="subtract this times a token's count in the output from its logit "
+                               "(-2 to 2; 0: off)")
+    sampling.add_argument("--presence_penalty", type=float, default=None,
+                          help="subtract this from the logit of each token in the output (-2 to 2; 0: off)")
 
     engine = parser.add_argument_group("model and engine")
     engine.add_argument("--model", default=None,
@@ -166,7 +174,9 @@ def engine_args_of(args: argparse.Namespace) -> dict:
 def sampling_defaults_of(args: argparse.Namespace) -> dict:
     given = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
              "top_k": args.top_k, "seed": args.seed, "stop": args.stop,
-             "ignore_eos": args.ignore_eos, "logprobs": args.logprobs}
+             "ignore_eos": args.ignore_eos, "logprobs": args.logprobs,
+             "repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty,
+             "presence_penalty": args.presence_penalty}
     return {k: v for k, v in given.items() if v is not None}
 
 

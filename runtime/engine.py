@@ -393,7 +393,7 @@ class Engine:
     def _sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         """One token per row: greedy rows that want no logprobs need only their argmax (which the
         model may screen for); the others sample from their full logits."""
-        plain = [s.params.greedy and s.params.logprobs is None for s in seqs]
+        plain = [s.params.greedy and s.params.logprobs is None and not s.params.penalized for s in seqs]
         if all(plain):  # the common case: no rows to pick apart
             return self._greedy(hidden)
         tokens = [None] * len(seqs)
@@ -403,10 +403,18 @@ class Engine:
                 continue
             part = hidden[torch.tensor(rows, device=hidden.device)]
             got = self._greedy(part) if wanted else sample(
-                self.model.compute_logits(part), [SampleRow(seqs[row].params, seqs[row].generator) for row in rows])
+                self.model.compute_logits(part), [self._sample_row(seqs[row]) for row in rows])
             for row, token in zip(rows, got):
                 tokens[row] = token
         return tokens
+
+    @staticmethod
+    def _sample_row(seq: Sequence) -> SampleRow:
+        """Its params and RNG, and for penalties its tokens so far."""
+        if not seq.params.penalized:
+            return SampleRow(seq.params, seq.generator)
+        split = seq.num_prompt_tokens
+        return SampleRow(seq.params, seq.generator, seq.token_ids[:split], seq.token_ids[split:])
 
     def _greedy(self, hidden: torch.Tensor) -> list[SampledToken]:
         ids, misses = self.model.greedy_tokens(hidden)

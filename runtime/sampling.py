@@ -1,6 +1,7 @@
 """Per-sequence sampling: parameters, their validation, and the sampler over a logits batch."""
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,10 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # None = off; k >= 0 = the chosen token's plus the top k
+    # Penalties on tokens already there, as vLLM applies them (neutral values = off):
+    repetition_penalty: float = 1.0  # a seen token's logit (prompt or output): / if > 0, * if < 0
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    presence_penalty: float = 0.0  # minus this once the token is in the output
 
     def __post_init__(self):
         # Normalise list inputs so params stay hashable and picklable.
@@ -46,10 +51,23 @@ class SamplingParams:
         _check_int("n", self.n, minimum=1)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -2 <= value <= 2:  # OpenAI's range
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the tokens already there change this sequence's logits."""
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -77,25 +95,50 @@ class SampleRow:
     """What the sampler needs from one sequence that samples in this step."""
     params: SamplingParams
     generator: torch.Generator | None = field(default=None)
+    # Its tokens so far, for penalties: the prompt, then what it generated.
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     """One token per row of logits [rows, vocab] (fp32), each with its own params and RNG.
 
     Logprobs are of the model's distribution (log-softmax of the raw logits), not of the
-    temperature/top-k/top-p-processed one. A row whose values fail comes back with `error` set
-    rather than raising: one request's sampling must not stop the others in the batch.
+    penalised and temperature/top-k/top-p-processed one, as vLLM reports them by default. A row
+    whose values fail comes back with `error` set rather than raising: one request's sampling
+    must not stop the others in the batch.
     """
-    greedy_ids = kernels.argmax(logits).tolist()
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    chosen_from = logits  # what tokens are chosen from: the logits, penalised where asked
+    if any(r.params.penalized for r in rows):
+        chosen_from = logits.clone()
+        for i, row in enumerate(rows):
+            if row.params.penalized:
+                apply_penalties(chosen_from[i], row.params, row.prompt_ids, row.output_ids)
+    greedy_ids = kernels.argmax(chosen_from).tolist()
     out = []
     for i, row in enumerate(rows):
         try:
-            out.append(_sample_row(i, row, logits, greedy_ids, logprobs))
+            out.append(_sample_row(i, row, chosen_from, greedy_ids, logprobs))
         except Exception as exc:  # noqa: BLE001 - the engine fails this row's request alone
             out.append(SampledToken(-1, error=f"{type(exc).__name__}: {exc}"))
     return out
+
+
+def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequence[int],
+                    output_ids: Sequence[int]) -> None:
+    """Penalise one row of logits [vocab] in place for the tokens already there: the
+    repetition penalty over prompt and output (transformers' RepetitionPenaltyLogitsProcessor,
+    vLLM's), then OpenAI's frequency and presence penalties over the output."""
+    if p.repetition_penalty != 1:
+        seen = torch.tensor(sorted({*prompt_ids, *output_ids}), dtype=torch.long)
+        values = logits[seen]
+        logits[seen] = torch.where(values < 0, values * p.repetition_penalty,
+                                   values / p.repetition_penalty)
+    if output_ids and (p.frequency_penalty or p.presence_penalty):
+        ids, counts = torch.tensor(output_ids, dtype=torch.long).unique(return_counts=True)
+        logits[ids] -= counts.to(logits.dtype) * p.frequency_penalty + p.presence_penalty
 
 
 def _sample_row(i: int, row: SampleRow, logits: torch.Tensor, greedy_ids: list[int],

@@ -137,6 +137,11 @@ BAD_RECORDS = {
     "negative seed": (rec(seed=-3), "r1", ["seed: must be >= 0"]),
     "zero n": (rec(n=0), "r1", ["n: must be >= 1"]),
     "negative logprobs": (rec(logprobs=-1), "r1", ["logprobs: must be >= 0"]),
+    "zero repetition_penalty": (rec(repetition_penalty=0), "r1", ["repetition_penalty: must be > 0"]),
+    "string presence_penalty": (rec(presence_penalty="1"), "r1",
+                                ["presence_penalty: must be a finite number"]),
+    "presence_penalty below -2": (rec(presence_penalty=-3), "r1",
+                                  ["presence_penalty: must be in [-2, 2], got -3"]),
     # OpenAI Batch API lines.
     "openai without custom_id": ({"method": "POST", "url": "/v1/completions",
                                   "body": {"prompt": "Hi"}}, None, ["custom_id: missing"]),
@@ -158,8 +163,10 @@ BAD_RECORDS = {
                      ["body.tools: not supported"]),
     "openai response_format": (chat_line({"response_format": {"type": "json_object"}}), "c1",
                                ["body.response_format: not supported"]),
-    "openai frequency_penalty": (chat_line({"frequency_penalty": 0.5}), "c1",
-                                 ["body.frequency_penalty: not supported", "0.5"]),
+    "openai logit_bias": (chat_line({"logit_bias": {"50256": -100}}), "c1",
+                          ["body.logit_bias: not supported", "50256"]),
+    "openai frequency_penalty out of range": (chat_line({"frequency_penalty": 2.5}), "c1",
+                                              ["frequency_penalty: must be in [-2, 2], got 2.5"]),
     "openai unknown key": (chat_line({"reasoning_effort": "high"}), "c1",
                            ["body.reasoning_effort: not supported"]),
     "openai chat logprobs int": (chat_line({"logprobs": 3}), "c1",
@@ -414,10 +421,12 @@ def test_text_content_parts_are_joined_by_newlines():
 def test_every_sampling_field_reaches_the_params():
     got = parse_record(rec(max_tokens=5, temperature=0.7, top_p=0.9, top_k=40, seed=3,
                            stop=["\n", "END"], stop_token_ids=[2, 7], n=3, logprobs=2,
-                           ignore_eos=True))
+                           ignore_eos=True, repetition_penalty=1.2, frequency_penalty=0.5,
+                           presence_penalty=-0.25))
     assert got.params == SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=40,
                                         seed=3, stop=("\n", "END"), stop_token_ids=(2, 7), n=3,
-                                        logprobs=2, ignore_eos=True)
+                                        logprobs=2, ignore_eos=True, repetition_penalty=1.2,
+                                        frequency_penalty=0.5, presence_penalty=-0.25)
     assert parse_record(rec(stop="###")).params.stop == ("###",)
     assert got.passthrough == {}
 
@@ -479,7 +488,7 @@ def test_bare_prompts_take_the_fallback_id():
 def test_openai_chat_line():
     line = chat_line({"max_completion_tokens": 50, "temperature": 0.2, "top_p": 0.8, "seed": 4,
                       "stop": "\n\n", "n": 2, "logprobs": True, "top_logprobs": 3,
-                      "user": "u-1", "store": False, "frequency_penalty": 0,
+                      "user": "u-1", "store": False, "frequency_penalty": 0.4,
                       "presence_penalty": 0.0, "response_format": {"type": "text"},
                       "stream": False, "tools": None},
                      batch="b7")
@@ -487,7 +496,7 @@ def test_openai_chat_line():
     assert isinstance(got, Parsed), got
     assert (got.id, got.prompt, got.messages) == ("c1", None, [{"role": "user", "content": "Hi"}])
     assert got.params == SamplingParams(max_tokens=50, temperature=0.2, top_p=0.8, seed=4,
-                                        stop=("\n\n",), n=2, logprobs=3)
+                                        stop=("\n\n",), n=2, logprobs=3, frequency_penalty=0.4)
     assert got.passthrough == {"batch": "b7"}
 
 
@@ -501,11 +510,12 @@ def test_openai_chat_logprobs_mapping():
 
 def test_openai_completions_line_with_vllm_extras():
     got = parse_record(completions_line(max_tokens=12, logprobs=2, echo=False, best_of=1,
-                                        top_k=20, ignore_eos=True, stop_token_ids=[5]),
+                                        top_k=20, ignore_eos=True, stop_token_ids=[5],
+                                        repetition_penalty=1.1),
                        {"temperature": 0.6})
     assert (got.id, got.prompt, got.messages) == ("c2", "Once", None)
     assert got.params == SamplingParams(max_tokens=12, temperature=0.6, logprobs=2, top_k=20,
-                                        ignore_eos=True, stop_token_ids=(5,))
+                                        ignore_eos=True, stop_token_ids=(5,), repetition_penalty=1.1)
 
 
 def test_a_record_of_ours_may_carry_a_field_named_body():

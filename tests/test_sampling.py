@@ -288,6 +288,9 @@ INVALID = [
     ("stop", [""]), ("stop", ""), ("stop", [3]), ("stop", ["ok", None]),
     ("stop_token_ids", [-1]), ("stop_token_ids", [1.5]), ("stop_token_ids", ["2"]),
     ("ignore_eos", "yes"), ("ignore_eos", 1),
+    ("repetition_penalty", 0), ("repetition_penalty", -1.2), ("repetition_penalty", math.nan),
+    ("frequency_penalty", 2.5), ("frequency_penalty", "0.1"), ("presence_penalty", -2.01),
+    ("presence_penalty", math.inf),
 ]
 
 
