@@ -131,14 +131,17 @@ def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequenc
     """Penalise one row of logits [vocab] in place for the tokens already there: the
     repetition penalty over prompt and output (transformers' RepetitionPenaltyLogitsProcessor,
     vLLM's), then OpenAI's frequency and presence penalties over the output."""
+    def ids(tokens):
+        return torch.tensor(list(tokens), dtype=torch.long, device=logits.device)
+
     if p.repetition_penalty != 1:
-        seen = torch.tensor(sorted({*prompt_ids, *output_ids}), dtype=torch.long)
+        seen = ids(sorted({*prompt_ids, *output_ids}))
         values = logits[seen]
         logits[seen] = torch.where(values < 0, values * p.repetition_penalty,
                                    values / p.repetition_penalty)
     if output_ids and (p.frequency_penalty or p.presence_penalty):
-        ids, counts = torch.tensor(output_ids, dtype=torch.long).unique(return_counts=True)
-        logits[ids] -= counts.to(logits.dtype) * p.frequency_penalty + p.presence_penalty
+        tokens, counts = ids(output_ids).unique(return_counts=True)
+        logits[tokens] -= counts.to(logits.dtype) * p.frequency_penalty + p.presence_penalty
 
 
 def _sample_row(i: int, row: SampleRow, logits: torch.Tensor, greedy_ids: list[int],
