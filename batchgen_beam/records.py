@@ -18,7 +18,7 @@ Choices:
 - A field that is None counts as absent, so a column that is null in some rows means "use the
   default" there. The flip side: a record cannot switch a default seed or logprobs back off.
 - OpenAI body keys: harmless ones (`model`, `user`, ...) are ignored; keys that would change the
-  output (`tools`, `response_format`, `logit_bias`, ...) are accepted only at their no-op value;
+  output (`tools`, `response_format`, `echo`, ...) are accepted only at their no-op value;
   any other key is rejected, naming it, rather than silently not honoured.
 - Passthrough values that strict JSON cannot hold (dates, decimals from Parquet or BigQuery,
   NaN and infinities, mapping keys that are not strings or numbers) are written as their str()
@@ -57,8 +57,8 @@ from runtime.request import Completion, Request, Timings
 from runtime.sampling import SamplingParams
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                   "n", "logprobs", "ignore_eos", "repetition_penalty", "frequency_penalty",
-                   "presence_penalty")
+                   "n", "logprobs", "ignore_eos", "min_tokens", "logit_bias", "repetition_penalty",
+                   "frequency_penalty", "presence_penalty")
 ROLES = ("system", "user", "assistant")
 # OpenAI's newer name for the system role: chat templates know only "system".
 ROLE_ALIASES = {"developer": "system"}
@@ -73,15 +73,16 @@ _OPENAI_URLS = {
                                           "logprobs", "top_logprobs"}),
     "/v1/completions": ("prompt", {"prompt", "max_tokens", "logprobs"}),
 }
-# Body keys that map one to one onto ours; top_k, stop_token_ids, ignore_eos and
+# Body keys that map one to one onto ours; top_k, stop_token_ids, ignore_eos, min_tokens and
 # repetition_penalty are vLLM's extensions of the API, so files written for vLLM work too.
 _OPENAI_SAMPLING = {"temperature", "top_p", "seed", "stop", "n", "top_k", "stop_token_ids",
-                    "ignore_eos", "frequency_penalty", "presence_penalty", "repetition_penalty"}
+                    "ignore_eos", "min_tokens", "logit_bias", "frequency_penalty", "presence_penalty",
+                    "repetition_penalty"}
 # Body keys that do not affect the generated text.
 _OPENAI_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
                    "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
 # Body keys we cannot honour, accepted only at the value that makes them a no-op.
-_OPENAI_NO_OP = {"logit_bias": {}, "echo": False,
+_OPENAI_NO_OP = {"echo": False,
                  "best_of": 1, "suffix": "", "stream": False, "tools": [], "tool_choice": "none",
                  "response_format": {"type": "text"}, "modalities": ["text"]}
 
@@ -392,7 +393,19 @@ def _sampling_fields(fields: Mapping) -> dict:
     if not isinstance(given.get("stop_token_ids", []), (list, tuple)):
         raise _Invalid(f"stop_token_ids: must be a list of integers, "
                        f"got {_type_name(given['stop_token_ids'])}")
+    if "logit_bias" in given:
+        given["logit_bias"] = _logit_bias(given["logit_bias"])
     return given
+
+
+def _logit_bias(value: Any) -> list[tuple[Any, Any]]:
+    """(token id, bias) pairs from OpenAI's {"token id": bias} (JSON keys are strings) or from
+    Parquet's map column (a list of key-value pairs); SamplingParams checks the values."""
+    items = value.items() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else None
+    if items is None or not all(isinstance(i, (list, tuple)) and len(i) == 2 for i in items):
+        raise _Invalid(f"logit_bias: must map token ids to numbers, got {_show(value)}")
+    return [(int(token) if isinstance(token, str) and token.isascii() and token.isdigit() else token, bias)
+            for token, bias in items]
 
 
 def _field_message(exc: Exception) -> str:

@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="generate max_tokens whatever the model says")
     sampling.add_argument("--logprobs", type=int, default=None,
                           help="return the log-probability of each generated token")
+    sampling.add_argument("--min_tokens", type=int, default=None,
+                          help="tokens to generate before EOS, stop ids or stop strings may end it")
     sampling.add_argument("--repetition_penalty", type=float, default=None,
                           help="divide (multiply, if negative) the logits of tokens already in the "
                                "prompt or output by this (1: off)")
@@ -174,7 +176,7 @@ def engine_args_of(args: argparse.Namespace) -> dict:
 def sampling_defaults_of(args: argparse.Namespace) -> dict:
     given = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
              "top_k": args.top_k, "seed": args.seed, "stop": args.stop,
-             "ignore_eos": args.ignore_eos, "logprobs": args.logprobs,
+             "ignore_eos": args.ignore_eos, "logprobs": args.logprobs, "min_tokens": args.min_tokens,
              "repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty,
              "presence_penalty": args.presence_penalty}
     return {k: v for k, v in given.items() if v is not None}

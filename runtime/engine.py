@@ -237,6 +237,10 @@ class Engine:
         if request.params.logprobs is not None and request.params.logprobs > self.spec.vocab_size:
             raise ValueError(f"logprobs: must be <= the vocabulary's {self.spec.vocab_size} tokens, "
                              f"got {request.params.logprobs}")
+        outside = [t for t, _ in request.params.logit_bias if t >= self.spec.vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias: token ids must be < the vocabulary's {self.spec.vocab_size}, "
+                             f"got {outside[0]}")
         self._reserve_id(request.id)
         timings = Timings(submitted=time.perf_counter())
         error = None
@@ -393,7 +397,7 @@ class Engine:
     def _sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         """One token per row: greedy rows that want no logprobs need only their argmax (which the
         model may screen for); the others sample from their full logits."""
-        plain = [s.params.greedy and s.params.logprobs is None and not s.params.penalized for s in seqs]
+        plain = [s.params.greedy and s.params.logprobs is None and not s.params.adjusts_logits for s in seqs]
         if all(plain):  # the common case: no rows to pick apart
             return self._greedy(hidden)
         tokens = [None] * len(seqs)
@@ -408,13 +412,18 @@ class Engine:
                 tokens[row] = token
         return tokens
 
-    @staticmethod
-    def _sample_row(seq: Sequence) -> SampleRow:
-        """Its params and RNG, and for penalties its tokens so far."""
-        if not seq.params.penalized:
-            return SampleRow(seq.params, seq.generator)
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        """Its params and RNG; to adjust its logits, its tokens so far and the tokens that
+        would end it before min_tokens."""
+        p = seq.params
+        if not p.adjusts_logits:
+            return SampleRow(p, seq.generator)
+        banned = ()
+        if seq.num_generated < p.min_tokens:
+            ending = {*p.stop_token_ids, *(() if p.ignore_eos else self.stop_rule.eos_token_ids)}
+            banned = sorted(t for t in ending if t < self.spec.vocab_size)
         split = seq.num_prompt_tokens
-        return SampleRow(seq.params, seq.generator, seq.token_ids[:split], seq.token_ids[split:])
+        return SampleRow(p, seq.generator, seq.token_ids[:split], seq.token_ids[split:], banned)
 
     def _greedy(self, hidden: torch.Tensor) -> list[SampledToken]:
         ids, misses = self.model.greedy_tokens(hidden)

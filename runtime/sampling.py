@@ -1,7 +1,7 @@
 """Per-sequence sampling: parameters, their validation, and the sampler over a logits batch."""
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +21,8 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # None = off; k >= 0 = the chosen token's plus the top k
+    min_tokens: int = 0  # before this many, EOS, stop_token_ids and stop strings do not end it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict works
     # Penalties on tokens already there, as vLLM applies them (neutral values = off):
     repetition_penalty: float = 1.0  # a seen token's logit (prompt or output): / if > 0, * if < 0
     frequency_penalty: float = 0.0  # minus this times the token's count in the output
@@ -32,6 +34,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
@@ -51,6 +54,9 @@ class SamplingParams:
         _check_int("n", self.n, minimum=1)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check_number("repetition_penalty", self.repetition_penalty)
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
@@ -65,9 +71,10 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
-    def penalized(self) -> bool:
-        """Whether the tokens already there change this sequence's logits."""
-        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+    def adjusts_logits(self) -> bool:
+        """Whether its tokens are chosen from adjusted logits (min_tokens, bias, penalties)."""
+        return bool(self.min_tokens or self.logit_bias or self.repetition_penalty != 1
+                    or self.frequency_penalty or self.presence_penalty)
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -75,6 +82,26 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs: hashable, and one form for equal biases."""
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+    pairs = []
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+        token, value = item
+        _check_int("logit_bias", token, minimum=0)
+        _check_number("logit_bias", value)
+        if not -100 <= value <= 100:  # OpenAI's range
+            raise ValueError(f"logit_bias must be in [-100, 100], got {value} for token {token}")
+        pairs.append((token, value))
+    if len({token for token, _ in pairs}) < len(pairs):
+        raise ValueError(f"logit_bias must give each token once, got {bias!r}")
+    return tuple(sorted(pairs))
 
 
 def _check_number(name: str, value) -> None:
@@ -98,6 +125,7 @@ class SampleRow:
     # Its tokens so far, for penalties: the prompt, then what it generated.
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
+    banned_ids: Sequence[int] = ()  # may not be chosen now (they would end it before min_tokens)
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
@@ -110,12 +138,12 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     """
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    chosen_from = logits  # what tokens are chosen from: the logits, penalised where asked
-    if any(r.params.penalized for r in rows):
+    chosen_from = logits  # what tokens are chosen from: the logits, adjusted where asked
+    if any(r.params.adjusts_logits for r in rows):
         chosen_from = logits.clone()
         for i, row in enumerate(rows):
-            if row.params.penalized:
-                apply_penalties(chosen_from[i], row.params, row.prompt_ids, row.output_ids)
+            if row.params.adjusts_logits:
+                adjust_logits(chosen_from[i], row)
     greedy_ids = kernels.argmax(chosen_from).tolist()
     out = []
     for i, row in enumerate(rows):
@@ -126,16 +154,23 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     return out
 
 
-def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequence[int],
-                    output_ids: Sequence[int]) -> None:
-    """Penalise one row of logits [vocab] in place for the tokens already there: the
-    repetition penalty over prompt and output (transformers' RepetitionPenaltyLogitsProcessor,
-    vLLM's), then OpenAI's frequency and presence penalties over the output."""
+def adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
+    """Adjust one row of logits [vocab] in place, in vLLM's order: banned tokens (min_tokens) to
+    -inf, the logit bias, the repetition penalty over prompt and output (transformers'
+    RepetitionPenaltyLogitsProcessor, vLLM's), OpenAI's frequency and presence penalties over
+    the output."""
+    p, output_ids = row.params, row.output_ids
+
     def ids(tokens):
         return torch.tensor(list(tokens), dtype=torch.long, device=logits.device)
 
+    if row.banned_ids:
+        logits[ids(row.banned_ids)] = float("-inf")
+    if p.logit_bias:
+        tokens, biases = zip(*p.logit_bias)
+        logits[ids(tokens)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
     if p.repetition_penalty != 1:
-        seen = ids(sorted({*prompt_ids, *output_ids}))
+        seen = ids(sorted({*row.prompt_ids, *output_ids}))
         values = logits[seen]
         logits[seen] = torch.where(values < 0, values * p.repetition_penalty,
                                    values / p.repetition_penalty)

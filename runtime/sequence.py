@@ -138,10 +138,11 @@ class Sequence:
 
     def _stop_reason(self, token: int) -> str | None:
         p, rule = self.params, self.stop_rule
-        if token in p.stop_token_ids or (not p.ignore_eos and token in rule.eos_token_ids):
-            return "stop"
-        if p.stop and self._hit_stop_string():
-            return "stop"
+        if self.num_generated >= p.min_tokens:  # (the sampler kept ending tokens out before)
+            if token in p.stop_token_ids or (not p.ignore_eos and token in rule.eos_token_ids):
+                return "stop"
+            if p.stop and self._hit_stop_string():
+                return "stop"
         if self.num_generated >= p.max_tokens or len(self.token_ids) >= rule.max_model_len:
             return "length"
         return None
@@ -150,7 +151,12 @@ class Sequence:
         # Decode the whole completion: tokenizers merge bytes across token boundaries, so a
         # tail window could miss a stop string; cost is paid only by sequences with stops.
         text = self.stop_rule.detokenize(self.generated_ids)
-        cut = min((i for i in (text.find(s) for s in self.params.stop) if i >= 0), default=-1)
+        # Under min_tokens a stop string counts once it ends in the min_tokens-th token's text or
+        # later (vLLM's rule: checks start at that token, over the text it added).
+        min_tokens = self.params.min_tokens
+        floor = len(self.stop_rule.detokenize(self.generated_ids[:min_tokens - 1])) if min_tokens > 1 else 0
+        cut = min((i for i in (text.find(s, max(0, floor - len(s) + 1)) for s in self.params.stop)
+                   if i >= 0), default=-1)
         if cut < 0:
             return False
         self.text = text[:cut]

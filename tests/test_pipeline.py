@@ -208,9 +208,10 @@ def test_argument_handling():
                                               "stop": ["a", "b"]}
     assert cli.engine_args_of(args) == {}  # the engine's defaults: the same engine as others'
     args, _ = cli.parse_args(["--repetition_penalty", "1.2", "--frequency_penalty", "0.5",
-                              "--presence_penalty", "-0.5"])
+                              "--presence_penalty", "-0.5", "--min_tokens", "4"])
     assert cli.sampling_defaults_of(args) == {"max_tokens": 64, "temperature": 0.0, "repetition_penalty": 1.2,
-                                              "frequency_penalty": 0.5, "presence_penalty": -0.5}
+                                              "frequency_penalty": 0.5, "presence_penalty": -0.5,
+                                              "min_tokens": 4}
     args, beam_args = cli.parse_args(["--runner", "FnApiRunner", "--kv_cache_mb", "2"])
     assert beam_args == ["--runner", "FnApiRunner"]
     assert cli.engine_args_of(args) == {"kv_cache_bytes": 2 << 20}

@@ -138,6 +138,9 @@ BAD_RECORDS = {
     "zero n": (rec(n=0), "r1", ["n: must be >= 1"]),
     "negative logprobs": (rec(logprobs=-1), "r1", ["logprobs: must be >= 0"]),
     "zero repetition_penalty": (rec(repetition_penalty=0), "r1", ["repetition_penalty: must be > 0"]),
+    "string logit_bias": (rec(logit_bias="7:5"), "r1", ["logit_bias: must map token ids to numbers"]),
+    "min_tokens above max_tokens": (rec(min_tokens=9, max_tokens=4), "r1",
+                                    ["min_tokens: must be <= max_tokens (4), got 9"]),
     "string presence_penalty": (rec(presence_penalty="1"), "r1",
                                 ["presence_penalty: must be a finite number"]),
     "presence_penalty below -2": (rec(presence_penalty=-3), "r1",
@@ -163,8 +166,11 @@ BAD_RECORDS = {
                      ["body.tools: not supported"]),
     "openai response_format": (chat_line({"response_format": {"type": "json_object"}}), "c1",
                                ["body.response_format: not supported"]),
-    "openai logit_bias": (chat_line({"logit_bias": {"50256": -100}}), "c1",
-                          ["body.logit_bias: not supported", "50256"]),
+    "openai echo": (completions_line(echo=True), "c2", ["body.echo: not supported", "True"]),
+    "openai logit_bias not a token": (chat_line({"logit_bias": {"the": 5}}), "c1",
+                                      ["logit_bias: must be an integer", "'the'"]),
+    "openai logit_bias out of range": (chat_line({"logit_bias": {"7": -101}}), "c1",
+                                       ["logit_bias: must be in [-100, 100]"]),
     "openai frequency_penalty out of range": (chat_line({"frequency_penalty": 2.5}), "c1",
                                               ["frequency_penalty: must be in [-2, 2], got 2.5"]),
     "openai unknown key": (chat_line({"reasoning_effort": "high"}), "c1",
@@ -422,11 +428,12 @@ def test_every_sampling_field_reaches_the_params():
     got = parse_record(rec(max_tokens=5, temperature=0.7, top_p=0.9, top_k=40, seed=3,
                            stop=["\n", "END"], stop_token_ids=[2, 7], n=3, logprobs=2,
                            ignore_eos=True, repetition_penalty=1.2, frequency_penalty=0.5,
-                           presence_penalty=-0.25))
+                           presence_penalty=-0.25, min_tokens=2, logit_bias={"4": 1.5}))
     assert got.params == SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=40,
                                         seed=3, stop=("\n", "END"), stop_token_ids=(2, 7), n=3,
                                         logprobs=2, ignore_eos=True, repetition_penalty=1.2,
-                                        frequency_penalty=0.5, presence_penalty=-0.25)
+                                        frequency_penalty=0.5, presence_penalty=-0.25, min_tokens=2,
+                                        logit_bias={4: 1.5})
     assert parse_record(rec(stop="###")).params.stop == ("###",)
     assert got.passthrough == {}
 
@@ -516,6 +523,15 @@ def test_openai_completions_line_with_vllm_extras():
     assert (got.id, got.prompt, got.messages) == ("c2", "Once", None)
     assert got.params == SamplingParams(max_tokens=12, temperature=0.6, logprobs=2, top_k=20,
                                         ignore_eos=True, stop_token_ids=(5,), repetition_penalty=1.1)
+
+
+def test_logit_bias_from_json_objects_and_parquet_maps():
+    """JSON object keys are strings; a Parquet map column reads as (key, value) pairs."""
+    expected = ((7, -100.0), (50, 2.5))
+    from_openai = parse_record(chat_line({"logit_bias": {"50": 2.5, "7": -100}, "min_tokens": 3}))
+    assert from_openai.params.logit_bias == expected and from_openai.params.min_tokens == 3
+    assert parse_record(rec(logit_bias={7: -100, 50: 2.5})).params.logit_bias == expected
+    assert parse_record(rec(logit_bias=[("50", 2.5), ("7", -100.0)])).params.logit_bias == expected
 
 
 def test_a_record_of_ours_may_carry_a_field_named_body():

@@ -1,16 +1,18 @@
-"""Repetition, frequency and presence penalties: the repetition penalty token-exact with
-transformers' greedy `generate(repetition_penalty=...)`, frequency and presence penalties
-(OpenAI's definition, which transformers lacks) against transformers' logits with the penalties
-applied by hand, and penalised rows mixed into batches of screened greedy and sampled rows."""
+"""Logits adjusted before a token is chosen: min_tokens, logit_bias and the repetition penalty
+token-exact with transformers' greedy `generate` (min_new_tokens, sequence_bias,
+repetition_penalty), frequency and presence penalties (OpenAI's definition, which transformers
+lacks) against transformers' logits penalised by hand, adjusted rows mixed into batches of
+screened greedy and sampled rows, and min_tokens holding back stop strings."""
 
 from collections import Counter
 
 import pytest
 import torch
 
-from helpers import assert_matches, make_engine, random_prompts
+from helpers import EOS, assert_matches, make_engine, random_prompts
 from runtime import Request, SamplingParams
-from runtime.sampling import SampleRow, sample
+from runtime.sampling import SampledToken, SampleRow, sample
+from runtime.sequence import Event, Sequence, StopRule
 
 PROMPTS = random_prompts((3, 12, 30, 57), seed=11)
 MAX_TOKENS = 24
@@ -52,6 +54,82 @@ def test_repetition_penalty_matches_transformers(tiny, family):
     assert got["s"].error is None and got["s"].completion_tokens == MAX_TOKENS
     # The screen took the plain rows only.
     assert engine.stats.screened_rows == sum(got[f"g{i}"].completion_tokens for i in range(len(PROMPTS)))
+
+
+def test_logit_bias_matches_transformers_sequence_bias(tiny):
+    family = "llama"
+    engine = make_engine(tiny.dir(family), greedy_screen=True)
+    bias = {17: 4.0, 90: 2.5, 33: -100.0}
+    plain = tiny.greedy(family, PROMPTS[2], MAX_TOKENS)[0]
+    bias[plain[0]] = -100.0  # its first token may not come
+    requests = [Request(f"r{i}", prompt_token_ids=p, params=SamplingParams(max_tokens=MAX_TOKENS, logit_bias=bias))
+                for i, p in enumerate(PROMPTS)]
+    hf = tiny.hf(family)
+    for prompt, completion in zip(PROMPTS, engine.generate(requests)):
+        tokens = hf_generate(hf, prompt, sequence_bias=[[[t], b] for t, b in bias.items()])[0]
+        assert completion.token_ids == tokens, completion.id
+    assert completion.token_ids[0] != plain[0]
+
+
+def test_min_tokens_matches_transformers_min_new_tokens(tiny):
+    """EOS biased up so that the model would end at once: min_tokens holds it back, like
+    transformers' min_new_tokens, and it ends right after."""
+    family = "qwen2"
+    engine = make_engine(tiny.dir(family))
+    eos_bias = {EOS: 30.0}
+    params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=6, logit_bias=eos_bias, logprobs=0)
+    completions = engine.generate([Request(f"r{i}", prompt_token_ids=p, params=params)
+                                   for i, p in enumerate(PROMPTS)])
+    hf = tiny.hf(family)
+    for prompt, completion in zip(PROMPTS, completions):
+        tokens, logprobs = hf_generate(hf, prompt, min_new_tokens=6, sequence_bias=[[[EOS], 30.0]])
+        assert_matches(completion, tokens, logprobs, max_tokens=MAX_TOKENS)
+        assert len(tokens) == 7 and tokens[-1] == EOS
+    [early] = engine.generate([Request("no-min", prompt_token_ids=PROMPTS[0], params=SamplingParams(
+        max_tokens=MAX_TOKENS, logit_bias=eos_bias))])
+    assert early.token_ids == [EOS]
+
+
+def test_min_tokens_holds_back_stop_strings_and_stop_ids():
+    """vLLM's rule: before min_tokens nothing stops the sequence; from the min_tokens-th token on,
+    a stop string ending in the text it added (or later) does, one that ended earlier does not."""
+    letters = "abcdefghij"
+    rule = StopRule(eos_token_ids=frozenset({9}), max_model_len=100,
+                    detokenize=lambda ids: "".join(letters[t] for t in ids))
+
+    def run(tokens, **params):
+        seq = Sequence("s", "r", 0, [0], 1, SamplingParams(max_tokens=10, **params), None, rule)
+        seq.send(Event.ADMITTED)
+        for token in tokens:
+            seq.send(Event.TOKEN, SampledToken(token))
+            if seq.is_finished:
+                break
+        return seq.generated_ids, seq.finish_reason, seq.text
+
+    assert run([1, 2, 3, 4], stop=["bc"]) == ([1, 2], "stop", "")
+    assert run([1, 2, 3, 4, 5], stop=["bc"], min_tokens=3) == ([1, 2, 3, 4, 5], None, None)
+    assert run([1, 2, 3, 4], stop=["cd"], min_tokens=3) == ([1, 2, 3], "stop", "b")  # ends in token 3
+    assert run([9, 5, 9], min_tokens=2) == ([9, 5, 9], "stop", None)  # EOS counts from token 2 on
+    assert run([6, 6, 6], stop_token_ids=[6], min_tokens=3) == ([6, 6, 6], "stop", None)
+
+
+def test_adjusted_values_are_validated():
+    with pytest.raises(ValueError, match="min_tokens must be <= max_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match="logit_bias must be in"):
+        SamplingParams(logit_bias={3: 101})
+    with pytest.raises(ValueError, match="logit_bias must be an integer"):
+        SamplingParams(logit_bias={"3": 1.0})
+    with pytest.raises(ValueError, match="logit_bias must give each token once"):
+        SamplingParams(logit_bias=[(3, 1.0), (3, 2.0)])
+    assert SamplingParams(logit_bias={5: 1, 2: -1.5}).logit_bias == ((2, -1.5), (5, 1))
+    hash(SamplingParams(logit_bias={5: 1}))
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(tiny):
+    engine = make_engine(tiny.dir("llama"))
+    with pytest.raises(ValueError, match="logit_bias: token ids must be < the vocabulary's 256"):
+        engine.submit(Request("r", prompt_token_ids=[5], params=SamplingParams(logit_bias={256: 1.0})))
 
 
 def openai_penalised(logits: torch.Tensor, output: list[int], frequency: float,
