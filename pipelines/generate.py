@@ -36,6 +36,7 @@ import batchgen_beam
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.generate import METRICS_NAMESPACE, Generate
 from batchgen_beam.io import INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, infer_format
+from batchgen_beam.records import SAMPLING_FIELDS
 
 BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"
 DEFAULT_OUTPUT = "./output/generations"
@@ -88,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     sampling.add_argument("--top_p", type=float, default=None, help="nucleus sampling (1: off)")
     sampling.add_argument("--top_k", type=int, default=None, help="top-k sampling (0: off)")
+    sampling.add_argument("--min_p", type=float, default=None,
+                          help="drop tokens less likely than this times the likeliest (0: off)")
     sampling.add_argument("--seed", type=int, default=None,
                           help="per-record sampling seed (the same record gives the same text)")
     sampling.add_argument("--stop", action="append", default=None, metavar="STRING",
@@ -174,11 +177,8 @@ def engine_args_of(args: argparse.Namespace) -> dict:
 
 
 def sampling_defaults_of(args: argparse.Namespace) -> dict:
-    given = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-             "top_k": args.top_k, "seed": args.seed, "stop": args.stop,
-             "ignore_eos": args.ignore_eos, "logprobs": args.logprobs, "min_tokens": args.min_tokens,
-             "repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty,
-             "presence_penalty": args.presence_penalty}
+    """The sampling flags given (each named after its record field)."""
+    given = {name: getattr(args, name, None) for name in SAMPLING_FIELDS}
     return {k: v for k, v in given.items() if v is not None}
 
 

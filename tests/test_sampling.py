@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
 
 from helpers import (EOS, CallCounter, assert_idle_and_clean, assert_matches, make_engine, random_prompt,
                      random_prompts, teacher_forced_logprobs)
@@ -138,17 +138,20 @@ def sampled_distribution(logits: torch.Tensor, params: SamplingParams, monkeypat
     return probs
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 20, 1.0),
-                                                     (1.0, 0, 0.6), (0.8, 50, 0.9), (1.5, 5, 0.3)])
-def test_filtered_distribution_matches_transformers_warpers(monkeypatch, temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.3, 20, 1.0, 0.0), (1.0, 0, 0.6, 0.0), (0.8, 50, 0.9, 0.0),
+    (1.5, 5, 0.3, 0.0), (1.0, 0, 1.0, 0.1), (1.4, 30, 0.95, 0.05)])
+def test_filtered_distribution_matches_transformers_warpers(monkeypatch, temperature, top_k, top_p, min_p):
     logits = torch.randn(256, generator=torch.Generator().manual_seed(3)) * 3
-    probs = sampled_distribution(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
-                                 monkeypatch)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    probs = sampled_distribution(logits, params, monkeypatch)
     scores = TemperatureLogitsWarper(temperature)(None, logits[None].clone())
     if top_k:
         scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1:
         scores = TopPLogitsWarper(top_p)(None, scores)
+    if min_p:
+        scores = MinPLogitsWarper(min_p)(None, scores)
     expected = scores.softmax(-1)[0]
     assert torch.equal(probs > 0, expected > 0)
     assert torch.allclose(probs, expected, atol=1e-6)
@@ -282,6 +285,7 @@ INVALID = [
     ("temperature", None), ("temperature", True),
     ("top_p", 0), ("top_p", 1.5), ("top_p", -0.1), ("top_p", math.nan), ("top_p", "all"),
     ("top_k", -1), ("top_k", 2.5), ("top_k", True),
+    ("min_p", -0.1), ("min_p", 1.5), ("min_p", math.nan),
     ("seed", -1), ("seed", 1.5), ("seed", "7"),
     ("n", 0), ("n", -2), ("n", 2.0),
     ("logprobs", -1), ("logprobs", 1.5), ("logprobs", True),
