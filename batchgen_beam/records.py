@@ -57,7 +57,8 @@ from runtime.request import Completion, Request, Timings
 from runtime.sampling import SamplingParams
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                   "stop_token_ids", "n", "logprobs", "ignore_eos", "min_tokens", "logit_bias",
+                   "stop_token_ids", "n", "logprobs", "prompt_logprobs", "ignore_eos", "min_tokens",
+                   "logit_bias",
                    "repetition_penalty", "frequency_penalty", "presence_penalty")
 ROLES = ("system", "user", "assistant")
 # OpenAI's newer name for the system role: chat templates know only "system".
@@ -73,11 +74,12 @@ _OPENAI_URLS = {
                                           "logprobs", "top_logprobs"}),
     "/v1/completions": ("prompt", {"prompt", "max_tokens", "logprobs"}),
 }
-# Body keys that map one to one onto ours; top_k, min_p, stop_token_ids, ignore_eos, min_tokens
-# and repetition_penalty are vLLM's extensions of the API, so files written for vLLM work too.
+# Body keys that map one to one onto ours; top_k, min_p, stop_token_ids, ignore_eos, min_tokens,
+# prompt_logprobs and repetition_penalty are vLLM's extensions of the API, so files written for
+# vLLM work too.
 _OPENAI_SAMPLING = {"temperature", "top_p", "seed", "stop", "n", "top_k", "min_p",
                     "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "frequency_penalty",
-                    "presence_penalty", "repetition_penalty"}
+                    "presence_penalty", "repetition_penalty", "prompt_logprobs"}
 # Body keys that do not affect the generated text.
 _OPENAI_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
                    "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
@@ -490,7 +492,7 @@ def completion_row(parsed: Parsed, completion: Completion) -> dict:
                 finish_reason=first.finish_reason, prompt_tokens=completion.prompt_tokens,
                 completion_tokens=completion.completion_tokens, samples=samples,
                 logprobs=None if first.logprobs is None else list(first.logprobs),
-                timings=completion.timings)
+                prompt_logprobs=completion.prompt_logprobs, timings=completion.timings)
 
 
 def error_row(rejected_or_id: Rejected | str | None, message: str | None = None,
@@ -509,11 +511,13 @@ def error_row(rejected_or_id: Rejected | str | None, message: str | None = None,
 def _row(id: str | None, passthrough: Mapping | None, *, text: str | None = None,
          token_ids: Sequence[int] = (), finish_reason: str = "error", prompt_tokens: int = 0,
          completion_tokens: int = 0, error: str | None = None, samples: list[dict] | None = None,
-         logprobs: list[float] | None = None, timings: Timings | None = None) -> dict:
+         logprobs: list[float] | None = None, prompt_logprobs: list[float | None] | None = None,
+         timings: Timings | None = None) -> dict:
     return {"id": id, "text": text, "token_ids": list(token_ids), "finish_reason": finish_reason,
             "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "error": error, "samples": samples, "logprobs": logprobs, **_durations(timings),
-            "passthrough": dict(passthrough or {})}
+            "error": error, "samples": samples, "logprobs": logprobs,
+            "prompt_logprobs": None if prompt_logprobs is None else list(prompt_logprobs),
+            **_durations(timings), "passthrough": dict(passthrough or {})}
 
 
 def _durations(timings: Timings | None) -> dict:
@@ -541,6 +545,7 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("error", pa.string()),
     pa.field("samples", pa.list_(_SAMPLE)),
     pa.field("logprobs", pa.list_(pa.float64())),
+    pa.field("prompt_logprobs", pa.list_(pa.float64())),  # null first: the first token has none
     pa.field("queue_s", pa.float64()),
     pa.field("first_token_s", pa.float64()),
     pa.field("total_s", pa.float64()),

@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="generate max_tokens whatever the model says")
     sampling.add_argument("--logprobs", type=int, default=None,
                           help="return the log-probability of each generated token")
+    sampling.add_argument("--prompt_logprobs", type=int, default=None,
+                          help="also score the prompt: each prompt token's log-probability (and the "
+                               "top N at each position, in the engine API)")
     sampling.add_argument("--min_tokens", type=int, default=None,
                           help="tokens to generate before EOS, stop ids or stop strings may end it")
     sampling.add_argument("--repetition_penalty", type=float, default=None,

@@ -23,7 +23,7 @@ from runtime.kv_cache import BlockManager, HostKVPool, KVCache, block_hash
 from runtime.loader import build_model, load_model
 from runtime.moe import moe_blocks
 from runtime.request import Completion, CompletionWaiter, Request, SampleOutput, Timings
-from runtime.runner import ModelRunner
+from runtime.runner import ModelRunner, ScoredPrompts
 from runtime.sampling import SampledToken, SampleRow, SamplingParams, sample
 from runtime.scheduler import Scheduler
 from runtime.sequence import Event, Sequence, Status, StopRule
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 # disk serves as many tokens as possible (module-based batching).
 DEFAULT_BATCH = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
 STREAMING_BATCH = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
+SCORE_ROWS = 256  # prompt positions scored at once: [256, vocab] fp32 logits (50 MB for SmolLM2)
 
 
 def on_a_passing_thread(build, *args, **kwargs):
@@ -84,6 +85,8 @@ class _RequestState:
     timings: Timings
     seqs: list[Sequence] = field(default_factory=list)
     outputs: dict[int, SampleOutput] = field(default_factory=dict)
+    # prompt_logprobs: sample 0's (logprobs, top logprobs) of the prompt, once it finished
+    scored_prompt: tuple[list, list] | None = None
     arriving_kv: dict[str, torch.Tensor] = field(default_factory=dict)  # migrated in, not yet parked
 
 
@@ -234,9 +237,11 @@ class Engine:
             # Samples fork together once the prompt is computed, each soon writing a block of its own.
             raise ValueError(f"n: must be <= the KV cache's {self.scheduler.blocks.num_blocks} blocks, "
                              f"got {request.params.n}")
-        if request.params.logprobs is not None and request.params.logprobs > self.spec.vocab_size:
-            raise ValueError(f"logprobs: must be <= the vocabulary's {self.spec.vocab_size} tokens, "
-                             f"got {request.params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            wanted = getattr(request.params, name)
+            if wanted is not None and wanted > self.spec.vocab_size:
+                raise ValueError(f"{name}: must be <= the vocabulary's {self.spec.vocab_size} tokens, "
+                                 f"got {wanted}")
         outside = [t for t, _ in request.params.logit_bias if t >= self.spec.vocab_size]
         if outside:
             raise ValueError(f"logit_bias: token ids must be < the vocabulary's {self.spec.vocab_size}, "
@@ -329,7 +334,9 @@ class Engine:
             for seq in batch.decodes + [s for s, _ in batch.prefills]:
                 timings = self._requests[seq.request_id].timings
                 timings.first_scheduled = timings.first_scheduled or now
-            hidden, samplers = self.runner.run(batch)
+            hidden, samplers, prompts = self.runner.run(batch)
+            if prompts is not None:
+                self._score_prompts(prompts)
             self.stats.steps += 1
             self.stats.decode_tokens += len(batch.decodes)
             self.stats.prefill_tokens += batch.num_tokens - len(batch.decodes)
@@ -346,6 +353,25 @@ class Engine:
                 self.stats.decode_step_tokens += len(batch.decodes)
                 self.stats.decode_step_context += context
             return True
+
+    @torch.inference_mode()
+    def _score_prompts(self, prompts: ScoredPrompts) -> None:
+        """Each scored position's logprob of the prompt token after it (and the top k there), in
+        slices of SCORE_ROWS rows: a long prompt never holds [tokens, vocab] logits at once."""
+        start = 0
+        for seq, count in prompts.seqs:
+            k = seq.params.prompt_logprobs
+            for lo in range(start, start + count, SCORE_ROWS):
+                rows = prompts.hidden[lo:min(start + count, lo + SCORE_ROWS)]
+                logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+                first = len(seq.prompt_logprobs) + 1  # the prompt token the first row predicts
+                targets = torch.tensor(seq.token_ids[first:first + len(rows)], device=logprobs.device)
+                seq.prompt_logprobs += logprobs.gather(1, targets[:, None])[:, 0].tolist()
+                if k:
+                    top = logprobs.topk(k, dim=1)
+                    seq.prompt_top_logprobs += [dict(zip(ids, values)) for ids, values
+                                                in zip(top.indices.tolist(), top.values.tolist())]
+            start += count
 
     def _drain_inbox(self) -> None:
         while True:
@@ -477,10 +503,17 @@ class Engine:
         state.outputs[seq.sample_index] = SampleOutput(
             seq.sample_index, seq.generated_ids, seq.text, seq.finish_reason, logprobs,
             seq.top_logprobs if seq.params.logprobs else None)
+        if seq.sample_index == 0 and seq.params.prompt_logprobs is not None:
+            state.scored_prompt = (seq.prompt_logprobs, seq.prompt_top_logprobs)
         if len(state.outputs) == state.n:
             state.timings.finished = time.perf_counter()
             outputs = [state.outputs[i] for i in range(state.n)]
-            self._complete(Completion(state.request_id, outputs, state.prompt_tokens, state.timings))
+            completion = Completion(state.request_id, outputs, state.prompt_tokens, state.timings)
+            if state.scored_prompt is not None:
+                logprobs, top = state.scored_prompt
+                completion.prompt_logprobs = [None, *logprobs]
+                completion.prompt_top_logprobs = [None, *top] if seq.params.prompt_logprobs else None
+            self._complete(completion)
 
     def _complete(self, completion: Completion) -> None:
         """Deliver and stop tracking, as one step: a collector never sees neither."""
@@ -653,7 +686,7 @@ class Engine:
                 seq.send(Event.MIGRATED)
             return {"request_id": request_id, "prompt_tokens": state.prompt_tokens, "n": state.n,
                     "submitted": state.timings.submitted, "outputs": dict(state.outputs),
-                    "sequences": exported}
+                    "scored_prompt": state.scored_prompt, "sequences": exported}
 
     def _export_kv(self, seq: Sequence) -> torch.Tensor | None:
         if seq.seq_id in self.scheduler.host:  # suspended or held: already on the host
@@ -668,7 +701,8 @@ class Engine:
         change: the sequences follow it)."""
         request_id = migrated["request_id"]
         state = _RequestState(request_id, migrated["prompt_tokens"], migrated["n"],
-                              Timings(submitted=time.perf_counter()), outputs=dict(migrated["outputs"]))
+                              Timings(submitted=time.perf_counter()), outputs=dict(migrated["outputs"]),
+                              scored_prompt=migrated.get("scored_prompt"))
         renamed = [{**s, "request_id": request_id, "seq_id": _seq_id(request_id, s["sample_index"])}
                    for s in migrated["sequences"]]
         state.seqs = [Sequence.from_state(s, self.stop_rule) for s in renamed]

@@ -45,6 +45,10 @@ class Completion:
     prompt_tokens: int
     timings: Timings
     error: str | None = None
+    # With prompt_logprobs: each prompt token's logprob (None for the first, which has no
+    # context), and with prompt_logprobs=k > 0 the top k at each position (None first too).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
     @classmethod
     def failed(cls, request_id: str, error: str, timings: Timings | None = None,

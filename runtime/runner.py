@@ -1,6 +1,8 @@
 """Turns a scheduled batch into one flattened forward pass and returns the final hidden states
 of the rows that sample (decodes, and prefill chunks that finish their sequence's pending
-tokens)."""
+tokens), and of the prompt positions of sequences whose prompts are scored (prompt_logprobs)."""
+
+from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +35,14 @@ def group_by_length(lengths: list[int]) -> list[int]:
     return sizes
 
 
+@dataclass
+class ScoredPrompts:
+    """Hidden states of prompt positions to score: per (sequence, count) in `seqs`, in order,
+    `count` rows from the first position whose next prompt token it has no logprob for."""
+    hidden: torch.Tensor
+    seqs: list[tuple[Sequence, int]]
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: KVCache, device: torch.device):
         self.model, self.kv, self.device = model, kv, device
@@ -42,8 +52,9 @@ class ModelRunner:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Returns hidden states [sampling rows, hidden] (normed) and the sequence of each row."""
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence], ScoredPrompts | None]:
+        """Returns hidden states [sampling rows, hidden] (normed), the sequence of each row, and
+        the hidden states of prompt positions to score, if any."""
         bs = self.block_size
         decodes = sorted(batch.decodes, key=lambda s: s.num_tokens, reverse=True)
         input_ids = [s.token_ids[-1] for s in decodes]
@@ -63,9 +74,17 @@ class ModelRunner:
             start += size
 
         sampling_rows, samplers = list(range(len(decodes))), list(decodes)
+        scored_rows, scored = [], []
         chunks = []
         for seq, num in batch.prefills:
             first = seq.num_computed
+            if seq.scores_prompt:
+                # Position p predicts prompt token p + 1; the last prompt position samples instead.
+                if first > len(seq.prompt_logprobs):
+                    raise RuntimeError(f"sequence {seq.seq_id}: prompt positions skipped before {first}")
+                wanted = range(len(seq.prompt_logprobs), min(first + num, seq.num_prompt_tokens - 1))
+                scored_rows.extend(len(input_ids) + p - first for p in wanted)
+                scored.append((seq, len(wanted)))
             chunks.append(PrefillChunk(len(input_ids), num, first, self._tensor(seq.block_table)))
             input_ids.extend(seq.token_ids[first:first + num])
             positions.extend(range(first, first + num))
@@ -76,4 +95,5 @@ class ModelRunner:
 
         attention = AttentionBatch(self._tensor(slots), groups, chunks)
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), attention, self.kv.layers)
-        return hidden[self._tensor(sampling_rows)], samplers
+        prompts = ScoredPrompts(hidden[self._tensor(scored_rows)], scored) if scored_rows else None
+        return hidden[self._tensor(sampling_rows)], samplers, prompts

@@ -22,6 +22,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # None = off; k >= 0 = the chosen token's plus the top k
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (scoring)
     min_tokens: int = 0  # before this many, EOS, stop_token_ids and stop strings do not end it
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict works
     # Penalties on tokens already there, as vLLM applies them (neutral values = off):
@@ -58,6 +59,8 @@ class SamplingParams:
         _check_int("n", self.n, minimum=1)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")

@@ -125,7 +125,8 @@ class Scheduler:
         while self.waiting and budget and len(self.running) < self.max_num_seqs \
                 and not self.suspended:
             seq = self.waiting[0]
-            cached, hashes = self.blocks.match_prefix(seq.token_ids)
+            # A prompt being scored needs every token's hidden state: no cached prefix for it.
+            cached, hashes = ([], []) if seq.scores_prompt else self.blocks.match_prefix(seq.token_ids)
             num = min(seq.num_tokens - len(cached) * self.blocks.block_size, budget)
             fresh = self.blocks.blocks_needed(len(cached) * self.blocks.block_size + num) - len(cached)
             if not self._fits(fresh):

@@ -77,6 +77,9 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # of the full blocks, in order
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
+        # prompt_logprobs: of prompt tokens 1, 2, ... (token 0 has none), filled as prefill goes.
+        self.prompt_logprobs: list[float] = []
+        self.prompt_top_logprobs: list[dict[int, float]] = []
         self.text: str | None = None  # set when a stop string cut it, else at finish
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -183,6 +186,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt logprobs are still to be collected: its prefill must then compute every
+        prompt token (no cached prefix) and hand back their hidden states."""
+        return self.params.prompt_logprobs is not None and \
+            len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
     # ---- migration -----------------------------------------------------------------------
     def export_state(self, kv: torch.Tensor | None = None) -> dict:
         """Everything another engine needs to continue this sequence exactly (picklable). With
@@ -193,6 +203,8 @@ class Sequence:
             "token_ids": list(self.token_ids), "num_prompt_tokens": self.num_prompt_tokens,
             "params": self.params, "rng_state": self.generator.get_state(),
             "logprobs": list(self.logprobs), "top_logprobs": list(self.top_logprobs),
+            "prompt_logprobs": list(self.prompt_logprobs),
+            "prompt_top_logprobs": list(self.prompt_top_logprobs),
             "counters": dict(self.counters), "forked": self.forked,
         }
         if kv is not None:
@@ -208,6 +220,8 @@ class Sequence:
                   list(state["token_ids"]), state["num_prompt_tokens"], state["params"],
                   generator, stop_rule)
         seq.logprobs, seq.top_logprobs = list(state["logprobs"]), list(state["top_logprobs"])
+        seq.prompt_logprobs = list(state["prompt_logprobs"])
+        seq.prompt_top_logprobs = list(state["prompt_top_logprobs"])
         seq.counters, seq.forked = dict(state["counters"]), state["forked"]
         if "kv" in state:  # arrives as if suspended here: the engine parks the KV in the host tier
             seq.num_computed = state["num_computed"]

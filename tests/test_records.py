@@ -23,7 +23,8 @@ from runtime.request import Completion, Request, SampleOutput, Timings
 from runtime.sampling import SamplingParams
 
 ROW_KEYS = ["id", "text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens",
-            "error", "samples", "logprobs", "queue_s", "first_token_s", "total_s", "passthrough"]
+            "error", "samples", "logprobs", "prompt_logprobs", "queue_s", "first_token_s", "total_s",
+            "passthrough"]
 
 
 def rec(**fields):
@@ -552,8 +553,18 @@ def test_completion_row_n1():
     assert list(row) == ROW_KEYS
     assert row == {"id": "r1", "text": "abc", "token_ids": [5, 6, 7], "finish_reason": "stop",
                    "prompt_tokens": 4, "completion_tokens": 3, "error": None, "samples": None,
-                   "logprobs": [-0.5, -1.25, -0.0], "queue_s": 0.25, "first_token_s": 0.75,
-                   "total_s": 3.5, "passthrough": {"meta": {"k": [1]}}}
+                   "logprobs": [-0.5, -1.25, -0.0], "prompt_logprobs": None, "queue_s": 0.25,
+                   "first_token_s": 0.75, "total_s": 3.5, "passthrough": {"meta": {"k": [1]}}}
+
+
+def test_a_scored_prompt_keeps_its_logprobs_through_parquet_and_jsonl(tmp_path):
+    parsed = parse_record(rec(prompt_logprobs=0, max_tokens=1))
+    completion = Completion("r1", [SampleOutput(0, [5], "a", "length")], 3, TIMINGS,
+                            prompt_logprobs=[None, -2.5, -0.125])
+    row = completion_row(parsed, completion)
+    assert row["prompt_logprobs"] == [None, -2.5, -0.125]
+    assert arrow_to_rows(rows_to_arrow([row]))[0]["prompt_logprobs"] == [None, -2.5, -0.125]
+    assert row_from_json(row_to_json(row))["prompt_logprobs"] == [None, -2.5, -0.125]
 
 
 def test_completion_row_n3_lists_the_other_samples():
@@ -577,7 +588,7 @@ def test_engine_error_completion_becomes_an_error_row():
     assert row == {"id": "r1", "text": None, "token_ids": [], "finish_reason": "error",
                    "prompt_tokens": 0, "completion_tokens": 0,
                    "error": "prompt too long: 9000 tokens", "samples": None, "logprobs": None,
-                   "queue_s": None, "first_token_s": None, "total_s": 0.5,
+                   "prompt_logprobs": None, "queue_s": None, "first_token_s": None, "total_s": 0.5,
                    "passthrough": {"src": "x"}}
 
 
