@@ -58,8 +58,7 @@ from runtime.sampling import SamplingParams
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                    "stop_token_ids", "n", "logprobs", "prompt_logprobs", "ignore_eos", "min_tokens",
-                   "logit_bias",
-                   "repetition_penalty", "frequency_penalty", "presence_penalty")
+                   "logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty")
 ROLES = ("system", "user", "assistant")
 # OpenAI's newer name for the system role: chat templates know only "system".
 ROLE_ALIASES = {"developer": "system"}
@@ -84,9 +83,8 @@ _OPENAI_SAMPLING = {"temperature", "top_p", "seed", "stop", "n", "top_k", "min_p
 _OPENAI_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
                    "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
 # Body keys we cannot honour, accepted only at the value that makes them a no-op.
-_OPENAI_NO_OP = {"echo": False,
-                 "best_of": 1, "suffix": "", "stream": False, "tools": [], "tool_choice": "none",
-                 "response_format": {"type": "text"}, "modalities": ["text"]}
+_OPENAI_NO_OP = {"echo": False, "best_of": 1, "suffix": "", "stream": False, "tools": [],
+                 "tool_choice": "none", "response_format": {"type": "text"}, "modalities": ["text"]}
 
 
 @dataclass
@@ -403,11 +401,15 @@ def _sampling_fields(fields: Mapping) -> dict:
 def _logit_bias(value: Any) -> list[tuple[Any, Any]]:
     """(token id, bias) pairs from OpenAI's {"token id": bias} (JSON keys are strings) or from
     Parquet's map column (a list of key-value pairs); SamplingParams checks the values."""
-    items = value.items() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else None
-    if items is None or not all(isinstance(i, (list, tuple)) and len(i) == 2 for i in items):
+    items = list(value.items()) if isinstance(value, Mapping) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, (list, tuple)) and len(i) == 2
+                                                       for i in items):
         raise _Invalid(f"logit_bias: must map token ids to numbers, got {_show(value)}")
-    return [(int(token) if isinstance(token, str) and token.isascii() and token.isdigit() else token, bias)
-            for token, bias in items]
+
+    def token_id(key):
+        return int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+
+    return [(token_id(key), bias) for key, bias in items]
 
 
 def _field_message(exc: Exception) -> str:

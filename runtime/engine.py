@@ -433,12 +433,12 @@ class Engine:
                 continue
             part = hidden[torch.tensor(rows, device=hidden.device)]
             got = self._greedy(part) if wanted else sample(
-                self.model.compute_logits(part), [self._sample_row(seqs[row]) for row in rows])
+                self.model.compute_logits(part), [self._sample_row_for(seqs[row]) for row in rows])
             for row, token in zip(rows, got):
                 tokens[row] = token
         return tokens
 
-    def _sample_row(self, seq: Sequence) -> SampleRow:
+    def _sample_row_for(self, seq: Sequence) -> SampleRow:
         """Its params and RNG; to adjust its logits, its tokens so far and the tokens that
         would end it before min_tokens."""
         p = seq.params
