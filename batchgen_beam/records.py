@@ -58,7 +58,8 @@ from runtime.sampling import SamplingParams
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                    "stop_token_ids", "n", "logprobs", "prompt_logprobs", "ignore_eos", "min_tokens",
-                   "logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty")
+                   "logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty",
+                   "truncate_prompt_tokens")
 ROLES = ("system", "user", "assistant")
 # OpenAI's newer name for the system role: chat templates know only "system".
 ROLE_ALIASES = {"developer": "system"}
@@ -74,11 +75,11 @@ _OPENAI_URLS = {
     "/v1/completions": ("prompt", {"prompt", "max_tokens", "logprobs"}),
 }
 # Body keys that map one to one onto ours; top_k, min_p, stop_token_ids, ignore_eos, min_tokens,
-# prompt_logprobs and repetition_penalty are vLLM's extensions of the API, so files written for
-# vLLM work too.
+# prompt_logprobs, repetition_penalty and truncate_prompt_tokens are vLLM's extensions of the
+# API, so files written for vLLM work too.
 _OPENAI_SAMPLING = {"temperature", "top_p", "seed", "stop", "n", "top_k", "min_p",
                     "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "frequency_penalty",
-                    "presence_penalty", "repetition_penalty", "prompt_logprobs"}
+                    "presence_penalty", "repetition_penalty", "prompt_logprobs", "truncate_prompt_tokens"}
 # Body keys that do not affect the generated text.
 _OPENAI_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
                    "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}

@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="generate max_tokens whatever the model says")
     sampling.add_argument("--logprobs", type=int, default=None,
                           help="return the log-probability of each generated token")
+    sampling.add_argument("--truncate_prompt_tokens", type=int, default=None,
+                          help="keep only each prompt's last N tokens (else a prompt over the "
+                               "context is an error row)")
     sampling.add_argument("--prompt_logprobs", type=int, default=None,
                           help="also score the prompt: each prompt token's log-probability (and the "
                                "top N at each position, in the engine API)")

@@ -295,9 +295,13 @@ class Engine:
             ids = self.tokenizer.encode(request.prompt)
         if not ids:
             raise InvalidPrompt("prompt is empty")
+        keep = request.params.truncate_prompt_tokens
+        if keep is not None:
+            ids = ids[-keep:]  # the end of a prompt is what its continuation follows (vLLM's rule)
         if len(ids) >= self.max_model_len:
             raise InvalidPrompt(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
-                                "(prompt plus at least one generated token)")
+                                "(prompt plus at least one generated token; truncate_prompt_tokens "
+                                "keeps only a prompt's last tokens)")
         return ids
 
     def _encode_chat(self, messages: list[dict]) -> list[int]:

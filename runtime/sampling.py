@@ -23,6 +23,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None  # None = off; k >= 0 = the chosen token's plus the top k
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (scoring)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last this many tokens
     min_tokens: int = 0  # before this many, EOS, stop_token_ids and stop strings do not end it
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict works
     # Penalties on tokens already there, as vLLM applies them (neutral values = off):
@@ -61,6 +62,8 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, minimum=0)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")

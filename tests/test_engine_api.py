@@ -229,6 +229,23 @@ def test_max_model_len_bounds_the_context(tiny):
     assert too_long.finish_reason == "error" and "32" in too_long.error
 
 
+def test_truncate_prompt_tokens_keeps_a_long_prompts_end(tiny):
+    """The last N tokens run as the prompt (a prompt over the context then fits); a prompt
+    shorter than N runs whole."""
+    engine = make_engine(tiny.dir(FAMILY), max_model_len=32)
+    prompt = random_prompts([80], seed=5)[0]
+    truncated = SamplingParams(max_tokens=6, truncate_prompt_tokens=20)
+    cut, tail, short = engine.generate([
+        Request("cut", prompt_token_ids=prompt, params=truncated),
+        Request("tail", prompt_token_ids=prompt[-20:], params=SamplingParams(max_tokens=6)),
+        Request("short", prompt_token_ids=prompt[:5], params=truncated)])
+    assert cut.error is None and cut.prompt_tokens == 20 and cut.token_ids == tail.token_ids
+    assert short.error is None and short.prompt_tokens == 5
+    [still_long] = engine.generate([Request("long", prompt_token_ids=prompt, params=SamplingParams(
+        truncate_prompt_tokens=40))])
+    assert still_long.finish_reason == "error" and "truncate_prompt_tokens" in still_long.error
+
+
 def test_duplicate_in_flight_id_raises(tiny):
     engine = make_engine(tiny.dir(FAMILY))
     prompt = random_prompts([8], seed=4)[0]

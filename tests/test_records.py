@@ -429,12 +429,13 @@ def test_every_sampling_field_reaches_the_params():
     got = parse_record(rec(max_tokens=5, temperature=0.7, top_p=0.9, top_k=40, seed=3,
                            stop=["\n", "END"], stop_token_ids=[2, 7], n=3, logprobs=2,
                            ignore_eos=True, repetition_penalty=1.2, frequency_penalty=0.5,
-                           presence_penalty=-0.25, min_tokens=2, logit_bias={"4": 1.5}))
+                           presence_penalty=-0.25, min_tokens=2, logit_bias={"4": 1.5},
+                           truncate_prompt_tokens=100, prompt_logprobs=1))
     assert got.params == SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=40,
                                         seed=3, stop=("\n", "END"), stop_token_ids=(2, 7), n=3,
                                         logprobs=2, ignore_eos=True, repetition_penalty=1.2,
                                         frequency_penalty=0.5, presence_penalty=-0.25, min_tokens=2,
-                                        logit_bias={4: 1.5})
+                                        logit_bias={4: 1.5}, truncate_prompt_tokens=100, prompt_logprobs=1)
     assert parse_record(rec(stop="###")).params.stop == ("###",)
     assert got.passthrough == {}
 

@@ -294,7 +294,7 @@ INVALID = [
     ("ignore_eos", "yes"), ("ignore_eos", 1),
     ("repetition_penalty", 0), ("repetition_penalty", -1.2), ("repetition_penalty", math.nan),
     ("frequency_penalty", 2.5), ("frequency_penalty", "0.1"), ("presence_penalty", -2.01),
-    ("presence_penalty", math.inf),
+    ("presence_penalty", math.inf), ("truncate_prompt_tokens", 0), ("prompt_logprobs", -1),
 ]
 
 
