@@ -599,9 +599,9 @@ class StackVersusLayers:
 
 @pytest.fixture
 def panel_at_every_row(monkeypatch):
-    """The panel kernel at every row count, as the decode stack needs. The measured plan may
-    start it at 2-4 rows on some machines (it is timed at start), and these tests' steps have
-    1-3 rows."""
+    """The panel kernel at every row count, so the Python layers a stack is compared with take
+    the stack's linears (the measured plan may start the panel span at 2-8 rows, and these
+    tests' steps have 1-7 rows; the stack runs below the span too)."""
     measured = cpu_kernels.linear_plan()
     monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(1, linear_rows.OPEN_END),
                                                                measured.kernel_rows))
@@ -623,6 +623,18 @@ def test_layers_the_decode_stack_cannot_run_keep_the_python_path(tiny, family, p
     for prompt, ours in zip(PROMPTS, engine.generate(greedy_requests(PROMPTS, 20))):
         assert ours.token_ids == tiny.greedy(family, prompt, 20)[0]
     assert engine.model._decode_stack is False
+
+
+def test_the_decode_stack_runs_below_the_panel_span_too(tiny, monkeypatch):
+    """A plan whose panel span starts at 8 rows (as calibration sometimes has it on a Xeon):
+    steps of 1-7 decode rows still run as one C++ call, and greedy output stays transformers'."""
+    measured = cpu_kernels.linear_plan()
+    monkeypatch.setattr(linear_rows, "_plan", linear_rows.Plan(range(8, linear_rows.OPEN_END),
+                                                               measured.kernel_rows))
+    engine = make_engine(tiny.dir("qwen3"))
+    for prompt, ours in zip(PROMPTS, engine.generate(greedy_requests(PROMPTS, 20))):
+        assert ours.token_ids == tiny.greedy("qwen3", prompt, 20)[0]
+    assert len(PROMPTS) < 8 and engine.model._decode_stack  # built: a step of < 8 rows wanted it
 
 
 def test_the_decode_stack_runs_only_with_the_cpp_kernels_and_the_panel_rows(tiny, monkeypatch):
