@@ -39,6 +39,25 @@ from batchgen_beam.io import INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRo
 from batchgen_beam.records import SAMPLING_FIELDS
 
 BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"
+# Sampling flags that set their record field's transform-wide default: (name, type, help).
+SAMPLING_FLAGS = (
+    ("top_p", float, "nucleus sampling (1: off)"),
+    ("top_k", int, "top-k sampling (0: off)"),
+    ("min_p", float, "drop tokens less likely than this times the likeliest (0: off)"),
+    ("seed", int, "per-record sampling seed (the same record gives the same text)"),
+    ("logprobs", int, "return the log-probability of each generated token"),
+    ("prompt_logprobs", int, "also score the prompt: each prompt token's log-probability (and the "
+                             "top N at each position, in the engine API)"),
+    ("truncate_prompt_tokens", int, "keep only each prompt's last N tokens (else a prompt over the "
+                                    "context is an error row)"),
+    ("min_tokens", int, "tokens to generate before EOS, stop ids or stop strings may end it"),
+    ("repetition_penalty", float, "divide (multiply, if negative) the logits of tokens already in "
+                                  "the prompt or output by this (1: off)"),
+    ("frequency_penalty", float, "subtract this times a token's count in the output from its logit "
+                                 "(-2 to 2; 0: off)"),
+    ("presence_penalty", float, "subtract this from the logit of each token in the output (-2 to 2; "
+                                "0: off)"),
+)
 DEFAULT_OUTPUT = "./output/generations"
 PIPELINE_NAMESPACE = "batchgen_pipeline"  # this pipeline's own metrics
 # Runners whose workers run on this machine, so they share an engine started here.
@@ -87,34 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         "sampling defaults (a record's own fields override them)")
     sampling.add_argument("--max_tokens", type=int, default=64, help="tokens to generate at most")
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    sampling.add_argument("--top_p", type=float, default=None, help="nucleus sampling (1: off)")
-    sampling.add_argument("--top_k", type=int, default=None, help="top-k sampling (0: off)")
-    sampling.add_argument("--min_p", type=float, default=None,
-                          help="drop tokens less likely than this times the likeliest (0: off)")
-    sampling.add_argument("--seed", type=int, default=None,
-                          help="per-record sampling seed (the same record gives the same text)")
+    for name, kind, text in SAMPLING_FLAGS:
+        sampling.add_argument(f"--{name}", type=kind, default=None, help=text)
     sampling.add_argument("--stop", action="append", default=None, metavar="STRING",
                           help="stop string (repeat the flag for several)")
     sampling.add_argument("--ignore_eos", action="store_true", default=None,
                           help="generate max_tokens whatever the model says")
-    sampling.add_argument("--logprobs", type=int, default=None,
-                          help="return the log-probability of each generated token")
-    sampling.add_argument("--truncate_prompt_tokens", type=int, default=None,
-                          help="keep only each prompt's last N tokens (else a prompt over the "
-                               "context is an error row)")
-    sampling.add_argument("--prompt_logprobs", type=int, default=None,
-                          help="also score the prompt: each prompt token's log-probability (and the "
-                               "top N at each position, in the engine API)")
-    sampling.add_argument("--min_tokens", type=int, default=None,
-                          help="tokens to generate before EOS, stop ids or stop strings may end it")
-    sampling.add_argument("--repetition_penalty", type=float, default=None,
-                          help="divide (multiply, if negative) the logits of tokens already in the "
-                               "prompt or output by this (1: off)")
-    sampling.add_argument("--frequency_penalty", type=float, default=None,
-                          help="subtract this times a token's count in the output from its logit "
-                               "(-2 to 2; 0: off)")
-    sampling.add_argument("--presence_penalty", type=float, default=None,
-                          help="subtract this from the logit of each token in the output (-2 to 2; 0: off)")
 
     engine = parser.add_argument_group("model and engine")
     engine.add_argument("--model", default=None,
