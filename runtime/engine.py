@@ -425,9 +425,9 @@ class Engine:
 
     @torch.inference_mode()
     def _sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
-        """One token per row: greedy rows that want no logprobs need only their argmax (which the
-        model may screen for); the others sample from their full logits."""
-        plain = [s.params.greedy and s.params.logprobs is None and not s.params.adjusts_logits for s in seqs]
+        """One token per row: rows that need only the argmax take the model's (which it may screen
+        for); the others sample from their full logits."""
+        plain = [s.params.argmax_only for s in seqs]
         if all(plain):  # the common case: no rows to pick apart
             return self._greedy(hidden)
         tokens = [None] * len(seqs)

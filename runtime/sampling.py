@@ -86,6 +86,12 @@ class SamplingParams:
         return bool(self.min_tokens or self.logit_bias or self.repetition_penalty != 1
                     or self.frequency_penalty or self.presence_penalty)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether a token needs nothing but the argmax of the raw logits (which a model may
+        screen for instead of computing them all)."""
+        return self.greedy and self.logprobs is None and not self.adjusts_logits
+
 
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
