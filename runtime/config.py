@@ -13,6 +13,7 @@ _FAMILIES = {
     "mistral": (False, False, False),
     "qwen2": (True, False, False),
     "qwen3": None,  # attention_bias, plus q/k norm
+    "smollm3": None,  # attention_bias / mlp_bias; some layers without RoPE (NoPE)
     # MoE families (expert blocks in runtime/moe.py)
     "mixtral": (False, False, False),
     "qwen2_moe": None,  # qkv_bias
@@ -51,6 +52,7 @@ class ModelSpec:
     mlp_bias: bool
     qk_norm: bool
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+    rope_layers: tuple[bool, ...]  # per layer: rotary positions on q and k, or none (NoPE)
     eos_token_ids: tuple[int, ...]
     qk_norm_per_head: bool = True  # False (OLMoE): over all heads' q (and k) at once
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
@@ -100,6 +102,8 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         qk_norm=qk_norm,
         sliding_windows=_sliding_windows(config),
+        rope_layers=tuple(bool(rope) for rope in getattr(config, "no_rope_layers", None)
+                          or [True] * config.num_hidden_layers),  # SmolLM3's 1 means "has RoPE"
         eos_token_ids=eos_ids,
         qk_norm_per_head=model_type != "olmoe",
         clip_qkv=getattr(config, "clip_qkv", None),
@@ -129,7 +133,8 @@ def _moe_spec(config: PretrainedConfig) -> MoESpec | None:
 
 
 def _sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
-    window = getattr(config, "sliding_window", None)
+    # SmolLM3 keeps the window and the layer types when use_sliding_window switches it off.
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:  # Mistral: one window (or none) for every layer
         return (window,) * config.num_hidden_layers

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM; with runtime/moe.py's expert blocks
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, SmolLM3; with runtime/moe.py's expert blocks
 Mixtral, Qwen-MoE, OLMoE) in plain torch, over one flattened batch of tokens from many
 sequences: decode tokens first, then prefill chunks. No padding.
 
@@ -75,7 +75,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, sliding_window: int | None):
+    def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
@@ -88,7 +88,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_norm_size, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(k_norm_size, spec.rms_norm_eps) if spec.qk_norm else None
         self.clip_qkv = spec.clip_qkv
-        self.sliding_window = sliding_window
+        self.sliding_window = spec.sliding_windows[layer]
+        self.rope = spec.rope_layers[layer]
         self.scale = spec.head_dim ** -0.5
 
     def forward(self, x, cos, sin, batch: AttentionBatch, k_cache, v_cache):
@@ -102,7 +103,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(k_cache, v_cache, batch.slot_mapping, k, v)
 
         out = torch.empty_like(q)
@@ -137,10 +139,10 @@ def make_mlp(spec: ModelSpec, layer: int) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, sliding_window: int | None, layer: int):
+    def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, sliding_window)
+        self.self_attn = Attention(spec, layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = make_mlp(spec, layer)
 
@@ -166,7 +168,7 @@ def decode_stack_layer(layer: DecoderLayer) -> dict | None:
     return dict(input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
                 q_norm=None if q_norm is None else q_norm.weight,
                 k_norm=None if k_norm is None else k_norm.weight,
-                sliding_window=attention.sliding_window,
+                sliding_window=attention.sliding_window, rope=attention.rope,
                 **{name: linear.packed for name, linear in projections.items()},
                 **{f"{name}_bias": linear.bias for name, linear in projections.items()})
 
@@ -176,7 +178,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, w, i) for i, w in enumerate(spec.sliding_windows))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:

@@ -23,6 +23,10 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),
     "smollm": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
                dict(tie_word_embeddings=True, num_key_value_heads=1)),
+    # Layer 1 without RoPE and with a sliding window, as SmolLM3 pairs them; biases everywhere.
+    "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM,
+                dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=24,
+                     attention_bias=True, mlp_bias=True)),
 }
 
 # Mixture-of-experts families (tests/test_moe.py): small experts, dense and sparse layers mixed

@@ -35,8 +35,10 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, const torch::Tensor& cos, co
       q = rms_norm(q, *layer.q_norm, eps_);
       k = rms_norm(k, *layer.k_norm, eps_);
     }
-    q = apply_rope(q, cos, sin);
-    k = apply_rope(k, cos, sin);
+    if (layer.rope) {
+      q = apply_rope(q, cos, sin);
+      k = apply_rope(k, cos, sin);
+    }
     const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, num_kv_heads_, head_dim_});
     write_kv(k_cache, v_cache, slot_mapping, k, v);
     const auto attended = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
