@@ -14,6 +14,7 @@ _FAMILIES = {
     "qwen2": (True, False, False),
     "qwen3": None,  # attention_bias, plus q/k norm
     "smollm3": None,  # attention_bias / mlp_bias; some layers without RoPE (NoPE)
+    "phi3": (False, False, False),  # q|k|v and gate|up stored packed; partial rotary (Phi-4-mini)
     # MoE families (expert blocks in runtime/moe.py)
     "mixtral": (False, False, False),
     "qwen2_moe": None,  # qkv_bias
@@ -21,6 +22,8 @@ _FAMILIES = {
     "olmoe": None,  # attention_bias, plus q/k norm over whole projections
 }
 _QK_NORM = ("qwen3", "qwen3_moe", "olmoe")
+# Families whose default RoPE turns only partial_rotary_factor of each head's dims.
+_PARTIAL_ROTARY = ("phi3",)
 
 
 @dataclass(frozen=True)
@@ -143,12 +146,16 @@ def _sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
 
 def rope_cos_sin(config: PretrainedConfig, head_dim: int, max_positions: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [max_positions, head_dim] in fp32, as transformers computes them."""
+    """cos, sin tables [max_positions, rotary dims] in fp32, as transformers computes them; the
+    rotary dims are head_dim, or fewer where only the first ones of each head turn."""
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", 10000.0)
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        dim = head_dim
+        if config.model_type in _PARTIAL_ROTARY:
+            dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         attention_scaling = 1.0
     elif rope_type in ("dynamic", "longrope"):
         # Their frequencies depend on the current sequence length: not a fixed table.

@@ -55,9 +55,13 @@ class _Checkpoint:
         return handle.get_tensor(stored_name)
 
 
-def hf_sources(our_name: str) -> list[str]:
-    """HF tensor names that make up one of our parameters."""
+def hf_sources(our_name: str, checkpoint) -> list[str]:
+    """HF tensor names in `checkpoint` (anything that answers `in`) that make up one of our
+    parameters: the packed tensor itself where the checkpoint stores it so (Phi-3), else its
+    parts."""
     name = our_name if our_name.startswith("lm_head") else "model." + our_name
+    if name in checkpoint:
+        return [name]
     for packed, parts in _PACKED.items():
         if f".{packed}." in name:
             return [name.replace(packed, part) for part in parts]
@@ -91,10 +95,10 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
     with torch.no_grad():
         for name, param in model.named_parameters():  # tied weights are listed once
             if ".experts." in name:  # MoE: [experts, ...], however the checkpoint stores them
-                [hf_name] = hf_sources(name)
+                [hf_name] = hf_sources(name, checkpoint)
                 param.copy_(read_experts(checkpoint, hf_name, model.spec.moe.num_experts))
                 continue
-            tensors = [checkpoint.get(src) for src in hf_sources(name)]
+            tensors = [checkpoint.get(src) for src in hf_sources(name, checkpoint)]
             param.copy_(torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0])
     model.to(dtype)  # the RoPE tables too
     for module in model.modules():

@@ -180,7 +180,7 @@ class WeightStreamer:
         for name, param in model.layers[i].named_parameters():
             if ".experts." in name:  # routed experts stream through the ring
                 continue
-            extents = [self._index.extent(src) for src in hf_sources(f"layers.{i}.{name}")]
+            extents = [self._index.extent(src) for src in hf_sources(f"layers.{i}.{name}", self._index)]
             loaded = sum(e.loaded_nbytes(self.dtype) for e in extents)
             if loaded != _nbytes(param):
                 raise ValueError(f"layers.{i}.{name}: checkpoint holds {loaded} bytes (as {self.dtype}), "
@@ -201,7 +201,7 @@ class WeightStreamer:
                     host = torch.empty(param.shape, dtype=param.dtype)
                     staged.append((param, host))
                 view = memoryview(host.view(-1).view(torch.uint8).numpy())
-                copies += self._back_to_back([self._index.extent(src) for src in hf_sources(name)], view, 0)
+                copies += self._back_to_back([self._index.extent(src) for src in hf_sources(name, self._index)], view, 0)
         _wait(self._submit(copies))
         for param, host in staged:
             param.detach().copy_(host)

@@ -326,6 +326,18 @@ def test_rope_matches_torch(dtype, tokens, heads, head_dim):
                                **POINTWISE_TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", POINTWISE_DTYPES)
+@pytest.mark.parametrize("head_dim,rotary", [(64, 48), (16, 4), (8, 0)])
+def test_partial_rope_matches_torch(dtype, head_dim, rotary):
+    """Only the first `rotary` dims of each head turn (Phi-4-mini's partial rotary)."""
+    g = gen(head_dim + rotary)
+    x = torch.randn(5, 3, head_dim, generator=g).to(dtype)
+    cos, sin = (torch.randn(5, rotary, generator=g).to(dtype) for _ in range(2))
+    out = cpu_kernels.apply_rope(x, cos, sin)
+    torch.testing.assert_close(out, rope.apply_rope(x, cos, sin), **POINTWISE_TOLERANCE[dtype])
+    assert torch.equal(out[..., rotary:], x[..., rotary:])
+
+
 def test_rope_takes_the_heads_of_a_packed_projection():
     """q and k are views into the packed q|k|v projection, as the model splits them."""
     g = gen(9)
@@ -607,7 +619,7 @@ def panel_at_every_row(monkeypatch):
                                                                measured.kernel_rows))
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "smollm", "smollm3"])  # GQA, window, biases, per-head q/k norm, MQA, NoPE
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "smollm", "smollm3", "phi3"])  # GQA, window, biases, per-head q/k norm, MQA, NoPE, partial rotary
 def test_the_decode_stack_is_bit_identical_to_the_layers(tiny, family, panel_at_every_row):
     engine = make_engine(tiny.dir(family))
     spy = StackVersusLayers(engine)

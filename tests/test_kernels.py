@@ -212,6 +212,20 @@ def test_apply_rope_rotates_each_pair_by_its_angle():
     torch.testing.assert_close(out, q_ref[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
 
 
+def test_partial_rope_turns_the_first_dims_as_transformers_does():
+    """Phi-3's apply_rotary_pos_emb: cos and sin narrower than the head turn its first dims."""
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rope
+
+    g = gen(8)
+    x = torch.randn(4, 2, 16, generator=g)
+    angles = torch.arange(4.0)[:, None] * torch.rand(1, 6, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # 12 of 16 dims
+    out = apply_rope(x, cos, sin)
+    q_ref, _ = phi3_rope(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos[None], sin[None])
+    torch.testing.assert_close(out, q_ref[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    assert torch.equal(out[..., 12:], x[..., 12:])
+
+
 def test_apply_rope_scaled_tables_scale_the_output():
     x = torch.randn(2, 1, 4, generator=gen(7))
     cos, sin = torch.ones(2, 4) * 0.5, torch.zeros(2, 4)  # angle 0 with attention scaling 0.5

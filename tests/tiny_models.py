@@ -27,6 +27,9 @@ FAMILIES = {
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM,
                 dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=24,
                      attention_bias=True, mlp_bias=True)),
+    # q|k|v and gate|up stored packed; RoPE on 12 of each head's 16 dims, as Phi-4-mini's 0.75.
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM,
+             dict(partial_rotary_factor=0.75, sliding_window=24)),
 }
 
 # Mixture-of-experts families (tests/test_moe.py): small experts, dense and sparse layers mixed

@@ -116,18 +116,21 @@ torch::Tensor token_rows(const torch::Tensor& x) {
 }
 }  // namespace
 
-// kernels.rope.apply_rope: x [tokens, heads, head_dim], cos and sin [tokens, head_dim];
-// out = x * cos + rotate_half(x) * sin, each product and the sum rounded as torch rounds them.
-// x is read in place where token_rows allows.
+// kernels.rope.apply_rope: x [tokens, heads, head_dim], cos and sin [tokens, rotary dims];
+// out = x * cos + rotate_half(x) * sin over the first rotary dims, each product and the sum
+// rounded as torch rounds them, the dims past them copied. x is read in place where token_rows
+// allows.
 torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(),
               "the C++ pointwise ops run CPU tensors");
   TORCH_CHECK(x.dim() == 3 && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
-              cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && x.size(2) % 2 == 0,
-              "x must be [tokens, heads, head_dim] (head_dim even), cos and sin [tokens, head_dim]");
+              cos.size(0) == x.size(0) && cos.size(1) <= x.size(2) && cos.size(1) % 2 == 0,
+              "x must be [tokens, heads, head_dim], cos and sin [tokens, rotary dims] (even, at "
+              "most head_dim)");
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "x, cos and sin must have the same dtype");
-  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), rotary = cos.size(1),
+                half = rotary / 2;
   const auto xc = token_rows(x);
   const auto cc = cos.contiguous(), sc = sin.contiguous();
   auto out = torch::empty({tokens, heads, d}, x.options());
@@ -137,16 +140,17 @@ torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const
                    *sp = sc.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     for_rows(tokens, heads * d, [&](int64_t t) {
-      const scalar_t *c = cp + t * d, *s = sp + t * d;
+      const scalar_t *c = cp + t * rotary, *s = sp + t * rotary;
       for (int64_t h = 0; h < heads; ++h) {
         const scalar_t* xh = xp + t * token_stride + h * d;
         scalar_t* oh = op + (t * heads + h) * d;
-        for (int64_t i = 0; i < d; ++i) {
+        for (int64_t i = 0; i < rotary; ++i) {
           const auto rotated = i < half ? -up(xh[i + half]) : up(xh[i - half]);
           const scalar_t a = static_cast<scalar_t>(up(xh[i]) * up(c[i]));
           const scalar_t b = static_cast<scalar_t>(rotated * up(s[i]));
           oh[i] = static_cast<scalar_t>(up(a) + up(b));
         }
+        std::copy(xh + rotary, xh + d, oh + rotary);
       }
     });
   });
