@@ -98,7 +98,7 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
         num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
         head_dim=head_dim,
         rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings,
+        max_position_embeddings=_rope_context_limit(config),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
@@ -144,6 +144,16 @@ def _sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
 
+def _rope_context_limit(config: PretrainedConfig) -> int:
+    """The longest context we compute as transformers does. LongRoPE (Phi-3's 128k variants)
+    turns with its short factors up to original_max_position_embeddings and switches every
+    position to its long factors past it, keys already cached included: we run it to there."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type") == "longrope":
+        return min(config.max_position_embeddings, params["original_max_position_embeddings"])
+    return config.max_position_embeddings
+
+
 def rope_cos_sin(config: PretrainedConfig, head_dim: int, max_positions: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin tables [max_positions, rotary dims] in fp32, as transformers computes them; the
@@ -157,8 +167,8 @@ def rope_cos_sin(config: PretrainedConfig, head_dim: int, max_positions: int
             dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         attention_scaling = 1.0
-    elif rope_type in ("dynamic", "longrope"):
-        # Their frequencies depend on the current sequence length: not a fixed table.
+    elif rope_type == "dynamic":
+        # Its frequencies depend on the current sequence length: not a fixed table.
         raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
     else:
         inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))

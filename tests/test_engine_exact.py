@@ -38,6 +38,27 @@ def test_greedy_matches_transformers(tiny, family):
     assert_idle_and_clean(engine)
 
 
+def test_longrope_runs_to_its_original_context_with_the_short_factors(tmp_path):
+    """Phi-3's 128k variants: within original_max_position_embeddings transformers turns every
+    position with the short factors (and LongRoPE's attention scaling); the engine stops there."""
+    from tiny_models import hf_greedy, hf_model, make_tiny_model
+
+    rotary_half = 6  # of Phi-3's tiny head: 16 dims, 0.75 of them rotary
+    directory = make_tiny_model("phi3", tmp_path / "phi3-longrope", original_max_position_embeddings=160,
+                                rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                     partial_rotary_factor=0.75,
+                                                     short_factor=[1.0 + i for i in range(rotary_half)],
+                                                     long_factor=[9.0] * rotary_half))
+    engine = make_engine(directory)
+    assert engine.max_model_len == 160
+    oracle = hf_model(directory)
+    for prompt, ours in zip(PROMPTS, engine.generate(greedy_requests(PROMPTS, MAX_TOKENS))):
+        tokens, logprobs = hf_greedy(oracle, prompt, MAX_TOKENS)
+        assert_matches(ours, tokens, logprobs, max_tokens=MAX_TOKENS)
+    [too_long] = engine.generate(greedy_requests(random_prompts((161,), seed=1), 4))
+    assert too_long.finish_reason == "error"
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_top_logprobs_are_the_models_distribution(tiny, family):
     prompt = PROMPTS[4]
