@@ -218,7 +218,7 @@ def decode_stack(layers: list[dict], num_heads: int, num_kv_heads: int, head_dim
     """A dense decoder stack's decode step in one C++ call (kernels/csrc/decode_stack.cpp), over
     `layers`' parameters (dicts of DecodeLayer's fields: the norms' weights, the per-head q/k
     norms' or None, the projections packed by pack_panels, their biases or None, the sliding
-    window or None, whether the layer applies RoPE). Its
+    window or None, whether the layer applies RoPE, the residual multiplier). Its
     `forward(x, cos, sin, slot_mapping, block_tables, context_lens, kv_caches)` returns the last
     layer's output; it holds the parameters, so a model changed afterwards needs a new stack."""
     module = build()

@@ -14,6 +14,7 @@ _FAMILIES = {
     "qwen2": (True, False, False),
     "qwen3": None,  # attention_bias, plus q/k norm
     "smollm3": None,  # attention_bias / mlp_bias; some layers without RoPE (NoPE)
+    "granite": None,  # attention_bias / mlp_bias; the four multipliers below
     "phi3": (False, False, False),  # q|k|v and gate|up stored packed; partial rotary (Phi-4-mini)
     # MoE families (expert blocks in runtime/moe.py)
     "mixtral": (False, False, False),
@@ -57,6 +58,13 @@ class ModelSpec:
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
     rope_layers: tuple[bool, ...]  # per layer: rotary positions on q and k, or none (NoPE)
     eos_token_ids: tuple[int, ...]
+    # Granite's scalars: embeddings times embedding_multiplier, each attention and MLP output
+    # times residual_multiplier before its residual add, attention scores scaled by
+    # attention_multiplier (else head_dim ** -0.5), logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     qk_norm_per_head: bool = True  # False (OLMoE): over all heads' q (and k) at once
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
     moe: MoESpec | None = None
@@ -108,6 +116,10 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
         rope_layers=tuple(bool(rope) for rope in getattr(config, "no_rope_layers", None)
                           or [True] * config.num_hidden_layers),  # SmolLM3's 1 means "has RoPE"
         eos_token_ids=eos_ids,
+        embedding_multiplier=getattr(config, "embedding_multiplier", 1.0),
+        residual_multiplier=getattr(config, "residual_multiplier", 1.0),
+        attention_multiplier=getattr(config, "attention_multiplier", None),
+        logits_scaling=getattr(config, "logits_scaling", 1.0),
         qk_norm_per_head=model_type != "olmoe",
         clip_qkv=getattr(config, "clip_qkv", None),
         moe=_moe_spec(config),

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, SmolLM3; with runtime/moe.py's expert blocks
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, SmolLM3, Phi-3, Granite; with runtime/moe.py's expert blocks
 Mixtral, Qwen-MoE, OLMoE) in plain torch, over one flattened batch of tokens from many
 sequences: decode tokens first, then prefill chunks. No padding.
 
@@ -90,7 +90,7 @@ class Attention(nn.Module):
         self.clip_qkv = spec.clip_qkv
         self.sliding_window = spec.sliding_windows[layer]
         self.rope = spec.rope_layers[layer]
-        self.scale = spec.head_dim ** -0.5
+        self.scale = spec.attention_multiplier or spec.head_dim ** -0.5
 
     def forward(self, x, cos, sin, batch: AttentionBatch, k_cache, v_cache):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -145,11 +145,16 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(spec, layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = make_mlp(spec, layer)
+        self.residual_multiplier = spec.residual_multiplier
 
     def forward(self, x, cos, sin, batch, k_cache, v_cache):
         attended = self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
-        normed, x = self.post_attention_layernorm.add_and_norm(attended, x)
-        return x + self.mlp(normed)
+        normed, x = self.post_attention_layernorm.add_and_norm(self._scaled(attended), x)
+        return x + self._scaled(self.mlp(normed))
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as its residual add takes it (Granite scales it)."""
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
 
 def decode_stack_layer(layer: DecoderLayer) -> dict | None:
@@ -169,6 +174,7 @@ def decode_stack_layer(layer: DecoderLayer) -> dict | None:
                 q_norm=None if q_norm is None else q_norm.weight,
                 k_norm=None if k_norm is None else k_norm.weight,
                 sliding_window=attention.sliding_window, rope=attention.rope,
+                residual_multiplier=layer.residual_multiplier,
                 **{name: linear.packed for name, linear in projections.items()},
                 **{f"{name}_bias": linear.bias for name, linear in projections.items()})
 
@@ -206,6 +212,8 @@ class CausalLM(nn.Module):
         """Final hidden states [tokens, hidden] (normed); logits are computed separately, only
         for the rows that sample."""
         x = self.embed_tokens(input_ids)
+        if self.spec.embedding_multiplier != 1.0:
+            x = x * self.spec.embedding_multiplier
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
         stack = self._stack_for(batch, x)
@@ -219,7 +227,8 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        return logits if self.spec.logits_scaling == 1.0 else logits / self.spec.logits_scaling
 
     def screen_logits(self) -> None:
         """From here on, greedy tokens come from a bf16 screen of the vocabulary verified in

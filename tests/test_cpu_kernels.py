@@ -619,7 +619,7 @@ def panel_at_every_row(monkeypatch):
                                                                measured.kernel_rows))
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "smollm", "smollm3", "phi3"])  # GQA, window, biases, per-head q/k norm, MQA, NoPE, partial rotary
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "smollm", "smollm3", "phi3", "granite"])  # GQA, window, biases, per-head q/k norm, MQA, NoPE, partial rotary, multipliers
 def test_the_decode_stack_is_bit_identical_to_the_layers(tiny, family, panel_at_every_row):
     engine = make_engine(tiny.dir(family))
     spy = StackVersusLayers(engine)

@@ -28,6 +28,10 @@ FAMILIES = {
                 dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=24,
                      attention_bias=True, mlp_bias=True)),
     # q|k|v and gate|up stored packed; RoPE on 12 of each head's 16 dims, as Phi-4-mini's 0.75.
+    # Every Granite multiplier away from 1, and q|k|v|o biases.
+    "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM,
+                dict(embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.2,
+                     logits_scaling=2.5, attention_bias=True)),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM,
              dict(partial_rotary_factor=0.75, sliding_window=24)),
 }

@@ -43,10 +43,13 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, const torch::Tensor& cos, co
     write_kv(k_cache, v_cache, slot_mapping, k, v);
     const auto attended = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
                                                  scale_, layer.sliding_window);
-    const auto projected = panel_linear(attended.view({-1, q_size}), layer.o, hidden, layer.o_bias);
+    auto projected = panel_linear(attended.view({-1, q_size}), layer.o, hidden, layer.o_bias);
+    if (layer.residual_multiplier != 1.0) projected.mul_(layer.residual_multiplier);
     auto [normed, residual] = add_rms_norm(projected, x, layer.post_norm, eps_);
     const auto gate_up = panel_linear(normed, layer.gate_up, layer.down.size(1) * 2, layer.gate_up_bias);
-    x = residual.add_(panel_linear(silu_and_mul(gate_up), layer.down, hidden, layer.down_bias));
+    auto mlp_out = panel_linear(silu_and_mul(gate_up), layer.down, hidden, layer.down_bias);
+    if (layer.residual_multiplier != 1.0) mlp_out.mul_(layer.residual_multiplier);
+    x = residual.add_(mlp_out);
   }
   return x;
 }

@@ -10,12 +10,14 @@
 
 // One layer's parameters, the projections packed for panel_linear (q|k|v and gate|up packed
 // together, as runtime/model.py holds them); q_norm and k_norm normalise each head (Qwen3);
-// rope false: a layer without rotary positions (SmolLM3's NoPE layers).
+// rope false: a layer without rotary positions (SmolLM3's NoPE layers); residual_multiplier
+// scales the attention's and the MLP's outputs before their residual adds (Granite).
 struct DecodeLayer {
   torch::Tensor input_norm, qkv, o, post_norm, gate_up, down;
   std::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias, q_norm, k_norm;
   std::optional<int64_t> sliding_window;
   bool rope;
+  double residual_multiplier;
 };
 
 class DecodeStack {
