@@ -12,6 +12,9 @@ add_rms_norm = dispatch(norm.add_rms_norm, cpp.add_rms_norm)
 apply_rope = dispatch(rope.apply_rope, cpp.apply_rope)
 argmax = dispatch(sampling.argmax, cpp.argmax, triton=False)
 bf16_weight_linear = dispatch(matmul.bf16_weight_linear, cpp.bf16_weight_linear, triton=False)
+# GeGLU: torch's own GELU kernels on every device (no C++ or Triton kernel of ours).
+gelu_and_mul = dispatch(activation.gelu_and_mul, triton=False)
+gelu_tanh_and_mul = dispatch(activation.gelu_tanh_and_mul, triton=False)
 expert_ffn = dispatch(moe.expert_ffn, cpp.expert_ffn, triton=False)  # streamed experts (CPU)
 grouped_experts = dispatch(moe.grouped_experts, cpp.grouped_experts)
 linear = dispatch(matmul.linear, cpp.linear, triton=False)
@@ -32,6 +35,8 @@ __all__ = [
     "decode_stack",
     "decode_stack_runs",
     "expert_ffn",
+    "gelu_and_mul",
+    "gelu_tanh_and_mul",
     "grouped_experts",
     "KernelBuildError",
     "linear",

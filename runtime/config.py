@@ -16,13 +16,20 @@ _FAMILIES = {
     "smollm3": None,  # attention_bias / mlp_bias; some layers without RoPE (NoPE)
     "granite": None,  # attention_bias / mlp_bias; the four multipliers below
     "phi3": (False, False, False),  # q|k|v and gate|up stored packed; partial rotary (Phi-4-mini)
+    "gemma": None,  # attention_bias; GeGLU, norms scaling by 1 + weight, embeddings by sqrt(hidden)
+    "gemma3_text": None,  # Gemma's, plus q/k norm, norms around both sublayers, RoPE per layer type
     # MoE families (expert blocks in runtime/moe.py)
     "mixtral": (False, False, False),
     "qwen2_moe": None,  # qkv_bias
     "qwen3_moe": None,  # attention_bias, plus q/k norm
     "olmoe": None,  # attention_bias, plus q/k norm over whole projections
 }
-_QK_NORM = ("qwen3", "qwen3_moe", "olmoe")
+_QK_NORM = ("qwen3", "qwen3_moe", "olmoe", "gemma3_text")
+_GEMMA = ("gemma", "gemma3_text")
+_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+_ONE_TABLE = "rope"  # the RoPE table's name where every layer shares one
+# hidden_act -> the gated MLP's activation (kernels.activation's act_and_mul ops).
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Families whose default RoPE turns only partial_rotary_factor of each head's dims.
 _PARTIAL_ROTARY = ("phi3",)
 
@@ -56,7 +63,7 @@ class ModelSpec:
     mlp_bias: bool
     qk_norm: bool
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
-    rope_layers: tuple[bool, ...]  # per layer: rotary positions on q and k, or none (NoPE)
+    rope_layers: tuple[str | None, ...]  # per layer: the name of its RoPE table; None: no RoPE
     eos_token_ids: tuple[int, ...]
     # Granite's scalars: embeddings times embedding_multiplier, each attention and MLP output
     # times residual_multiplier before its residual add, attention scores scaled by
@@ -65,6 +72,9 @@ class ModelSpec:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    activation: str = "silu"  # of the gated MLP: silu (SwiGLU), gelu or gelu_tanh (GeGLU)
+    norm_offset: float = 0.0  # Gemma: every RMSNorm scales by offset + weight
+    sandwich_norms: bool = False  # Gemma 3: a norm after each sublayer too, and one before the MLP
     qk_norm_per_head: bool = True  # False (OLMoE): over all heads' q (and k) at once
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
     moe: MoESpec | None = None
@@ -82,11 +92,14 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
     if model_type not in _FAMILIES:
         raise NotImplementedError(
             f"model_type {model_type!r} is not supported yet (supported: {sorted(_FAMILIES)})")
-    # Every MLP and expert computes SwiGLU (the fused kernels included): another activation
-    # would run, silently wrong.
-    activation = getattr(config, "hidden_act", "silu")
-    if activation not in ("silu", "swish"):
-        raise NotImplementedError(f"hidden_act {activation!r} is not supported yet (supported: silu)")
+    hidden_act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    # The expert kernels compute SwiGLU only: another activation would run, silently wrong.
+    supported = ["silu", "swish"] if model_type in _MOE_FAMILIES else sorted(_ACTIVATIONS)
+    if hidden_act not in supported:
+        raise NotImplementedError(f"hidden_act {hidden_act!r} is not supported yet (supported: "
+                                  f"{', '.join(supported)})")
+    _refuse_unsupported_options(config)
+    gemma = model_type in _GEMMA
     biases = _FAMILIES[model_type]
     if biases is None:
         attention_bias = bool(getattr(config, "attention_bias", False))
@@ -113,17 +126,42 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         qk_norm=qk_norm,
         sliding_windows=_sliding_windows(config),
-        rope_layers=tuple(bool(rope) for rope in getattr(config, "no_rope_layers", None)
-                          or [True] * config.num_hidden_layers),  # SmolLM3's 1 means "has RoPE"
+        rope_layers=_rope_layers(config),
         eos_token_ids=eos_ids,
-        embedding_multiplier=getattr(config, "embedding_multiplier", 1.0),
+        embedding_multiplier=config.hidden_size ** 0.5 if gemma else getattr(config, "embedding_multiplier", 1.0),
         residual_multiplier=getattr(config, "residual_multiplier", 1.0),
-        attention_multiplier=getattr(config, "attention_multiplier", None),
+        attention_multiplier=(config.query_pre_attn_scalar ** -0.5 if model_type == "gemma3_text"
+                              else getattr(config, "attention_multiplier", None)),
         logits_scaling=getattr(config, "logits_scaling", 1.0),
+        activation=_ACTIVATIONS[hidden_act],
+        norm_offset=1.0 if gemma else 0.0,
+        sandwich_norms=model_type == "gemma3_text",
         qk_norm_per_head=model_type != "olmoe",
         clip_qkv=getattr(config, "clip_qkv", None),
         moe=_moe_spec(config),
     )
+
+
+def _refuse_unsupported_options(config: PretrainedConfig) -> None:
+    """Options of the supported families that we do not compute: refused, never ignored."""
+    for option in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, option, None) is not None:
+            raise NotImplementedError(f"{option} is not supported yet")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise NotImplementedError("use_bidirectional_attention is not supported (causal attention only)")
+
+
+def _rope_layers(config: PretrainedConfig) -> tuple[str | None, ...]:
+    """Each layer's RoPE table (rope_cos_sin's keys): its layer type's where the config gives
+    RoPE parameters per layer type (Gemma 3), else the one table; None where SmolLM3's
+    no_rope_layers says the layer has none."""
+    layers = range(config.num_hidden_layers)
+    if _rope_parameters_per_layer_type(config):
+        tables = [config.layer_types[i] for i in layers]
+    else:
+        tables = [_ONE_TABLE] * config.num_hidden_layers
+    has_rope = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers  # 1: has RoPE
+    return tuple(table if has_rope[i] else None for i, table in zip(layers, tables))
 
 
 def _moe_spec(config: PretrainedConfig) -> MoESpec | None:
@@ -166,11 +204,26 @@ def _rope_context_limit(config: PretrainedConfig) -> int:
     return config.max_position_embeddings
 
 
-def rope_cos_sin(config: PretrainedConfig, head_dim: int, max_positions: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [max_positions, rotary dims] in fp32, as transformers computes them; the
-    rotary dims are head_dim, or fewer where only the first ones of each head turn."""
+def _rope_parameters_per_layer_type(config: PretrainedConfig) -> bool:
     params = getattr(config, "rope_parameters", None) or {}
+    layer_types = getattr(config, "layer_types", None) or []
+    return bool(layer_types) and all(isinstance(params.get(kind), dict) for kind in set(layer_types))
+
+
+def rope_cos_sin(config: PretrainedConfig, head_dim: int, max_positions: int
+                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The model's RoPE tables by name (ModelSpec.rope_layers' names): cos and sin
+    [max_positions, rotary dims] in fp32, as transformers computes them. The rotary dims are
+    head_dim, or fewer where only the first ones of each head turn."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if _rope_parameters_per_layer_type(config):
+        return {kind: _rope_table(config, params[kind], head_dim, max_positions, kind)
+                for kind in sorted(set(config.layer_types))}
+    return {_ONE_TABLE: _rope_table(config, params, head_dim, max_positions, None)}
+
+
+def _rope_table(config: PretrainedConfig, params: dict, head_dim: int, max_positions: int,
+                layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", 10000.0)
@@ -183,7 +236,8 @@ def rope_cos_sin(config: PretrainedConfig, head_dim: int, max_positions: int
         # Its frequencies depend on the current sequence length: not a fixed table.
         raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
     else:
-        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        extra = {} if layer_type is None else {"layer_type": layer_type}
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **extra)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq.float()[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 from runtime.config import load_hf_config, model_spec, rope_cos_sin
-from runtime.model import CausalLM, Linear
+from runtime.model import CausalLM, Linear, RMSNorm
 from runtime.moe import read_experts
 
 # Our packed parameter -> the HF parameters concatenated (along dim 0) to form it.
@@ -75,13 +75,13 @@ def build_model(model_dir: str | Path, device: torch.device | str = "cpu",
     runtime/weight_stream.py to bind to its slots."""
     config = load_hf_config(model_dir)
     spec = model_spec(config)
-    cos, sin = rope_cos_sin(config, spec.head_dim, spec.max_position_embeddings)
+    rope_tables = rope_cos_sin(config, spec.head_dim, spec.max_position_embeddings)
     with torch.device("meta"):
-        model = CausalLM(spec, cos, sin).to(dtype)
+        model = CausalLM(spec, rope_tables).to(dtype)
     for name, child in model.named_children():
         if not (stream_layers and name == "layers"):
             child.to_empty(device=device)
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    model.set_rope_tables({name: (cos.to(device), sin.to(device)) for name, (cos, sin) in rope_tables.items()})
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()
@@ -100,6 +100,10 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
                 continue
             tensors = [checkpoint.get(src) for src in hf_sources(name, checkpoint)]
             param.copy_(torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0])
+        if model.spec.norm_offset:  # Gemma's norms scale by 1 + weight: added once, here
+            for module in model.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight += model.spec.norm_offset
     model.to(dtype)  # the RoPE tables too
     for module in model.modules():
         if isinstance(module, Linear):

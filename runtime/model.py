@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, SmolLM3, Phi-3, Granite; with runtime/moe.py's expert blocks
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, SmolLM3, Phi-3, Granite, Gemma,
+Gemma 3; with runtime/moe.py's expert blocks
 Mixtral, Qwen-MoE, OLMoE) in plain torch, over one flattened batch of tokens from many
 sequences: decode tokens first, then prefill chunks. No padding.
 
@@ -12,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import (add_rms_norm, apply_rope, argmax, decode_stack, decode_stack_runs, linear,
-                     pack_linear_weight, paged_decode_attention, paged_prefill_attention, rms_norm,
-                     silu_and_mul, write_kv)
+from kernels import (add_rms_norm, apply_rope, argmax, decode_stack, decode_stack_runs, gelu_and_mul,
+                     gelu_tanh_and_mul, linear, pack_linear_weight, paged_decode_attention,
+                     paged_prefill_attention, rms_norm, silu_and_mul, write_kv)
 from runtime.config import ModelSpec
 from runtime.logit_screen import LogitScreen, screened_argmax
 
@@ -92,7 +93,8 @@ class Attention(nn.Module):
         self.rope = spec.rope_layers[layer]
         self.scale = spec.attention_multiplier or spec.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, batch: AttentionBatch, k_cache, v_cache):
+    def forward(self, x, rope: dict, batch: AttentionBatch, k_cache, v_cache):
+        """rope: cos and sin at each token's position, by RoPE table name."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and not self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -103,7 +105,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope:
+        if self.rope is not None:
+            cos, sin = rope[self.rope]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(k_cache, v_cache, batch.slot_mapping, k, v)
 
@@ -119,15 +122,22 @@ class Attention(nn.Module):
         return self.o_proj(out.view(-1, self.q_size))
 
 
+_ACT_AND_MUL = {"silu": silu_and_mul, "gelu": gelu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
+
+
 class MLP(nn.Module):
+    """Gated: act(gate) * up, then down; SwiGLU, or GeGLU (Gemma)."""
+
     def __init__(self, spec: ModelSpec, intermediate_size: int | None = None):
         super().__init__()
         size = intermediate_size or spec.intermediate_size
         self.gate_up_proj = Linear(spec.hidden_size, 2 * size, bias=spec.mlp_bias)
         self.down_proj = Linear(size, spec.hidden_size, bias=spec.mlp_bias)
+        self.activation = spec.activation
+        self._act_and_mul = _ACT_AND_MUL[spec.activation]
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self._act_and_mul(self.gate_up_proj(x)))
 
 
 def make_mlp(spec: ModelSpec, layer: int) -> nn.Module:
@@ -146,9 +156,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = make_mlp(spec, layer)
         self.residual_multiplier = spec.residual_multiplier
+        # Gemma 3 ("sandwich"): post_attention_layernorm norms the attention's output, and the
+        # MLP has a norm before it and one after.
+        self.sandwich = spec.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x, cos, sin, batch, k_cache, v_cache):
-        attended = self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
+    def forward(self, x, rope, batch, k_cache, v_cache):
+        attended = self.self_attn(self.input_layernorm(x), rope, batch, k_cache, v_cache)
+        if self.sandwich:
+            normed, x = self.pre_feedforward_layernorm.add_and_norm(self.post_attention_layernorm(attended), x)
+            return x + self.post_feedforward_layernorm(self.mlp(normed))
         normed, x = self.post_attention_layernorm.add_and_norm(self._scaled(attended), x)
         return x + self._scaled(self.mlp(normed))
 
@@ -159,12 +178,12 @@ class DecoderLayer(nn.Module):
 
 def decode_stack_layer(layer: DecoderLayer) -> dict | None:
     """The layer's parameters as kernels.cpu_kernels.decode_stack takes them, or None where the
-    stack cannot run it (expert MLP, clipping, a q/k norm over all heads at once, or a projection
-    left unpacked)."""
+    stack cannot run it (expert MLP, another activation than SwiGLU, Gemma 3's norms, clipping,
+    a q/k norm over all heads at once, or a projection left unpacked)."""
     attention, mlp = layer.self_attn, layer.mlp
     q_norm, k_norm = attention.q_norm, attention.k_norm
-    if (type(mlp) is not MLP or attention.clip_qkv is not None
-            or (q_norm is not None and not attention.qk_norm_per_head)):
+    if (type(mlp) is not MLP or mlp.activation != "silu" or layer.sandwich
+            or attention.clip_qkv is not None or (q_norm is not None and not attention.qk_norm_per_head)):
         return None
     projections = dict(qkv=attention.qkv_proj, o=attention.o_proj, gate_up=mlp.gate_up_proj,
                        down=mlp.down_proj)
@@ -173,14 +192,15 @@ def decode_stack_layer(layer: DecoderLayer) -> dict | None:
     return dict(input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
                 q_norm=None if q_norm is None else q_norm.weight,
                 k_norm=None if k_norm is None else k_norm.weight,
-                sliding_window=attention.sliding_window, rope=attention.rope,
+                sliding_window=attention.sliding_window, rope=attention.rope is not None,
                 residual_multiplier=layer.residual_multiplier,
                 **{name: linear.packed for name, linear in projections.items()},
                 **{f"{name}_bias": linear.bias for name, linear in projections.items()})
 
 
 class CausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+    def __init__(self, spec: ModelSpec, rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]]):
+        """rope_tables: runtime.config.rope_cos_sin's."""
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
@@ -189,20 +209,26 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("rope_cos", rope_cos, persistent=False)
-        self.register_buffer("rope_sin", rope_sin, persistent=False)
+        self.rope_names = sorted(rope_tables)
+        self.set_rope_tables(rope_tables)
         self._decode_stack = None  # built at the first step that can use it; False: it cannot
         self.logit_screen: LogitScreen | None = None  # see screen_logits
 
+    def set_rope_tables(self, rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for name, (cos, sin) in rope_tables.items():
+            self.register_buffer(f"rope_cos_{name}", cos, persistent=False)
+            self.register_buffer(f"rope_sin_{name}", sin, persistent=False)
+
     def _stack_for(self, batch: AttentionBatch, x: torch.Tensor):
         """The C++ decode stack, where it can run this step: decode rows only (one ragged group),
-        the C++ kernels taking x (kernels.decode_stack_runs), every layer one it runs."""
+        the C++ kernels taking x (kernels.decode_stack_runs), one RoPE table, every layer one it
+        runs."""
         if batch.prefills or len(batch.decodes) != 1 or not decode_stack_runs(x):
             return None
         if self._decode_stack is None:
             layers = [decode_stack_layer(layer) for layer in self.layers]
             attention = self.layers[0].self_attn
-            self._decode_stack = None not in layers and decode_stack(
+            self._decode_stack = len(self.rope_names) == 1 and None not in layers and decode_stack(
                 layers, attention.num_heads, attention.num_kv_heads, attention.head_dim,
                 self.spec.rms_norm_eps, attention.scale)
         return self._decode_stack or None
@@ -214,16 +240,17 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.spec.embedding_multiplier != 1.0:
             x = x * self.spec.embedding_multiplier
-        cos = self.rope_cos[positions].to(x.dtype)
-        sin = self.rope_sin[positions].to(x.dtype)
+        rope = {name: (getattr(self, f"rope_cos_{name}")[positions].to(x.dtype),
+                       getattr(self, f"rope_sin_{name}")[positions].to(x.dtype)) for name in self.rope_names}
         stack = self._stack_for(batch, x)
         if stack is not None:
             [group] = batch.decodes
+            [(cos, sin)] = rope.values()
             x = stack.forward(x, cos, sin, batch.slot_mapping, group.block_tables, group.context_lens,
                               kv_caches)
         else:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-                x = layer(x, cos, sin, batch, k_cache, v_cache)
+                x = layer(x, rope, batch, k_cache, v_cache)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -129,6 +129,9 @@ class WeightStreamer:
 
     def __init__(self, model: CausalLM, model_dir: str | Path, budget_bytes: int, host_copy: bool = False):
         spec = model.spec
+        if spec.norm_offset:  # bytes go from the file to the slots untouched: no 1 to add on the way
+            raise NotImplementedError("weight streaming of norms that scale by 1 + weight (Gemma) "
+                                      "is not supported yet")
         self.dtype = model.embed_tokens.weight.dtype
         self._element = torch.empty((), dtype=self.dtype).element_size()
         self._index = _Index(Path(model_dir))

@@ -452,8 +452,9 @@ def test_pointwise_bad_inputs_raise():
         cpu_kernels.rms_norm(torch.randn(2, 16), torch.randn(15), 1e-6)
     with pytest.raises(RuntimeError, match="same shape and dtype"):
         cpu_kernels.add_rms_norm(torch.randn(2, 16), torch.randn(3, 16), torch.randn(16), 1e-6)
-    with pytest.raises(RuntimeError, match="head_dim even"):
-        cpu_kernels.apply_rope(torch.randn(2, 3, 7), torch.randn(2, 7), torch.randn(2, 7))
+    for rotary in (7, 10):  # odd; wider than the head
+        with pytest.raises(RuntimeError, match="rotary dims\\] \\(even, at most head_dim\\)"):
+            cpu_kernels.apply_rope(torch.randn(2, 3, 8), torch.randn(2, rotary), torch.randn(2, rotary))
     with pytest.raises(RuntimeError, match="must be even"):
         cpu_kernels.silu_and_mul(torch.randn(2, 7))
 
@@ -629,7 +630,7 @@ def test_the_decode_stack_is_bit_identical_to_the_layers(tiny, family, panel_at_
     assert len(spy.compared) > 10 and all(spy.compared)
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe"])  # all-heads q/k norm, clipping, experts
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "gemma", "gemma3"])  # all-heads q/k norm, clipping, experts, GeGLU, sandwich norms
 def test_layers_the_decode_stack_cannot_run_keep_the_python_path(tiny, family, panel_at_every_row):
     engine = make_engine(tiny.dir(family))
     for prompt, ours in zip(PROMPTS, engine.generate(greedy_requests(PROMPTS, 20))):

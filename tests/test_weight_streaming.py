@@ -254,6 +254,11 @@ def test_a_checkpoint_stored_in_half_precision_streams_converted(tiny, family, s
     assert steps * stored_layer_bytes(directory, False) <= read <= (steps + 1) * stored_layer_bytes(directory, True)
 
 
+def test_streaming_gemmas_offset_norms_is_not_implemented(tiny):
+    with pytest.raises(NotImplementedError, match="1 \\+ weight \\(Gemma\\)"):
+        make_engine(tiny.dir("gemma"), weight_budget_bytes=10 ** 6)
+
+
 def test_a_checkpoint_that_is_not_float_is_not_implemented(tiny, tmp_path):
     directory = stored_as(tiny.dir("llama"), tmp_path / "int8", lambda name, t: t.to(torch.int8)
                           if name == "model.layers.0.self_attn.q_proj.weight" else t)

@@ -32,6 +32,16 @@ FAMILIES = {
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM,
                 dict(embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.2,
                      logits_scaling=2.5, attention_bias=True)),
+    # GeGLU, norms of 1 + weight, embeddings scaled by sqrt(hidden).
+    "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, dict(head_dim=16)),
+    # Gemma's, plus per-head q/k norms, norms around both sublayers, a sliding layer and a full
+    # one with their own RoPE tables (the full one's scaled), query_pre_attn_scalar.
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+               dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=24,
+                    layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                        "rope_theta": 1000000.0}})),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM,
              dict(partial_rotary_factor=0.75, sliding_window=24)),
 }
@@ -59,10 +69,12 @@ def make_tiny_model(family: str, directory: Path, seed: int = 0, **overrides) ->
     config = config_cls(**{**_COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
-    with torch.no_grad():  # transformers zeroes biases: random ones show whether they are used
-        for name, param in model.named_parameters():
+    with torch.no_grad():  # transformers zeroes biases and sets norms to 1 (Gemma's to 0):
+        for name, param in model.named_parameters():  # random ones show whether they are used
             if name.endswith(".bias"):
                 param.normal_(0.0, config.initializer_range)
+            elif "norm" in name:
+                param.add_(torch.randn_like(param), alpha=config.initializer_range)
     model.save_pretrained(directory)
     return directory
 
