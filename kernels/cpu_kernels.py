@@ -87,11 +87,12 @@ def build():
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, softcap: float | None = None
+                           ) -> torch.Tensor:
     """kernels.attention.paged_decode_attention, reading the cache in place; block table entries
     past a sequence's context are never read, so any padding value works."""
     return build().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                          sliding_window)
+                                          sliding_window, softcap)
 
 
 def linear_plan() -> linear_rows.Plan:

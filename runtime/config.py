@@ -17,7 +17,8 @@ _FAMILIES = {
     "granite": None,  # attention_bias / mlp_bias; the four multipliers below
     "phi3": (False, False, False),  # q|k|v and gate|up stored packed; partial rotary (Phi-4-mini)
     "gemma": None,  # attention_bias; GeGLU, norms scaling by 1 + weight, embeddings by sqrt(hidden)
-    "gemma3_text": None,  # Gemma's, plus q/k norm, norms around both sublayers, RoPE per layer type
+    "gemma2": None,  # Gemma's, plus norms around both sublayers, soft-capped scores and logits
+    "gemma3_text": None,  # Gemma 2's, plus q/k norm and a RoPE table per layer type
     # MoE families (expert blocks in runtime/moe.py)
     "mixtral": (False, False, False),
     "qwen2_moe": None,  # qkv_bias
@@ -25,7 +26,8 @@ _FAMILIES = {
     "olmoe": None,  # attention_bias, plus q/k norm over whole projections
 }
 _QK_NORM = ("qwen3", "qwen3_moe", "olmoe", "gemma3_text")
-_GEMMA = ("gemma", "gemma3_text")
+_GEMMA = ("gemma", "gemma2", "gemma3_text")
+_SANDWICH_NORMS = ("gemma2", "gemma3_text")
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 _ONE_TABLE = "rope"  # the RoPE table's name where every layer shares one
 # hidden_act -> the gated MLP's activation (kernels.activation's act_and_mul ops).
@@ -74,7 +76,9 @@ class ModelSpec:
     logits_scaling: float = 1.0
     activation: str = "silu"  # of the gated MLP: silu (SwiGLU), gelu or gelu_tanh (GeGLU)
     norm_offset: float = 0.0  # Gemma: every RMSNorm scales by offset + weight
-    sandwich_norms: bool = False  # Gemma 3: a norm after each sublayer too, and one before the MLP
+    sandwich_norms: bool = False  # Gemma 2, 3: a norm after each sublayer too, and one before the MLP
+    attn_softcap: float | None = None  # Gemma 2: attention scores capped to softcap * tanh(s / softcap)
+    final_softcap: float | None = None  # Gemma 2: the logits likewise
     qk_norm_per_head: bool = True  # False (OLMoE): over all heads' q (and k) at once
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
     moe: MoESpec | None = None
@@ -98,7 +102,8 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
     if hidden_act not in supported:
         raise NotImplementedError(f"hidden_act {hidden_act!r} is not supported yet (supported: "
                                   f"{', '.join(supported)})")
-    _refuse_unsupported_options(config)
+    if getattr(config, "use_bidirectional_attention", False):
+        raise NotImplementedError("use_bidirectional_attention is not supported (causal attention only)")
     gemma = model_type in _GEMMA
     biases = _FAMILIES[model_type]
     if biases is None:
@@ -130,25 +135,18 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
         eos_token_ids=eos_ids,
         embedding_multiplier=config.hidden_size ** 0.5 if gemma else getattr(config, "embedding_multiplier", 1.0),
         residual_multiplier=getattr(config, "residual_multiplier", 1.0),
-        attention_multiplier=(config.query_pre_attn_scalar ** -0.5 if model_type == "gemma3_text"
+        attention_multiplier=(config.query_pre_attn_scalar ** -0.5 if model_type in _SANDWICH_NORMS
                               else getattr(config, "attention_multiplier", None)),
         logits_scaling=getattr(config, "logits_scaling", 1.0),
         activation=_ACTIVATIONS[hidden_act],
         norm_offset=1.0 if gemma else 0.0,
-        sandwich_norms=model_type == "gemma3_text",
+        sandwich_norms=model_type in _SANDWICH_NORMS,
+        attn_softcap=getattr(config, "attn_logit_softcapping", None),
+        final_softcap=getattr(config, "final_logit_softcapping", None),
         qk_norm_per_head=model_type != "olmoe",
         clip_qkv=getattr(config, "clip_qkv", None),
         moe=_moe_spec(config),
     )
-
-
-def _refuse_unsupported_options(config: PretrainedConfig) -> None:
-    """Options of the supported families that we do not compute: refused, never ignored."""
-    for option in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, option, None) is not None:
-            raise NotImplementedError(f"{option} is not supported yet")
-    if getattr(config, "use_bidirectional_attention", False):
-        raise NotImplementedError("use_bidirectional_attention is not supported (causal attention only)")
 
 
 def _rope_layers(config: PretrainedConfig) -> tuple[str | None, ...]:

@@ -1,5 +1,5 @@
 """The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, SmolLM3, Phi-3, Granite, Gemma,
-Gemma 3; with runtime/moe.py's expert blocks
+Gemma 2, Gemma 3; with runtime/moe.py's expert blocks
 Mixtral, Qwen-MoE, OLMoE) in plain torch, over one flattened batch of tokens from many
 sequences: decode tokens first, then prefill chunks. No padding.
 
@@ -90,6 +90,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(k_norm_size, spec.rms_norm_eps) if spec.qk_norm else None
         self.clip_qkv = spec.clip_qkv
         self.sliding_window = spec.sliding_windows[layer]
+        self.softcap = spec.attn_softcap
         self.rope = spec.rope_layers[layer]
         self.scale = spec.attention_multiplier or spec.head_dim ** -0.5
 
@@ -114,11 +115,13 @@ class Attention(nn.Module):
         for group in batch.decodes:
             rows = slice(group.token_start, group.token_start + len(group.context_lens))
             out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, group.block_tables,
-                                               group.context_lens, self.scale, self.sliding_window)
+                                               group.context_lens, self.scale, self.sliding_window,
+                                               self.softcap)
         for chunk in batch.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = paged_prefill_attention(q[rows], k_cache, v_cache, chunk.block_table,
-                                                chunk.start_pos, self.scale, self.sliding_window)
+                                                chunk.start_pos, self.scale, self.sliding_window,
+                                                self.softcap)
         return self.o_proj(out.view(-1, self.q_size))
 
 
@@ -156,7 +159,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = make_mlp(spec, layer)
         self.residual_multiplier = spec.residual_multiplier
-        # Gemma 3 ("sandwich"): post_attention_layernorm norms the attention's output, and the
+        # Gemma 2, 3 ("sandwich"): post_attention_layernorm norms the attention's output, and the
         # MLP has a norm before it and one after.
         self.sandwich = spec.sandwich_norms
         if self.sandwich:
@@ -178,7 +181,7 @@ class DecoderLayer(nn.Module):
 
 def decode_stack_layer(layer: DecoderLayer) -> dict | None:
     """The layer's parameters as kernels.cpu_kernels.decode_stack takes them, or None where the
-    stack cannot run it (expert MLP, another activation than SwiGLU, Gemma 3's norms, clipping,
+    stack cannot run it (expert MLP, another activation than SwiGLU, Gemma 2/3's norms, clipping,
     a q/k norm over all heads at once, or a projection left unpacked)."""
     attention, mlp = layer.self_attn, layer.mlp
     q_norm, k_norm = attention.q_norm, attention.k_norm
@@ -255,7 +258,11 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
-        return logits if self.spec.logits_scaling == 1.0 else logits / self.spec.logits_scaling
+        if self.spec.logits_scaling != 1.0:
+            logits = logits / self.spec.logits_scaling
+        if self.spec.final_softcap is not None:  # monotone: the greedy screen's argmax holds
+            logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
+        return logits
 
     def screen_logits(self) -> None:
         """From here on, greedy tokens come from a bf16 screen of the vocabulary verified in

@@ -44,18 +44,29 @@ def paged_case(lengths, heads, kv_heads, head_dim, block_size, dtype=torch.float
     return q, k, v, torch.tensor(tables), torch.tensor(lengths)
 
 
-def reference(q, k, v, tables, lens, scale, window=None):
+def reference(q, k, v, tables, lens, scale, window=None, softcap=None):
     """The torch op, in fp32 for low-precision inputs (its own bf16/fp16 rounding differs)."""
     up = (lambda t: t.float()) if q.dtype in (torch.bfloat16, torch.float16) else (lambda t: t)
-    return attention.paged_decode_attention(up(q), up(k), up(v), tables, lens, scale, window)
+    return attention.paged_decode_attention(up(q), up(k), up(v), tables, lens, scale, window, softcap)
 
 
-def check(q, k, v, tables, lens, scale=0.3, window=None):
-    out = cpu_kernels.paged_decode_attention(q, k, v, tables, lens, scale, window)
+def check(q, k, v, tables, lens, scale=0.3, window=None, softcap=None):
+    out = cpu_kernels.paged_decode_attention(q, k, v, tables, lens, scale, window, softcap)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.to(torch.float64),
-                               reference(q, k, v, tables, lens, scale, window).to(torch.float64),
+                               reference(q, k, v, tables, lens, scale, window, softcap).to(torch.float64),
                                **TOLERANCE[q.dtype])
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 32), (torch.float32, 8), (torch.bfloat16, 16)],
+                         ids=["fp32-vector-path", "fp32-generic-path", "bf16"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_soft_capped_scores_match_torch(dtype, head_dim, window):
+    """Gemma 2's softcap * tanh(score / softcap), in both of the kernel's paths."""
+    q, k, v, tables, lens = paged_case([1, 17, 40], 4, 2, head_dim, 16, seed=head_dim, dtype=dtype)
+    check(q, k, v, tables, lens, scale=1.0, window=window, softcap=2.0)
+    capped = cpu_kernels.paged_decode_attention(q, k, v, tables, lens, 1.0, window, 2.0)
+    assert not torch.allclose(capped, cpu_kernels.paged_decode_attention(q, k, v, tables, lens, 1.0, window))
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2), (9, 3), (6, 1)])
@@ -630,7 +641,7 @@ def test_the_decode_stack_is_bit_identical_to_the_layers(tiny, family, panel_at_
     assert len(spy.compared) > 10 and all(spy.compared)
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "gemma", "gemma3"])  # all-heads q/k norm, clipping, experts, GeGLU, sandwich norms
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "gemma", "gemma2", "gemma3"])  # all-heads q/k norm, clipping, experts, GeGLU, sandwich norms
 def test_layers_the_decode_stack_cannot_run_keep_the_python_path(tiny, family, panel_at_every_row):
     engine = make_engine(tiny.dir(family))
     for prompt, ours in zip(PROMPTS, engine.generate(greedy_requests(PROMPTS, 20))):

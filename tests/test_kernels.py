@@ -17,16 +17,18 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def dense_attention(q, k, v, query_pos, scale, window=None):
+def dense_attention(q, k, v, query_pos, scale, window=None, softcap=None):
     """q [queries, heads, d] at positions query_pos; k, v [keys, kv_heads, d] at positions
-    0..keys-1. Causal (and windowed), GQA by repeating each kv head over its query heads, in
-    float64 with explicit loops over heads."""
+    0..keys-1. Causal (and windowed, and soft-capped), GQA by repeating each kv head over its
+    query heads, in float64 with explicit loops over heads."""
     heads, kv_heads = q.shape[1], k.shape[1]
     group = heads // kv_heads
     out = torch.empty(q.shape, dtype=torch.float64)
     for h in range(heads):
         kh = h // group
         scores = (q[:, h].double() @ k[:, kh].double().T) * scale  # [queries, keys]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         key_pos = torch.arange(k.shape[0])
         allowed = key_pos[None, :] <= query_pos[:, None]
         if window is not None:
@@ -113,6 +115,39 @@ def test_paged_prefill_attention_matches_dense(heads, kv_heads, window, length, 
     out = paged_prefill_attention(q, paged.k_cache, paged.v_cache, table, start, scale, window)
     assert out.shape == q.shape
     want = dense_attention(q, paged.keys[0], paged.values[0], torch.arange(start, length), scale, window)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+SOFTCAP_SCALE, SOFTCAP = 1.0, 2.0  # scores of spread ~3 against a cap of 2: most are bent
+
+
+@pytest.mark.usefixtures("both_cpu_kernel_choices")
+@pytest.mark.parametrize("window", [None, 5])
+def test_soft_capped_decode_attention_matches_dense(window):
+    """Gemma 2: softcap * tanh(score / softcap) before the softmax."""
+    lengths = [1, 17, 40]
+    paged = PagedSequences(lengths, kv_heads=2, seed=21)
+    q = torch.randn(len(lengths), 4, HEAD_DIM, generator=gen(21))
+    out = paged_decode_attention(q, paged.k_cache, paged.v_cache, paged.padded_tables(0),
+                                 torch.tensor(lengths), SOFTCAP_SCALE, window, SOFTCAP)
+    for i, length in enumerate(lengths):
+        want = dense_attention(q[i:i + 1], paged.keys[i], paged.values[i], torch.tensor([length - 1]),
+                               SOFTCAP_SCALE, window, SOFTCAP)
+        torch.testing.assert_close(out[i:i + 1], want, atol=1e-5, rtol=1e-5)
+        uncapped = dense_attention(q[i:i + 1], paged.keys[i], paged.values[i],
+                                   torch.tensor([length - 1]), SOFTCAP_SCALE, window)
+        assert length == 1 or not torch.allclose(want, uncapped, atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("length,start", [(16, 0), (37, 5)])
+def test_soft_capped_prefill_attention_matches_dense(window, length, start):
+    paged = PagedSequences([length], kv_heads=2, seed=22)
+    q = torch.randn(length - start, 4, HEAD_DIM, generator=gen(22))
+    out = paged_prefill_attention(q, paged.k_cache, paged.v_cache, torch.tensor(paged.tables[0]), start,
+                                  SOFTCAP_SCALE, window, SOFTCAP)
+    want = dense_attention(q, paged.keys[0], paged.values[0], torch.arange(start, length),
+                           SOFTCAP_SCALE, window, SOFTCAP)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 

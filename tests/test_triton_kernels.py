@@ -187,6 +187,23 @@ def test_paged_decode_attention(kt, dtype, heads, kv_heads, window):
     check(out, expected, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_soft_capped_attention(kt, dtype):
+    """Gemma 2's cap on the scores, decode and prefill."""
+    lengths = [1, 17, 40]
+    cache = PagedCache(lengths, 2, seed=31)
+    (q, k, v), (q32, k32, v32) = cast(dtype, torch.randn(len(lengths), 4, 16, generator=gen(31)),
+                                      cache.k, cache.v)
+    context_lens = torch.tensor(lengths)
+    check(kt.paged_decode_attention(q, k, v, cache.tables, context_lens, 1.0, 5, 2.0),
+          attention.paged_decode_attention(q32, k32, v32, cache.tables.clamp(min=0), context_lens,
+                                           1.0, 5, 2.0), dtype)
+    table = cache.tables[2][cache.tables[2] >= 0]
+    (chunk,), (chunk32,) = cast(dtype, torch.randn(30, 4, 16, generator=gen(32)))
+    check(kt.paged_prefill_attention(chunk, k, v, table, 10, 1.0, None, 2.0),
+          attention.paged_prefill_attention(chunk32, k32, v32, table, 10, 1.0, None, 2.0), dtype)
+
+
 def test_kernels_take_a_head_major_cache(kt):
     """runtime.kv_cache.KVCache stores each block head by head: the strides say so."""
     cache = PagedCache([1, 15, 16, 40], kv_heads=2, seed=12)

@@ -36,6 +36,11 @@ FAMILIES = {
     "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, dict(head_dim=16)),
     # Gemma's, plus per-head q/k norms, norms around both sublayers, a sliding layer and a full
     # one with their own RoPE tables (the full one's scaled), query_pre_attn_scalar.
+    # Gemma's, plus norms around both sublayers, soft caps low enough to bend scores and logits,
+    # a sliding layer and a full one.
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+               dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=24, attn_logit_softcapping=1.5,
+                    final_logit_softcapping=3.0, layer_types=["sliding_attention", "full_attention"])),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
                dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=24,
                     layer_types=["sliding_attention", "full_attention"],

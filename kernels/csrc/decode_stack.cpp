@@ -42,7 +42,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, const torch::Tensor& cos, co
     const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, num_kv_heads_, head_dim_});
     write_kv(k_cache, v_cache, slot_mapping, k, v);
     const auto attended = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                                 scale_, layer.sliding_window);
+                                                 scale_, layer.sliding_window, std::nullopt);
     auto projected = panel_linear(attended.view({-1, q_size}), layer.o, hidden, layer.o_bias);
     if (layer.residual_multiplier != 1.0) projected.mul_(layer.residual_multiplier);
     auto [normed, residual] = add_rms_norm(projected, x, layer.post_norm, eps_);

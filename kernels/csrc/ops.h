@@ -11,7 +11,8 @@
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                                      const torch::Tensor& context_lens, double scale,
-                                     std::optional<int64_t> sliding_window);
+                                     std::optional<int64_t> sliding_window,
+                                     std::optional<double> softcap);
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                            const std::optional<torch::Tensor>& bias);
 torch::Tensor small_rows_linear(const torch::Tensor& x, const torch::Tensor& weight,

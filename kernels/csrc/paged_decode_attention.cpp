@@ -110,10 +110,17 @@ void for_each_task(const Shape& s, int64_t batch, const scalar_t* k_cache, const
   });
 }
 
+// Gemma 2's soft cap on the scaled scores, before the softmax: cap * tanh(score / cap).
+template <typename acc_t>
+void cap_scores(acc_t* scores, int64_t n, acc_t cap) {
+  for (int64_t t = 0; t < n; ++t) scores[t] = cap * std::tanh(scores[t] / cap);
+}
+
 template <typename scalar_t>
 void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
             const int64_t* block_tables, const int64_t* context_lens, scalar_t* out,
-            const Shape& s, int64_t batch, double scale, std::optional<int64_t> sliding_window) {
+            const Shape& s, int64_t batch, double scale, std::optional<int64_t> sliding_window,
+            std::optional<double> softcap) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t G = s.group, D = s.head_dim, B = s.block_size;
   struct Scratch {
@@ -152,6 +159,7 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
           prefetch_rows(k_cache + next + n * row, v_cache + next + n * row, next_rows - n, row, D);
         for (int64_t g = 0; g < G; ++g) {
           acc_t* sg = &scores[g * B];
+          if (softcap) cap_scores(sg, n, static_cast<acc_t>(*softcap));
           const acc_t block_max = *std::max_element(sg, sg + n);
           if (block_max > m[g]) {  // rescale what was summed under the old max
             const acc_t alpha = std::exp(m[g] - block_max);
@@ -189,7 +197,8 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
 template <int DV>
 void attend_f32(const float* q, const float* k_cache, const float* v_cache,
                 const int64_t* block_tables, const int64_t* context_lens, float* out,
-                const Shape& s, int64_t batch, double scale, std::optional<int64_t> sliding_window) {
+                const Shape& s, int64_t batch, double scale, std::optional<int64_t> sliding_window,
+                std::optional<double> softcap) {
   const int64_t G = s.group, B = s.block_size;
   const int64_t width = (B + 15) / 16 * 16;  // a block's scores, padded to whole vectors
   struct Scratch {
@@ -236,6 +245,7 @@ void attend_f32(const float* q, const float* k_cache, const float* v_cache,
                         DV * 16);
         for (int64_t g = 0; g < G; ++g) {
           float* sg = &scores[g * width];
+          if (softcap) cap_scores(sg, n, static_cast<float>(*softcap));
           vec16 a[DV];
           for (int c = 0; c < DV; ++c) a[c] = acc[g * DV + c];
           const float block_max = *std::max_element(sg, sg + n);
@@ -293,7 +303,8 @@ void check_tables(const int64_t* tables, const int64_t* context_lens, int64_t ba
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                                      const torch::Tensor& context_lens, double scale,
-                                     std::optional<int64_t> sliding_window) {
+                                     std::optional<int64_t> sliding_window,
+                                     std::optional<double> softcap) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "the C++ paged decode attention runs CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be [batch, heads, head_dim] and the "
@@ -312,6 +323,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
               context_lens.size(0) == batch,
               "block_tables must be [batch, max_blocks] and context_lens [batch]");
   TORCH_CHECK(!sliding_window || *sliding_window >= 1, "sliding_window must be at least 1");
+  TORCH_CHECK(!softcap || *softcap > 0, "softcap must be positive");
 
   const auto tables = block_tables.to(torch::kLong).contiguous();
   const auto lens = context_lens.to(torch::kLong).contiguous();
@@ -328,7 +340,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       attend_f32<decltype(dv)::value>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
                                       v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
                                       lens.data_ptr<int64_t>(), out.data_ptr<float>(), shape, batch,
-                                      scale, sliding_window);
+                                      scale, sliding_window, softcap);
     };
     switch (head_dim / 16) {
       case 1: run(std::integral_constant<int, 1>{}); break;
@@ -346,7 +358,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     attend<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                      v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
                      lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), shape, batch, scale,
-                     sliding_window);
+                     sliding_window, softcap);
   });
   return out;
 }

@@ -26,6 +26,7 @@ DECODE_TILES = {torch.float32: Tiles(max_block_m=16, block_n=64), torch.float16:
                 torch.bfloat16: _HALF}
 PREFILL_TILES = {torch.float32: Tiles(max_block_m=32, block_n=32), torch.float16: _HALF,
                  torch.bfloat16: _HALF}
+LN2 = tl.constexpr(math.log(2.0))
 
 
 @triton.jit
@@ -66,11 +67,11 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
 
 @triton.jit
 def _paged_attention_kernel(
-        q, k_cache, v_cache, out, block_tables, context_lens, qk_scale, window, num_queries,
+        q, k_cache, v_cache, out, block_tables, context_lens, qk_scale, window, softcap, num_queries,
         q_seq_stride, q_token_stride, q_head_stride, out_seq_stride, out_token_stride,
         out_head_stride, table_stride, cache_block_stride, cache_slot_stride, cache_head_stride,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        SLIDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         DIM_TILE: tl.constexpr, DOT: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -108,6 +109,9 @@ def _paged_attention_kernel(
         kv_mask = in_range[:, None] & dim_ok[None, :]
         k = tl.load(k_cache + offsets, mask=kv_mask, other=0.0)
         scores = dot(q_tile, tl.trans(k), DOT) * qk_scale
+        if SOFTCAP:  # softcap * tanh(score / softcap) on the natural-log scores (log2 units here)
+            capped = scores * (LN2 / softcap)
+            scores = (1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0)) * (softcap / LN2)
         visible = in_range[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING:
             visible &= pos[None, :] > q_pos[:, None] - window
@@ -132,7 +136,7 @@ def _paged_attention_kernel(
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-            sliding_window: int | None, tiles: Tiles) -> torch.Tensor:
+            sliding_window: int | None, softcap: float | None, tiles: Tiles) -> torch.Tensor:
     """q: [seqs, queries, heads, head_dim], the last `queries` positions of each sequence's
     context; block_tables: [seqs, max_blocks]; context_lens: [seqs]."""
     check_launchable(q)
@@ -146,9 +150,10 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if seqs and num_queries:
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, block_tables, context_lens, scale * math.log2(math.e),
-            sliding_window or 0, num_queries, *q.stride()[:3], *out.stride()[:3],
+            sliding_window or 0, softcap or 1.0, num_queries, *q.stride()[:3], *out.stride()[:3],
             block_tables.stride(0), *k_cache.stride()[:3], GROUP=group, HEAD_DIM=head_dim,
-            BLOCK_SIZE=k_cache.shape[1], SLIDING=sliding_window is not None, BLOCK_M=block_m,
+            BLOCK_SIZE=k_cache.shape[1], SLIDING=sliding_window is not None,
+            SOFTCAP=softcap is not None, BLOCK_M=block_m,
             BLOCK_N=tiles.block_n, DIM_TILE=tile(head_dim, at_least=16), DOT=dot_dtype(q.dtype),
             num_warps=tiles.num_warps)
     return out
@@ -156,22 +161,22 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None = None, tiles: Tiles | None = None
-                           ) -> torch.Tensor:
+                           sliding_window: int | None = None, softcap: float | None = None,
+                           tiles: Tiles | None = None) -> torch.Tensor:
     """One query per sequence over its first context_lens[i] cached positions
     (kernels.attention.paged_decode_attention); block table entries past the context are never
     read, so any padding value works. `tiles` overrides DECODE_TILES (benchmarks.triton_tiles)."""
     return _attend(q[:, None], k_cache, v_cache, block_tables, context_lens, scale,
-                   sliding_window, tiles or DECODE_TILES[q.dtype])[:, 0]
+                   sliding_window, softcap, tiles or DECODE_TILES[q.dtype])[:, 0]
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, start_pos: int, scale: float,
-                            sliding_window: int | None = None, tiles: Tiles | None = None
-                            ) -> torch.Tensor:
+                            sliding_window: int | None = None, softcap: float | None = None,
+                            tiles: Tiles | None = None) -> torch.Tensor:
     """A chunk of one sequence's queries at positions start_pos.. attending causally to the
     cache, which already holds the chunk's keys (kernels.attention.paged_prefill_attention).
     `tiles` overrides PREFILL_TILES (benchmarks.triton_tiles)."""
     context = torch.full((1,), start_pos + q.shape[0], dtype=torch.int32, device=q.device)
     return _attend(q[None], k_cache, v_cache, block_table[None], context, scale, sliding_window,
-                   tiles or PREFILL_TILES[q.dtype])[0]
+                   softcap, tiles or PREFILL_TILES[q.dtype])[0]
