@@ -19,15 +19,18 @@ _FAMILIES = {
     "gemma": None,  # attention_bias; GeGLU, norms scaling by 1 + weight, embeddings by sqrt(hidden)
     "gemma2": None,  # Gemma's, plus norms around both sublayers, soft-capped scores and logits
     "gemma3_text": None,  # Gemma 2's, plus q/k norm and a RoPE table per layer type
+    "olmo2": None,  # attention_bias; q/k norm over whole projections, norms at sublayer outputs
+    "olmo3": None,  # OLMo 2's, plus sliding layers with a RoPE table per layer type
     # MoE families (expert blocks in runtime/moe.py)
     "mixtral": (False, False, False),
     "qwen2_moe": None,  # qkv_bias
     "qwen3_moe": None,  # attention_bias, plus q/k norm
     "olmoe": None,  # attention_bias, plus q/k norm over whole projections
 }
-_QK_NORM = ("qwen3", "qwen3_moe", "olmoe", "gemma3_text")
+_QK_NORM = ("qwen3", "qwen3_moe", "olmoe", "gemma3_text", "olmo2", "olmo3")
+_QK_NORM_OVER_ALL_HEADS = ("olmoe", "olmo2", "olmo3")
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
-_SANDWICH_NORMS = ("gemma2", "gemma3_text")
+_NORMS = {"gemma2": "sandwich", "gemma3_text": "sandwich", "olmo2": "post", "olmo3": "post"}
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 _ONE_TABLE = "rope"  # the RoPE table's name where every layer shares one
 # hidden_act -> the gated MLP's activation (kernels.activation's act_and_mul ops).
@@ -76,10 +79,10 @@ class ModelSpec:
     logits_scaling: float = 1.0
     activation: str = "silu"  # of the gated MLP: silu (SwiGLU), gelu or gelu_tanh (GeGLU)
     norm_offset: float = 0.0  # Gemma: every RMSNorm scales by offset + weight
-    sandwich_norms: bool = False  # Gemma 2, 3: a norm after each sublayer too, and one before the MLP
+    norms: str = "pre"  # at each sublayer's input; "post" at its output (OLMo 2); "sandwich" both (Gemma 2, 3)
     attn_softcap: float | None = None  # Gemma 2: attention scores capped to softcap * tanh(s / softcap)
     final_softcap: float | None = None  # Gemma 2: the logits likewise
-    qk_norm_per_head: bool = True  # False (OLMoE): over all heads' q (and k) at once
+    qk_norm_per_head: bool = True  # False (OLMoE, OLMo 2): over all heads' q (and k) at once
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
     moe: MoESpec | None = None
 
@@ -135,15 +138,15 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
         eos_token_ids=eos_ids,
         embedding_multiplier=config.hidden_size ** 0.5 if gemma else getattr(config, "embedding_multiplier", 1.0),
         residual_multiplier=getattr(config, "residual_multiplier", 1.0),
-        attention_multiplier=(config.query_pre_attn_scalar ** -0.5 if model_type in _SANDWICH_NORMS
+        attention_multiplier=(config.query_pre_attn_scalar ** -0.5 if model_type in ("gemma2", "gemma3_text")
                               else getattr(config, "attention_multiplier", None)),
         logits_scaling=getattr(config, "logits_scaling", 1.0),
         activation=_ACTIVATIONS[hidden_act],
         norm_offset=1.0 if gemma else 0.0,
-        sandwich_norms=model_type in _SANDWICH_NORMS,
+        norms=_NORMS.get(model_type, "pre"),
         attn_softcap=getattr(config, "attn_logit_softcapping", None),
         final_softcap=getattr(config, "final_logit_softcapping", None),
-        qk_norm_per_head=model_type != "olmoe",
+        qk_norm_per_head=model_type not in _QK_NORM_OVER_ALL_HEADS,
         clip_qkv=getattr(config, "clip_qkv", None),
         moe=_moe_spec(config),
     )

@@ -1,5 +1,5 @@
 """The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, SmolLM3, Phi-3, Granite, Gemma,
-Gemma 2, Gemma 3; with runtime/moe.py's expert blocks
+Gemma 2, Gemma 3, OLMo 2, OLMo 3; with runtime/moe.py's expert blocks
 Mixtral, Qwen-MoE, OLMoE) in plain torch, over one flattened batch of tokens from many
 sequences: decode tokens first, then prefill chunks. No padding.
 
@@ -152,23 +152,35 @@ def make_mlp(spec: ModelSpec, layer: int) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
+    """Where the norms sit (ModelSpec.norms), by HF's names: "pre" (Llama) norms each sublayer's
+    input, input_layernorm and post_attention_layernorm (before the MLP, despite its name);
+    "post" (OLMo 2) norms each sublayer's output, post_attention_layernorm and
+    post_feedforward_layernorm; "sandwich" (Gemma 2, 3) does both, with pre_feedforward_layernorm
+    before the MLP."""
+
     def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norms = spec.norms
+
+        def norm():
+            return RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        if self.norms != "post":
+            self.input_layernorm = norm()
         self.self_attn = Attention(spec, layer)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = norm()
+        if self.norms == "sandwich":
+            self.pre_feedforward_layernorm = norm()
+        if self.norms != "pre":
+            self.post_feedforward_layernorm = norm()
         self.mlp = make_mlp(spec, layer)
         self.residual_multiplier = spec.residual_multiplier
-        # Gemma 2, 3 ("sandwich"): post_attention_layernorm norms the attention's output, and the
-        # MLP has a norm before it and one after.
-        self.sandwich = spec.sandwich_norms
-        if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, x, rope, batch, k_cache, v_cache):
+        if self.norms == "post":
+            x = x + self.post_attention_layernorm(self.self_attn(x, rope, batch, k_cache, v_cache))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
         attended = self.self_attn(self.input_layernorm(x), rope, batch, k_cache, v_cache)
-        if self.sandwich:
+        if self.norms == "sandwich":
             normed, x = self.pre_feedforward_layernorm.add_and_norm(self.post_attention_layernorm(attended), x)
             return x + self.post_feedforward_layernorm(self.mlp(normed))
         normed, x = self.post_attention_layernorm.add_and_norm(self._scaled(attended), x)
@@ -181,11 +193,11 @@ class DecoderLayer(nn.Module):
 
 def decode_stack_layer(layer: DecoderLayer) -> dict | None:
     """The layer's parameters as kernels.cpu_kernels.decode_stack takes them, or None where the
-    stack cannot run it (expert MLP, another activation than SwiGLU, Gemma 2/3's norms, clipping,
+    stack cannot run it (expert MLP, another activation than SwiGLU, norms not at the inputs, clipping,
     a q/k norm over all heads at once, or a projection left unpacked)."""
     attention, mlp = layer.self_attn, layer.mlp
     q_norm, k_norm = attention.q_norm, attention.k_norm
-    if (type(mlp) is not MLP or mlp.activation != "silu" or layer.sandwich
+    if (type(mlp) is not MLP or mlp.activation != "silu" or layer.norms != "pre"
             or attention.clip_qkv is not None or (q_norm is not None and not attention.qk_norm_per_head)):
         return None
     projections = dict(qkv=attention.qkv_proj, o=attention.o_proj, gate_up=mlp.gate_up_proj,

@@ -47,6 +47,14 @@ FAMILIES = {
                     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                      "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                         "rope_theta": 1000000.0}})),
+    # Norms at the sublayers' outputs, q/k norms over whole projections, biases.
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, dict(attention_bias=True)),
+    # OLMo 2's, plus a sliding layer and a full one whose RoPE is YaRN-scaled.
+    "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM,
+              dict(sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0,
+                                                       "original_max_position_embeddings": 128}})),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM,
              dict(partial_rotary_factor=0.75, sliding_window=24)),
 }
