@@ -11,6 +11,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 _FAMILIES = {
     "llama": None,  # attention_bias / mlp_bias
     "mistral": (False, False, False),
+    "ministral": (False, False, False),  # Mistral's, the window on the sliding layer types only
     "qwen2": (True, False, False),
     "qwen3": None,  # attention_bias, plus q/k norm
     "smollm3": None,  # attention_bias / mlp_bias; some layers without RoPE (NoPE)

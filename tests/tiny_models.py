@@ -19,6 +19,8 @@ FAMILIES = {
                                     "original_max_position_embeddings": 64})),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
                 dict(sliding_window=24)),
+    "ministral": (transformers.MinistralConfig, transformers.MinistralForCausalLM,
+                  dict(head_dim=16, sliding_window=24, layer_types=["full_attention", "sliding_attention"])),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),
     "smollm": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
