@@ -26,7 +26,7 @@ from tiny_models import save_fused_experts
 
 MAX_TOKENS = 16
 PROMPTS = random_prompts((1, 5, 17, 33, 64), seed=3)
-DENSE, MOE = ["llama", "smollm", "phi3"], ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
+DENSE, MOE = ["llama", "smollm", "phi3", "granite", "olmo3"], ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
 PLENTY = 1 << 30
 
 
