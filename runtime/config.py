@@ -88,11 +88,19 @@ class ModelSpec:
     moe: MoESpec | None = None
 
 
+# Image-text models whose language model we run on text alone (runtime/loader.py finds its
+# tensors under the checkpoint's language_model prefix).
+_IMAGE_TEXT = ("gemma3",)
+
+
 def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
+    """The config of the language model in model_dir: the whole model's, or an image-text
+    model's text_config."""
     # Checked here: for a path that is not a directory transformers talks of hub repo ids.
     if not (Path(model_dir) / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: not a model directory (no config.json there)")
-    return AutoConfig.from_pretrained(str(model_dir))
+    config = AutoConfig.from_pretrained(str(model_dir))
+    return config.text_config if config.model_type in _IMAGE_TEXT else config
 
 
 def model_spec(config: PretrainedConfig) -> ModelSpec:

@@ -17,8 +17,11 @@ _PACKED = {
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "shared_expert.gate_up_proj": ("shared_expert.gate_proj", "shared_expert.up_proj"),  # Qwen2-MoE
 }
-# Older tensor names -> the names transformers 5 uses (its conversion mapping renames them too).
-_RENAMES = {".block_sparse_moe.": ".mlp."}  # Mixtral
+# Older tensor names -> the names transformers 5 uses (its conversion mapping renames them too),
+# and an image-text model's language model -> a text model's names.
+_RENAMES = {".block_sparse_moe.": ".mlp.",  # Mixtral
+            "language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+            "model.language_model.": "model."}
 
 
 def canonical_name(name: str) -> str:

@@ -25,6 +25,7 @@ def random_prompts(lengths, seed: int = 0) -> list[list[int]]:
 def kv_block_bytes(model_dir: Path, block_size: int = 16) -> int:
     """fp32 KV bytes of one block: 2 (K and V) * layers * block_size * kv_heads * head_dim * 4."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config", config)  # an image-text model's language model
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
