@@ -90,7 +90,7 @@ class ModelSpec:
 
 # Image-text models whose language model we run on text alone (runtime/loader.py finds its
 # tensors under the checkpoint's language_model prefix).
-_IMAGE_TEXT = ("gemma3",)
+_IMAGE_TEXT = ("gemma3", "mistral3")
 
 
 def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
@@ -100,7 +100,11 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
     if not (Path(model_dir) / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: not a model directory (no config.json there)")
     config = AutoConfig.from_pretrained(str(model_dir))
-    return config.text_config if config.model_type in _IMAGE_TEXT else config
+    if config.model_type not in _IMAGE_TEXT:
+        return config
+    text = config.text_config
+    text.tie_word_embeddings = config.tie_word_embeddings  # transformers ties by the whole model's
+    return text
 
 
 def model_spec(config: PretrainedConfig) -> ModelSpec:
