@@ -6,6 +6,15 @@ opens).
   JSON parsing happen in `Generate`, so a line that is not UTF-8 or not JSON becomes an error
   row instead of failing the pipeline. Files are split across workers as `ReadFromText` does.
 - ``parquet`` (``.parquet``, ``.pq``): each row as a dict of its columns.
+- ``csv`` (``.csv``) and ``tsv`` (``.tsv``): each row under a header row as a dict of its
+  non-empty cells (an empty cell is an absent field, so the default applies). Cells are text,
+  except in the `messages` and sampling columns, where a cell that parses as JSON is read as
+  JSON (``256``, ``0.7``, ``["\n\n"]``, ``{"50256": -100}``) and any other stays text (a stop
+  string such as ``END``). A row without an ``id`` column gets ``<name>:<n>``, `<name>` as for
+  text files and `<n>` its row number under the header. A row with more cells than the header
+  becomes an error row; one with fewer lacks the last fields; a cell that is not UTF-8 rejects
+  the record, naming its column. Each file is read whole by one worker, as text files are
+  (a row may span lines, inside quotes).
 - ``text`` (``.txt``, ``.text``): one prompt per non-blank line, as
   ``{"id": "<name>:<line>", "prompt": line}``. `<line>` is the 1-based line number in the file
   (blank lines count, so it is the number an editor shows) and `<name>` is the file's path below
@@ -23,6 +32,9 @@ shards ``<prefix>-SSSSS-of-NNNNN.<format>`` and returns the PCollection of the w
 names.
 """
 
+import csv
+import io
+import json
 import os
 import posixpath
 import re
@@ -33,14 +45,17 @@ from apache_beam.io import fileio
 from apache_beam.io.parquetio import ReadFromParquet, WriteToParquet
 from apache_beam.io.textio import ReadFromText, WriteToText
 
-from batchgen_beam.records import OUTPUT_SCHEMA, row_to_arrow_dict, row_to_json
+from batchgen_beam.records import SAMPLING_FIELDS, OUTPUT_SCHEMA, Rejected, row_to_arrow_dict, row_to_json
 
-INPUT_FORMATS = ("jsonl", "parquet", "text")
+INPUT_FORMATS = ("jsonl", "parquet", "text", "csv", "tsv")
 OUTPUT_FORMATS = ("parquet", "jsonl")
 
 _EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
                ".parquet": "parquet", ".pq": "parquet",
-               ".txt": "text", ".text": "text"}
+               ".txt": "text", ".text": "text", ".csv": "csv", ".tsv": "tsv"}
+_DELIMITERS = {"csv": ",", "tsv": "\t"}
+# CSV columns whose cells are read as JSON where they parse (numbers, lists, objects).
+_JSON_COLUMNS = frozenset({"messages", *SAMPLING_FIELDS})
 # Compressions Beam's file readers detect from the name (CompressionTypes.AUTO).
 _COMPRESSION_EXTENSIONS = (".gz", ".bz2", ".deflate", ".zst", ".zstd", ".lzma", ".xz")
 _WILDCARD = re.compile(r"[*?\[{]")
@@ -82,10 +97,13 @@ class ReadRecords(beam.PTransform):
                     | "SkipBlank" >> beam.Filter(lambda line: bool(line.strip())))
         if self.format == "parquet":
             return pbegin | "ReadParquet" >> ReadFromParquet(self.pattern)
-        return (pbegin
-                | "Match" >> fileio.MatchFiles(self.pattern)
-                | "Open" >> fileio.ReadMatches()
-                | "Lines" >> beam.FlatMap(_text_records, _fixed_dir(self.pattern)))
+        files = (pbegin
+                 | "Match" >> fileio.MatchFiles(self.pattern)
+                 | "Open" >> fileio.ReadMatches())
+        if self.format in _DELIMITERS:
+            return files | "Rows" >> beam.FlatMap(_delimited_records, _fixed_dir(self.pattern),
+                                                  self.format)
+        return files | "Lines" >> beam.FlatMap(_text_records, _fixed_dir(self.pattern))
 
 
 def _fixed_dir(pattern: str) -> str:
@@ -96,10 +114,15 @@ def _fixed_dir(pattern: str) -> str:
     return head[:cut + 1] if cut >= 0 else ""
 
 
-def _text_records(readable_file, fixed_dir: str):
+def _file_name(readable_file, fixed_dir: str) -> str:
+    """The file's path below the pattern's fixed directory, or its base name."""
     path = readable_file.metadata.path
     name = path[len(fixed_dir):] if fixed_dir and path.startswith(fixed_dir) else ""
-    name = name or posixpath.basename(path.replace(os.sep, "/"))
+    return name or posixpath.basename(path.replace(os.sep, "/"))
+
+
+def _text_records(readable_file, fixed_dir: str):
+    name = _file_name(readable_file, fixed_dir)
     with readable_file.open() as f:
         for number, line in enumerate(f, start=1):
             line = line.rstrip(b"\r\n")
@@ -112,6 +135,51 @@ def _text_records(readable_file, fixed_dir: str):
                 # the line's id ("prompt: not valid UTF-8 (...)").
                 prompt = line
             yield {"id": f"{name}:{number}", "prompt": prompt}
+
+
+def delimited_rows(binary_file, fmt: str):
+    """A CSV or TSV file's header and an iterator over its rows (lists of cells, blank lines
+    skipped)."""
+    # surrogateescape: a cell that is not UTF-8 goes on (as bytes, see _cell_text) for
+    # `Generate` to reject naming its column; the file's other rows still run.
+    text = io.TextIOWrapper(binary_file, encoding="utf-8-sig", errors="surrogateescape", newline="")
+    reader = csv.reader(text, delimiter=_DELIMITERS[fmt])
+    header = [_cell_text(column) for column in next(reader, [])]
+    return header, (row for row in reader if row)
+
+
+def _delimited_records(readable_file, fixed_dir: str, fmt: str):
+    name = _file_name(readable_file, fixed_dir)
+    with readable_file.open() as f:
+        header, rows = delimited_rows(f, fmt)
+        for number, cells in enumerate(rows, start=1):
+            fallback_id = f"{name}:{number}"
+            if len(cells) > len(header):
+                yield Rejected(fallback_id, f"{name}: row {number} has {len(cells)} cells, the header "
+                                            f"{len(header)}")
+                continue
+            record = {column: _cell(column, cell) for column, cell in zip(header, cells) if cell}
+            record.setdefault("id", fallback_id)
+            yield record
+
+
+def _cell_text(cell: str) -> str | bytes:
+    """The cell's text, or its bytes where they were not UTF-8."""
+    try:
+        cell.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: an undecodable byte, escaped
+        return cell.encode("utf-8", "surrogateescape")
+    return cell
+
+
+def _cell(column: str | bytes, cell: str):
+    value = _cell_text(cell)
+    if column in _JSON_COLUMNS and isinstance(value, str):
+        try:
+            return json.loads(value)
+        except (ValueError, RecursionError):  # not JSON: text, such as a stop string
+            pass
+    return value
 
 
 class WriteRows(beam.PTransform):

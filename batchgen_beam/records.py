@@ -10,7 +10,9 @@ defaults) raises ValueError instead, since it would reject every record.
   (`SAMPLING_FIELDS`); every other key passes through to the output row untouched;
 - a mapping in the OpenAI Batch API format (`custom_id`, `method`, `url`, `body`);
 - a JSON line (str, or bytes in UTF-8; a leading byte-order mark is dropped) holding either;
-- with `fallback_id`: a bare prompt (str or bytes), as from a text file, which has no ids.
+- with `fallback_id`: a bare prompt (str or bytes), as from a text file, which has no ids;
+- a `Rejected` that a reader made of a record it could not read (batchgen_beam/io.py's CSV
+  rows with more cells than their header), returned as it is.
 
 Choices:
 - An integer id (BigQuery / Parquet keys often are) becomes str(id); bools, floats and empty or
@@ -127,6 +129,8 @@ def parse_record(raw: Any, defaults: Mapping[str, Any] | None = None,
     the record's own fields override. `fallback_id` is the id of a bare-string prompt: when it is
     given, a str or bytes `raw` is the prompt itself, not a JSON line (mappings ignore it)."""
     base = check_defaults(defaults)
+    if isinstance(raw, Rejected):
+        return raw
     try:
         record = _to_mapping(raw, fallback_id)
     except _Invalid as bad:

@@ -35,7 +35,7 @@ from apache_beam.options.pipeline_options import PipelineOptions, StandardOption
 import batchgen_beam
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.generate import METRICS_NAMESPACE, Generate
-from batchgen_beam.io import INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, infer_format
+from batchgen_beam.io import INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, delimited_rows, infer_format
 from batchgen_beam.records import SAMPLING_FIELDS
 
 BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"
@@ -246,7 +246,10 @@ def count_records(pattern: str, fmt: str, limit_bytes: int = COUNT_LIMIT_BYTES) 
     total = 0
     for meta in files:
         with FileSystems.open(meta.path) as f:
-            total += sum(1 for line in f if line.strip())
+            if fmt in ("csv", "tsv"):
+                total += sum(1 for _ in delimited_rows(f, fmt)[1])
+            else:
+                total += sum(1 for line in f if line.strip())
     return total
 
 

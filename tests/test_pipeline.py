@@ -140,6 +140,35 @@ def test_text_input_ids_are_file_and_line(chat_model, tmp_path):
     assert rows["x/prompts.txt:5"]["error"] is None
 
 
+CSV_ROWS = (b'prompt,max_tokens,stop,temperature,tag\r\n'
+            b'Hello there,4,,,a\r\n'
+            b'"Tell me a story\r\nin two lines",,END,,b\r\n'  # a cell over two lines; a stop string
+            b'\r\n'                                             # blank: skipped
+            b'Say hi,2.5,,,c\r\n'                                # a float max_tokens
+            b'Say hi,3,,,d,extra\r\n'                            # more cells than the header
+            b'\xff bad,2,,,e\r\n'                                # a prompt that is not UTF-8
+            b',3,,,f\r\n'                                         # no prompt
+            b'Say hi,3,"[""x"", ""y""]",0,g\r\n')                # a JSON list of stops; 0 as an int
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tsv"])
+def test_csv_and_tsv_rows_are_records(chat_model, tmp_path, fmt):
+    path = tmp_path / f"in.{fmt}"
+    path.write_bytes(b"\xef\xbb\xbf" + (CSV_ROWS if fmt == "csv" else CSV_ROWS.replace(b",", b"\t")))
+    summary = run(chat_model, "--input", str(path), "--output", str(tmp_path / "out/gen"), "--format",
+                  "jsonl", progress=True)
+    rows = {r["id"]: r for r in read_jsonl(summary["output_files"])}
+    ids = [f"in.{fmt}:{n}" for n in range(1, 8)]
+    assert sorted(rows) == ids and summary["records"] == 7 and summary["errors"] == 4
+    assert [rows[i]["passthrough"].get("tag") for i in ids] == ["a", "b", "c", None, "e", "f", "g"]
+    assert rows[ids[0]]["error"] is None and rows[ids[0]]["completion_tokens"] <= 4
+    assert rows[ids[1]]["error"] is None and rows[ids[6]]["error"] is None
+    assert rows[ids[2]]["error"].startswith("max_tokens: must be")
+    assert rows[ids[3]]["error"] == f"in.{fmt}: row 4 has 6 cells, the header 5"
+    assert rows[ids[4]]["error"].startswith("prompt: not valid UTF-8")
+    assert rows[ids[5]]["error"].startswith("prompt: missing")
+
+
 def test_parquet_input_with_chat_template(chat_model, tmp_path):
     path = tmp_path / "records.parquet"
     pq.write_table(pa.Table.from_pylist(
@@ -182,8 +211,9 @@ def test_formats_from_extensions():
     assert infer_format("p.txt") == infer_format("p.text.bz2") == "text"
     with pytest.raises(ValueError, match="format"):
         infer_format("data/*")
+    assert infer_format("gs://b/rows.csv") == "csv" and infer_format("rows.tsv.gz") == "tsv"
     with pytest.raises(ValueError, match="format must be one of"):
-        ReadRecords("x.jsonl", format="csv")
+        ReadRecords("x.jsonl", format="xlsx")
     with pytest.raises(ValueError, match="format must be one of"):
         WriteRows("out/x", format="text")
     assert _fixed_dir("gs://b/d/*/p.txt") == "gs://b/d/" and _fixed_dir("d/p.txt") == "d/"
