@@ -137,12 +137,29 @@ def _text_records(readable_file, fixed_dir: str):
             yield {"id": f"{name}:{number}", "prompt": prompt}
 
 
+class _RawReader(io.RawIOBase):
+    """A file Beam opened (a CompressedFile has read but not the io interface TextIOWrapper
+    needs) as a raw stream, so it decodes as it reads."""
+
+    def __init__(self, binary_file):
+        self._file = binary_file
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = self._file.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+
 def delimited_rows(binary_file, fmt: str):
     """A CSV or TSV file's header and an iterator over its rows (lists of cells, blank lines
     skipped)."""
     # surrogateescape: a cell that is not UTF-8 goes on (as bytes, see _cell_text) for
     # `Generate` to reject naming its column; the file's other rows still run.
-    text = io.TextIOWrapper(binary_file, encoding="utf-8-sig", errors="surrogateescape", newline="")
+    text = io.TextIOWrapper(io.BufferedReader(_RawReader(binary_file)), encoding="utf-8-sig",
+                            errors="surrogateescape", newline="")
     reader = csv.reader(text, delimiter=_DELIMITERS[fmt])
     header = [_cell_text(column) for column in next(reader, [])]
     return header, (row for row in reader if row)

@@ -4,6 +4,7 @@ out, local and gs:// (through the GCS emulator), one row per record, error rows 
 The fast tests run the Beam tests' tiny chat model with the same engine arguments
 (beam_helpers), so one engine process, started once per session, serves them all."""
 
+import gzip
 import json
 import time
 
@@ -151,20 +152,21 @@ CSV_ROWS = (b'prompt,max_tokens,stop,temperature,tag\r\n'
             b'Say hi,3,"[""x"", ""y""]",0,g\r\n')                # a JSON list of stops; 0 as an int
 
 
-@pytest.mark.parametrize("fmt", ["csv", "tsv"])
-def test_csv_and_tsv_rows_are_records(chat_model, tmp_path, fmt):
-    path = tmp_path / f"in.{fmt}"
-    path.write_bytes(b"\xef\xbb\xbf" + (CSV_ROWS if fmt == "csv" else CSV_ROWS.replace(b",", b"\t")))
-    summary = run(chat_model, "--input", str(path), "--output", str(tmp_path / "out/gen"), "--format",
-                  "jsonl", progress=True)
+@pytest.mark.parametrize("name", ["in.csv", "in.tsv.gz"])
+def test_csv_and_tsv_rows_are_records(chat_model, tmp_path, name):
+    data = b"\xef\xbb\xbf" + (CSV_ROWS if ".csv" in name else CSV_ROWS.replace(b",", b"\t"))
+    (tmp_path / name).write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    assert cli.count_records(str(tmp_path / name), infer_format(name)) == 7
+    summary = run(chat_model, "--input", str(tmp_path / name), "--output", str(tmp_path / "out/gen"),
+                  "--format", "jsonl")
     rows = {r["id"]: r for r in read_jsonl(summary["output_files"])}
-    ids = [f"in.{fmt}:{n}" for n in range(1, 8)]
+    ids = [f"{name}:{n}" for n in range(1, 8)]
     assert sorted(rows) == ids and summary["records"] == 7 and summary["errors"] == 4
     assert [rows[i]["passthrough"].get("tag") for i in ids] == ["a", "b", "c", None, "e", "f", "g"]
     assert rows[ids[0]]["error"] is None and rows[ids[0]]["completion_tokens"] <= 4
     assert rows[ids[1]]["error"] is None and rows[ids[6]]["error"] is None
     assert rows[ids[2]]["error"].startswith("max_tokens: must be")
-    assert rows[ids[3]]["error"] == f"in.{fmt}: row 4 has 6 cells, the header 5"
+    assert rows[ids[3]]["error"] == f"{name}: row 4 has 6 cells, the header 5"
     assert rows[ids[4]]["error"].startswith("prompt: not valid UTF-8")
     assert rows[ids[5]]["error"].startswith("prompt: missing")
 
