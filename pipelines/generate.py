@@ -35,7 +35,8 @@ from apache_beam.options.pipeline_options import PipelineOptions, StandardOption
 import batchgen_beam
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.generate import METRICS_NAMESPACE, Generate
-from batchgen_beam.io import INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, delimited_rows, infer_format
+from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, delimited_rows,
+                              infer_format)
 from batchgen_beam.records import SAMPLING_FIELDS
 
 BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"

@@ -38,6 +38,9 @@ _ONE_TABLE = "rope"  # the RoPE table's name where every layer shares one
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Families whose default RoPE turns only partial_rotary_factor of each head's dims.
 _PARTIAL_ROTARY = ("phi3",)
+# Image-text models whose language model we run on text alone (runtime/loader.py finds its
+# tensors under the checkpoint's language_model prefix).
+_IMAGE_TEXT = ("gemma3", "mistral3")
 
 
 @dataclass(frozen=True)
@@ -80,17 +83,12 @@ class ModelSpec:
     logits_scaling: float = 1.0
     activation: str = "silu"  # of the gated MLP: silu (SwiGLU), gelu or gelu_tanh (GeGLU)
     norm_offset: float = 0.0  # Gemma: every RMSNorm scales by offset + weight
-    norms: str = "pre"  # at each sublayer's input; "post" at its output (OLMo 2); "sandwich" both (Gemma 2, 3)
+    norms: str = "pre"  # at sublayer inputs; "post": at outputs (OLMo 2); "sandwich": both (Gemma 2, 3)
     attn_softcap: float | None = None  # Gemma 2: attention scores capped to softcap * tanh(s / softcap)
     final_softcap: float | None = None  # Gemma 2: the logits likewise
     qk_norm_per_head: bool = True  # False (OLMoE, OLMo 2): over all heads' q (and k) at once
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
     moe: MoESpec | None = None
-
-
-# Image-text models whose language model we run on text alone (runtime/loader.py finds its
-# tensors under the checkpoint's language_model prefix).
-_IMAGE_TEXT = ("gemma3", "mistral3")
 
 
 def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
@@ -121,6 +119,7 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
     if getattr(config, "use_bidirectional_attention", False):
         raise NotImplementedError("use_bidirectional_attention is not supported (causal attention only)")
     gemma = model_type in _GEMMA
+    query_scalar = getattr(config, "query_pre_attn_scalar", None)  # Gemma 2, 3
     biases = _FAMILIES[model_type]
     if biases is None:
         attention_bias = bool(getattr(config, "attention_bias", False))
@@ -149,9 +148,10 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
         sliding_windows=_sliding_windows(config),
         rope_layers=_rope_layers(config),
         eos_token_ids=eos_ids,
-        embedding_multiplier=config.hidden_size ** 0.5 if gemma else getattr(config, "embedding_multiplier", 1.0),
+        embedding_multiplier=(config.hidden_size ** 0.5 if gemma
+                              else getattr(config, "embedding_multiplier", 1.0)),
         residual_multiplier=getattr(config, "residual_multiplier", 1.0),
-        attention_multiplier=(config.query_pre_attn_scalar ** -0.5 if model_type in ("gemma2", "gemma3_text")
+        attention_multiplier=(query_scalar ** -0.5 if query_scalar
                               else getattr(config, "attention_multiplier", None)),
         logits_scaling=getattr(config, "logits_scaling", 1.0),
         activation=_ACTIVATIONS[hidden_act],

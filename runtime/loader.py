@@ -84,7 +84,8 @@ def build_model(model_dir: str | Path, device: torch.device | str = "cpu",
     for name, child in model.named_children():
         if not (stream_layers and name == "layers"):
             child.to_empty(device=device)
-    model.set_rope_tables({name: (cos.to(device), sin.to(device)) for name, (cos, sin) in rope_tables.items()})
+    model.set_rope_tables({name: (cos.to(device), sin.to(device))
+                           for name, (cos, sin) in rope_tables.items()})
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()

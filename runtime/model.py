@@ -181,7 +181,8 @@ class DecoderLayer(nn.Module):
             return x + self.post_feedforward_layernorm(self.mlp(x))
         attended = self.self_attn(self.input_layernorm(x), rope, batch, k_cache, v_cache)
         if self.norms == "sandwich":
-            normed, x = self.pre_feedforward_layernorm.add_and_norm(self.post_attention_layernorm(attended), x)
+            attended = self.post_attention_layernorm(attended)
+            normed, x = self.pre_feedforward_layernorm.add_and_norm(attended, x)
             return x + self.post_feedforward_layernorm(self.mlp(normed))
         normed, x = self.post_attention_layernorm.add_and_norm(self._scaled(attended), x)
         return x + self._scaled(self.mlp(normed))

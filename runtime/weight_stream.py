@@ -204,7 +204,8 @@ class WeightStreamer:
                     host = torch.empty(param.shape, dtype=param.dtype)
                     staged.append((param, host))
                 view = memoryview(host.view(-1).view(torch.uint8).numpy())
-                copies += self._back_to_back([self._index.extent(src) for src in hf_sources(name, self._index)], view, 0)
+                extents = [self._index.extent(src) for src in hf_sources(name, self._index)]
+                copies += self._back_to_back(extents, view, 0)
         _wait(self._submit(copies))
         for param, host in staged:
             param.detach().copy_(host)

@@ -126,7 +126,8 @@ def test_apply_rope(kt, dtype, rotary):
     tokens, heads, kv_heads, dim = 6, 6, 2, 16
     g = gen(4)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)
-    angles = torch.randint(0, 500, (tokens, 1), generator=g) / (10000 ** (torch.arange(0, rotary, 2) / rotary))
+    inv_freq = 10000 ** -(torch.arange(0, rotary, 2) / rotary)
+    angles = torch.randint(0, 500, (tokens, 1), generator=g) * inv_freq
     cos, sin = torch.cat([angles.cos()] * 2, -1) * 0.9, torch.cat([angles.sin()] * 2, -1) * 0.9
     (qkv, cos, sin), (qkv32, cos32, sin32) = cast(dtype, qkv, cos, sin)
     q = qkv[:, :heads * dim].view(tokens, heads, dim)  # strided, as the model's q is
