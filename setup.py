@@ -27,6 +27,7 @@ setup(
         "accelerate>=1.10,<1.16",
         "numpy>=1.26,<3",
         "tqdm>=4.66,<5",
+        "llguidance>=1.9,<2",  # structured output: JSON-schema-constrained decoding (runtime/structured.py)
         # The Beam face.
         "apache-beam>=2.77,<2.78",
         "pyarrow>=14,<26",

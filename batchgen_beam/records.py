@@ -20,8 +20,9 @@ Choices:
 - A field that is None counts as absent, so a column that is null in some rows means "use the
   default" there. The flip side: a record cannot switch a default seed or logprobs back off.
 - OpenAI body keys: harmless ones (`model`, `user`, ...) are ignored; keys that would change the
-  output (`tools`, `response_format`, `echo`, ...) are accepted only at their no-op value;
-  any other key is rejected, naming it, rather than silently not honoured.
+  output (`tools`, `echo`, ...) are accepted only at their no-op value; any other key is
+  rejected, naming it, rather than silently not honoured. `response_format` (`json_object`: any
+  JSON object; `json_schema`: its schema) and vLLM's `guided_json` become our `json_schema`.
 - Passthrough values that strict JSON cannot hold (dates, decimals from Parquet or BigQuery,
   NaN and infinities, mapping keys that are not strings or numbers) are written as their str()
   in output rows rather than failing the pipeline or writing a bare NaN. Bytes are written in
@@ -61,7 +62,7 @@ from runtime.sampling import SamplingParams
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                    "stop_token_ids", "n", "logprobs", "prompt_logprobs", "ignore_eos", "min_tokens",
                    "logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty",
-                   "truncate_prompt_tokens")
+                   "truncate_prompt_tokens", "json_schema")
 ROLES = ("system", "user", "assistant")
 # OpenAI's newer name for the system role: chat templates know only "system".
 ROLE_ALIASES = {"developer": "system"}
@@ -76,9 +77,11 @@ _OPENAI_URLS = {
                                           "logprobs", "top_logprobs"}),
     "/v1/completions": ("prompt", {"prompt", "max_tokens", "logprobs"}),
 }
+# Body keys that ask for JSON output: OpenAI's, and vLLM's (both our json_schema).
+_OPENAI_FORMATS = {"response_format", "guided_json"}
 # Body keys that map one to one onto ours; top_k, min_p, stop_token_ids, ignore_eos, min_tokens,
 # prompt_logprobs, repetition_penalty and truncate_prompt_tokens are vLLM's extensions of the
-# API, so files written for vLLM work too.
+# API, so files written for vLLM work too (and its guided_json, our json_schema).
 _OPENAI_SAMPLING = {"temperature", "top_p", "seed", "stop", "n", "top_k", "min_p",
                     "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "frequency_penalty",
                     "presence_penalty", "repetition_penalty", "prompt_logprobs", "truncate_prompt_tokens"}
@@ -87,7 +90,7 @@ _OPENAI_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream
                    "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
 # Body keys we cannot honour, accepted only at the value that makes them a no-op.
 _OPENAI_NO_OP = {"echo": False, "best_of": 1, "suffix": "", "stream": False, "tools": [],
-                 "tool_choice": "none", "response_format": {"type": "text"}, "modalities": ["text"]}
+                 "tool_choice": "none", "modalities": ["text"]}
 
 
 @dataclass
@@ -442,13 +445,38 @@ def _openai_fields(record: Mapping) -> dict:
             if not _same(value, _OPENAI_NO_OP[key]):
                 raise _Invalid(f"body.{key}: not supported (only {_OPENAI_NO_OP[key]!r} is), "
                                f"got {_show(value)}")
-        elif key not in endpoint_keys and key not in _OPENAI_SAMPLING:
+        elif key not in endpoint_keys and key not in _OPENAI_SAMPLING and key not in _OPENAI_FORMATS:
             raise _Invalid(f"body.{key}: not supported for {url}")
     fields = {k: v for k, v in given.items() if k in _OPENAI_SAMPLING}
     fields[input_key] = given[input_key]
+    fields["json_schema"] = _openai_json_schema(given)
     fields["max_tokens"] = _openai_max_tokens(given)
     fields["logprobs"] = _chat_logprobs(given) if input_key == "messages" else given.get("logprobs")
     return fields
+
+
+def _openai_json_schema(body: dict) -> Any:
+    """response_format json_object (any JSON object) or json_schema (its schema), or vLLM's
+    guided_json, as our json_schema; None for text."""
+    formats = {key: body[key] for key in _OPENAI_FORMATS if key in body}
+    if len(formats) == 2:
+        raise _Invalid("body.response_format, body.guided_json: give one")
+    if "guided_json" in formats:
+        return formats["guided_json"]
+    response_format = formats.get("response_format", {"type": "text"})
+    kind = response_format.get("type") if isinstance(response_format, Mapping) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("schema"), Mapping):
+            raise _Invalid(f"body.response_format.json_schema: must hold a schema object, got "
+                           f"{_show(spec)}")
+        return spec["schema"]
+    raise _Invalid(f"body.response_format: must be of type text, json_object or json_schema, "
+                   f"got {_show(response_format)}")
 
 
 def _openai_max_tokens(body: dict) -> Any:

@@ -58,6 +58,8 @@ SAMPLING_FLAGS = (
                                  "(-2 to 2; 0: off)"),
     ("presence_penalty", float, "subtract this from the logit of each token in the output (-2 to 2; "
                                 "0: off)"),
+    ("json_schema", str, "make every completion JSON that matches this JSON schema (its text; "
+                         '\'{"type": "object"}\': any JSON object)'),
 )
 DEFAULT_OUTPUT = "./output/generations"
 PIPELINE_NAMESPACE = "batchgen_pipeline"  # this pipeline's own metrics

@@ -25,6 +25,7 @@ from runtime.moe import moe_blocks
 from runtime.request import Completion, CompletionWaiter, Request, SampleOutput, Timings
 from runtime.runner import ModelRunner, ScoredPrompts
 from runtime.sampling import SampledToken, SampleRow, SamplingParams, sample
+from runtime.structured import Grammars, allowed_tokens
 from runtime.scheduler import Scheduler
 from runtime.sequence import Event, Sequence, Status, StopRule
 from runtime.step_lock import StepLock
@@ -199,8 +200,10 @@ class Engine:
         # A lone sequence must always fit in the cache, so the cache bounds the context too.
         self.max_model_len = min(max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings, num_blocks * block_size)
+        has_tokenizer = self.tokenizer is not None
         self.stop_rule = StopRule(frozenset(self._eos_token_ids()), self.max_model_len,
-                                  self._detokenize if self.tokenizer is not None else None)
+                                  self._detokenize if has_tokenizer else None,
+                                  Grammars(self.tokenizer, self.spec.vocab_size) if has_tokenizer else None)
         self.stats = EngineStats()
 
         self._lock = StepLock()  # engine state: scheduler, sequences; held for a step
@@ -233,6 +236,8 @@ class Engine:
             raise TypeError(f"request {request.id!r}: params must be SamplingParams")
         if request.params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a model with a tokenizer")
+        if request.params.json_schema is not None and self.tokenizer is None:
+            raise ValueError("json_schema: structured output needs a model with a tokenizer")
         if request.params.n > self.scheduler.blocks.num_blocks:
             # Samples fork together once the prompt is computed, each soon writing a block of its own.
             raise ValueError(f"n: must be <= the KV cache's {self.scheduler.blocks.num_blocks} blocks, "
@@ -453,7 +458,8 @@ class Engine:
             ending = {*p.stop_token_ids, *(() if p.ignore_eos else self.stop_rule.eos_token_ids)}
             banned = sorted(t for t in ending if t < self.spec.vocab_size)
         split = seq.num_prompt_tokens
-        return SampleRow(p, seq.generator, seq.token_ids[:split], seq.token_ids[split:], banned)
+        allowed = None if seq.grammar is None else allowed_tokens(seq.grammar, self.spec.vocab_size)
+        return SampleRow(p, seq.generator, seq.token_ids[:split], seq.token_ids[split:], banned, allowed)
 
     def _greedy(self, hidden: torch.Tensor) -> list[SampledToken]:
         ids, misses = self.model.greedy_tokens(hidden)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
+from runtime.structured import canonical_json_schema, keep_allowed
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # a seen token's logit (prompt or output): / if > 0, * if < 0
     frequency_penalty: float = 0.0  # minus this times the token's count in the output
     presence_penalty: float = 0.0  # minus this once the token is in the output
+    # The completion is JSON matching this schema (a mapping, or JSON text; held as canonical
+    # JSON text), and ends where the JSON value does (runtime/structured.py).
+    json_schema: str | None = None
 
     def __post_init__(self):
         # Normalise list inputs so params stay hashable and picklable.
@@ -38,6 +42,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.json_schema is not None:
+            object.__setattr__(self, "json_schema", canonical_json_schema(self.json_schema))
         _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
@@ -82,9 +88,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether its tokens are chosen from adjusted logits (min_tokens, bias, penalties)."""
+        """Whether its tokens are chosen from adjusted logits (min_tokens, bias, penalties, a
+        JSON schema)."""
         return bool(self.min_tokens or self.logit_bias or self.repetition_penalty != 1
-                    or self.frequency_penalty or self.presence_penalty)
+                    or self.frequency_penalty or self.presence_penalty or self.json_schema)
 
     @property
     def argmax_only(self) -> bool:
@@ -142,6 +149,7 @@ class SampleRow:
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
     banned_ids: Sequence[int] = ()  # may not be chosen now (they would end it before min_tokens)
+    allowed: torch.Tensor | None = None  # the only tokens its JSON schema allows now (a bitmask)
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
@@ -171,15 +179,17 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
 
 
 def adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
-    """Adjust one row of logits [vocab] in place, in vLLM's order: banned tokens (min_tokens) to
-    -inf, the logit bias, the repetition penalty over prompt and output (transformers'
-    RepetitionPenaltyLogitsProcessor, vLLM's), OpenAI's frequency and presence penalties over
-    the output."""
+    """Adjust one row of logits [vocab] in place, in vLLM's order: tokens the JSON schema does
+    not allow and banned tokens (min_tokens) to -inf, the logit bias, the repetition penalty
+    over prompt and output (transformers' RepetitionPenaltyLogitsProcessor, vLLM's), OpenAI's
+    frequency and presence penalties over the output."""
     p, output_ids = row.params, row.output_ids
 
     def ids(tokens):
         return torch.tensor(list(tokens), dtype=torch.long, device=logits.device)
 
+    if row.allowed is not None:
+        keep_allowed(logits, row.allowed)
     if row.banned_ids:
         logits[ids(row.banned_ids)] = float("-inf")
     if p.logit_bias:

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from runtime.sampling import SampledToken, SamplingParams
+from runtime.structured import Grammars, consume
 
 
 class Status(Enum):
@@ -59,6 +60,7 @@ class StopRule:
     eos_token_ids: frozenset[int]
     max_model_len: int
     detokenize: Callable[[list[int]], str] | None
+    grammars: Grammars | None = None  # for sequences with a JSON schema (needs a tokenizer)
 
 
 class Sequence:
@@ -85,6 +87,9 @@ class Sequence:
         self.error: str | None = None
         self.counters = dict.fromkeys(("preemptions", "suspends", "evictions", "migrations"), 0)
         self.forked = sample_index > 0  # only sample 0 of an n > 1 request forks the others
+        # Its JSON schema's matcher, fed every token generated (those before a migration too).
+        self.grammar = (stop_rule.grammars.matcher(params.json_schema, self.generated_ids)
+                        if params.json_schema is not None else None)
         self._status_before_suspend = Status.PREFILLING
         self._coroutine = self._lifecycle()
         next(self._coroutine)
@@ -129,6 +134,8 @@ class Sequence:
 
     def _append(self, sampled: SampledToken) -> None:
         self.num_computed = len(self.token_ids)
+        if self.grammar is not None:
+            consume(self.grammar, sampled.token_id)
         self.token_ids.append(sampled.token_id)
         if self.params.logprobs is not None:
             self.logprobs.append(sampled.logprob)
@@ -141,6 +148,8 @@ class Sequence:
 
     def _stop_reason(self, token: int) -> str | None:
         p, rule = self.params, self.stop_rule
+        if self.grammar is not None and self.grammar.is_stopped():  # the JSON value is complete
+            return "stop"
         if self.num_generated >= p.min_tokens:  # (the sampler kept ending tokens out before)
             if token in p.stop_token_ids or (not p.ignore_eos and token in rule.eos_token_ids):
                 return "stop"

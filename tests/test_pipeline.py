@@ -171,6 +171,27 @@ def test_csv_and_tsv_rows_are_records(chat_model, tmp_path, name):
     assert rows[ids[5]]["error"].startswith("prompt: missing")
 
 
+def test_json_schema_flag_and_record_field(chat_model, tmp_path):
+    """--json_schema for every record, a record's own json_schema over it, and a bad schema: an
+    error row for that record alone."""
+    flag_schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                   "additionalProperties": False}
+    own_schema = {"type": "array", "items": {"enum": ["x", "y"]}, "minItems": 1, "maxItems": 3}
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "flag", "prompt": "Say hi", "max_tokens": 40},
+        {"id": "own", "prompt": "Say hi", "max_tokens": 40, "json_schema": own_schema},
+        {"id": "bad", "prompt": "Say hi", "json_schema": {"type": 7}}]))
+    summary = run(chat_model, "--input", str(path), "--output", str(tmp_path / "out/gen"),
+                  "--format", "jsonl", "--json_schema", json.dumps(flag_schema))
+    rows = {r["id"]: r for r in read_jsonl(summary["output_files"])}
+    assert summary["errors"] == 1 and rows["bad"]["error"].startswith("json_schema: must be")
+    value = json.loads(rows["flag"]["text"])
+    assert rows["flag"]["finish_reason"] == "stop" and set(value) == {"ok"} and isinstance(value["ok"], bool)
+    value = json.loads(rows["own"]["text"])
+    assert rows["own"]["finish_reason"] == "stop" and 1 <= len(value) <= 3 and set(value) <= {"x", "y"}
+
+
 def test_parquet_input_with_chat_template(chat_model, tmp_path):
     path = tmp_path / "records.parquet"
     pq.write_table(pa.Table.from_pylist(
@@ -244,6 +265,8 @@ def test_argument_handling():
     assert cli.sampling_defaults_of(args) == {"max_tokens": 64, "temperature": 0.0, "repetition_penalty": 1.2,
                                               "frequency_penalty": 0.5, "presence_penalty": -0.5,
                                               "min_tokens": 4}
+    with pytest.raises(ValueError, match="json_schema"):
+        cli.main(["--input", "x.jsonl", "--json_schema", "{not json", "--no_progress"])
     args, beam_args = cli.parse_args(["--runner", "FnApiRunner", "--kv_cache_mb", "2"])
     assert beam_args == ["--runner", "FnApiRunner"]
     assert cli.engine_args_of(args) == {"kv_cache_bytes": 2 << 20}

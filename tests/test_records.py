@@ -165,8 +165,18 @@ BAD_RECORDS = {
                               ["body.prompt: not supported for /v1/chat/completions"]),
     "openai tools": (chat_line({"tools": [{"type": "function"}]}), "c1",
                      ["body.tools: not supported"]),
-    "openai response_format": (chat_line({"response_format": {"type": "json_object"}}), "c1",
-                               ["body.response_format: not supported"]),
+    "openai response_format of another type": (chat_line({"response_format": {"type": "xml"}}), "c1",
+                                               ["body.response_format: must be of type text"]),
+    "openai json_schema without a schema": (
+        chat_line({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}), "c1",
+        ["body.response_format.json_schema: must hold a schema object"]),
+    "openai response_format and guided_json": (
+        chat_line({"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}}),
+        "c1", ["body.response_format, body.guided_json: give one"]),
+    "json_schema not a schema": ({"id": "j", "prompt": "Hi", "json_schema": {"type": "nonsense"}}, "j",
+                                 ["json_schema: must be a schema the grammar engine compiles"]),
+    "json_schema not json": ({"id": "j", "prompt": "Hi", "json_schema": "{oops"}, "j",
+                             ["json_schema: must be a JSON schema", "not JSON"]),
     "openai echo": (completions_line(echo=True), "c2", ["body.echo: not supported", "True"]),
     "openai logit_bias not a token": (chat_line({"logit_bias": {"the": 5}}), "c1",
                                       ["logit_bias: must be an integer", "'the'"]),
@@ -507,6 +517,20 @@ def test_openai_chat_line():
     assert got.params == SamplingParams(max_tokens=50, temperature=0.2, top_p=0.8, seed=4,
                                         stop=("\n\n",), n=2, logprobs=3, frequency_penalty=0.4)
     assert got.passthrough == {"batch": "b7"}
+
+
+def test_json_output_from_our_field_openai_response_format_and_vllm_guided_json():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    expected = SamplingParams(json_schema=schema)
+    assert parse_record({"id": "x", "prompt": "Hi", "json_schema": schema}).params == expected
+    assert parse_record({"id": "x", "prompt": "Hi", "json_schema": json.dumps(schema)}).params == expected
+    named = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": schema}}
+    assert parse_record(chat_line({"response_format": named})).params == SamplingParams(
+        max_tokens=SamplingParams().max_tokens, json_schema=schema)
+    assert parse_record(completions_line(guided_json=schema)).params.json_schema == expected.json_schema
+    assert parse_record(chat_line({"response_format": {"type": "json_object"}})).params.json_schema \
+        == '{"type": "object"}'
+    assert parse_record(chat_line({"response_format": {"type": "text"}})).params.json_schema is None
 
 
 def test_openai_chat_logprobs_mapping():

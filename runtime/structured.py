@@ -1,0 +1,91 @@
+"""Structured output: a completion constrained to JSON that matches a schema.
+
+llguidance (the grammar engine vLLM and SGLang also use) compiles the schema and, token by
+token, says which tokens may come next; the sampler sets the others' logits to -inf. A sequence
+holds its own matcher, fed each token it appends (runtime/sequence.py), and is done once the
+grammar is: the JSON value is complete.
+
+The JSON is compact (no whitespace between its tokens) unless the schema's "x-guidance" says
+otherwise (`{"whitespace_flexible": true}`): a model free to add whitespace may add it until
+max_tokens, as small models do.
+"""
+
+import json
+import threading
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+
+def canonical_json_schema(schema) -> str:
+    """The schema (a mapping, or JSON text) as canonical JSON text: params stay hashable, and
+    equal schemas are equal text. ValueError where llguidance cannot compile it."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise ValueError(f"json_schema must be a JSON schema (an object), got text that is not "
+                             f"JSON ({exc})") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"json_schema must be a JSON schema (an object), got {type(schema).__name__}")
+    try:
+        text = json.dumps(schema, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"json_schema must be a JSON schema (an object), got one JSON cannot hold "
+                         f"({exc})") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar_of(text))
+    if error:
+        raise ValueError(f"json_schema must be a schema the grammar engine compiles: {error}")
+    return text
+
+
+COMPACT = {"whitespace_flexible": False}
+
+
+def grammar_of(json_schema: str) -> str:
+    """llguidance's grammar for the schema, compact unless the schema says otherwise."""
+    return llguidance.LLMatcher.grammar_from_json_schema(json_schema, defaults=COMPACT)
+
+
+class Grammars:
+    """Matchers over one model's vocabulary. Wrapping the tokenizer takes about a second, so it
+    happens once, at the first matcher."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._hf_tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._tokenizer = None
+        self._lock = threading.Lock()  # engines of one process may share it
+
+    def matcher(self, json_schema: str, generated: list[int]) -> llguidance.LLMatcher:
+        """A matcher for the schema that has consumed the tokens already generated (a migrated
+        sequence's)."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar_of(json_schema), log_level=0)
+        for token in generated:
+            consume(matcher, token)
+        return matcher
+
+
+def consume(matcher: llguidance.LLMatcher, token: int) -> None:
+    """Feed the matcher the token chosen; ValueError if the grammar did not allow it."""
+    if not matcher.consume_token(token) or matcher.is_error():
+        raise ValueError(f"token {token} breaks the JSON schema: {matcher.get_error()}")
+
+
+def allowed_tokens(matcher: llguidance.LLMatcher, vocab_size: int) -> torch.Tensor:
+    """The tokens the grammar allows next, as llguidance's bitmask (int32 [ceil(vocab / 32)])."""
+    mask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+    llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
+    return mask[0]
+
+
+def keep_allowed(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits [vocab] with every token the bitmask leaves out set to -inf, in place. (Unpacked
+    here: llguidance's own helper goes through torch.compile, a compiler run per process.)"""
+    bits = (bitmask[:, None] >> torch.arange(32, dtype=torch.int32, device=bitmask.device)) & 1
+    allowed = bits.flatten()[:logits.shape[-1]].bool()
+    logits.masked_fill_(~allowed, float("-inf"))

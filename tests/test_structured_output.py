@@ -1,0 +1,111 @@
+"""Structured output (`json_schema`): completions are JSON that matches the schema. The oracle for
+greedy output is transformers' logits, masked step by step by an independent llguidance matcher,
+then the argmax."""
+
+import json
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from helpers import CallCounter, assert_idle_and_clean, make_engine
+from runtime import Request, SamplingParams
+from tiny_models import hf_model
+
+SCHEMA = {"type": "object",
+          "properties": {"ok": {"type": "boolean"}, "pick": {"enum": ["red", "green", "blue"]},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+          "required": ["ok", "pick", "tags"], "additionalProperties": False}
+PROMPTS = ["Tell me a story", "Hello there", "What is photosynthesis?"]
+
+
+def matches_schema(value) -> bool:
+    return (isinstance(value, dict) and set(value) == {"ok", "pick", "tags"}
+            and isinstance(value["ok"], bool) and value["pick"] in ("red", "green", "blue")
+            and isinstance(value["tags"], list) and len(value["tags"]) <= 2
+            and all(tag in ("a", "b") for tag in value["tags"]))
+
+
+@torch.inference_mode()
+def oracle_greedy(model_dir, prompt_ids: list[int], schema: dict, max_tokens: int) -> list[int]:
+    """transformers' logits, masked by a matcher of the schema, argmax; until the grammar ends."""
+    model, tokenizer = hf_model(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    vocab = model.config.vocab_size
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab),
+                                   llguidance.LLMatcher.grammar_from_json_schema(
+                                       json.dumps(schema), defaults={"whitespace_flexible": False}),
+                                   log_level=0)
+    mask = llguidance.torch.allocate_token_bitmask(1, vocab)
+    ids, out = list(prompt_ids), []
+    while len(out) < max_tokens and not matcher.is_stopped():
+        logits = model(torch.tensor([ids])).logits[0, -1:].float()
+        llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
+        llguidance.torch.apply_token_bitmask_inplace(logits, mask)
+        token = int(logits.argmax())
+        assert matcher.consume_token(token)
+        ids.append(token)
+        out.append(token)
+    return out
+
+
+def requests(prompts, **params) -> list[Request]:
+    params.setdefault("max_tokens", 48)
+    return [Request(f"r{i}", prompt=p, params=SamplingParams(json_schema=SCHEMA, **params))
+            for i, p in enumerate(prompts)]
+
+
+def test_greedy_json_matches_transformers_under_the_same_mask(tiny_chat):
+    model_dir = tiny_chat.dir("llama")
+    engine = make_engine(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # Beside rows without a schema: those take the greedy screen, these the masked logits.
+    plain = [Request("plain", prompt=PROMPTS[0], params=SamplingParams(max_tokens=8))]
+    completions = engine.generate(requests(PROMPTS) + plain)
+    for prompt, completion in zip(PROMPTS, completions):
+        expected = oracle_greedy(model_dir, tokenizer.encode(prompt, add_special_tokens=False), SCHEMA, 48)
+        assert completion.token_ids == expected
+        assert completion.finish_reason == "stop"  # where the JSON value ends
+        assert matches_schema(json.loads(completion.text))
+    assert completions[-1].error is None and completions[-1].completion_tokens == 8
+    assert_idle_and_clean(engine)
+
+
+def test_sampled_forks_and_evictions_keep_to_the_schema(tiny_chat):
+    """Samples at temperature 1.5, three forks per prompt, and a KV cache so small that
+    sequences are evicted and recompute: every completion is still the schema's JSON."""
+    engine = make_engine(tiny_chat.dir("qwen3"), num_blocks=8, preemption="evict")
+    evict = CallCounter(engine.scheduler, "evict")
+    completions = engine.generate(requests(PROMPTS * 2, temperature=1.5, n=3, seed=7))
+    assert len(evict) > 0
+    for completion in completions:
+        assert len(completion.outputs) == 3
+        for sample in completion.outputs:
+            assert sample.finish_reason == "stop", sample
+            assert matches_schema(json.loads(sample.text))
+    assert_idle_and_clean(engine)
+
+
+def test_a_completion_cut_at_max_tokens_is_unfinished_json(tiny_chat):
+    [completion] = make_engine(tiny_chat.dir("llama")).generate(requests(PROMPTS[:1], max_tokens=3))
+    assert completion.finish_reason == "length" and completion.completion_tokens == 3
+    assert completion.text.startswith("{")
+
+
+def test_the_schema_is_held_as_canonical_json_and_checked():
+    a = SamplingParams(json_schema={"type": "object", "required": ["x"]})
+    b = SamplingParams(json_schema='{"required": ["x"], "type": "object"}')
+    assert a == b and a.json_schema == '{"required": ["x"], "type": "object"}'
+    assert a.adjusts_logits and not a.argmax_only
+    for bad, message in [("{not json", "not JSON"), (["a"], "got list"),
+                         ({"type": "nonsense"}, "compiles: .*nonsense")]:
+        with pytest.raises(ValueError, match=f"json_schema must be .*{message}"):
+            SamplingParams(json_schema=bad)
+
+
+def test_a_model_without_a_tokenizer_refuses_a_schema(tiny):
+    engine = make_engine(tiny.dir("llama"))
+    with pytest.raises(ValueError, match="json_schema: structured output needs a model with a tokenizer"):
+        engine.submit(Request("r", prompt_token_ids=[5, 6], params=SamplingParams(json_schema=SCHEMA)))
