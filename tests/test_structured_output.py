@@ -3,6 +3,7 @@ greedy output is transformers' logits, masked step by step by an independent llg
 then the argmax."""
 
 import json
+import pickle
 
 import llguidance
 import llguidance.hf
@@ -11,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from helpers import CallCounter, assert_idle_and_clean, make_engine
+from helpers import CallCounter, assert_idle_and_clean, collect, live_sequences, make_engine
 from runtime import Request, SamplingParams
 from tiny_models import hf_model
 
@@ -86,6 +87,24 @@ def test_sampled_forks_and_evictions_keep_to_the_schema(tiny_chat):
             assert sample.finish_reason == "stop", sample
             assert matches_schema(json.loads(sample.text))
     assert_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("with_kv", [False, True])
+def test_migrating_mid_json_continues_the_same_json(tiny_chat, with_kv):
+    """The target engine's matcher replays the tokens generated before the move."""
+    model_dir = tiny_chat.dir("llama")
+    [expected] = make_engine(model_dir).generate(requests(PROMPTS[:1]))
+    source, target = make_engine(model_dir), make_engine(model_dir)
+    source.submit(requests(PROMPTS[:1])[0])
+    for _ in range(5):
+        source.step()
+    [seq] = live_sequences(source, "r0")
+    assert 0 < seq.num_generated < expected.completion_tokens
+    target.migrate_in(pickle.loads(pickle.dumps(source.migrate_out("r0", with_kv=with_kv))))
+    moved = collect(target)["r0"]
+    assert moved.token_ids == expected.token_ids and moved.finish_reason == "stop"
+    assert_idle_and_clean(source)
+    assert_idle_and_clean(target)
 
 
 def test_a_completion_cut_at_max_tokens_is_unfinished_json(tiny_chat):
