@@ -15,7 +15,7 @@ import threading
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
+import llguidance.numpy  # not llguidance.torch: importing it starts torch.compile (~2 s a process)
 import torch
 
 
@@ -78,14 +78,14 @@ def consume(matcher: llguidance.LLMatcher, token: int) -> None:
 
 def allowed_tokens(matcher: llguidance.LLMatcher, vocab_size: int) -> torch.Tensor:
     """The tokens the grammar allows next, as llguidance's bitmask (int32 [ceil(vocab / 32)])."""
-    mask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
-    llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
-    return mask[0]
+    mask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
+    llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
+    return torch.from_numpy(mask[0])
 
 
 def keep_allowed(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """logits [vocab] with every token the bitmask leaves out set to -inf, in place. (Unpacked
-    here: llguidance's own helper goes through torch.compile, a compiler run per process.)"""
-    bits = (bitmask[:, None] >> torch.arange(32, dtype=torch.int32, device=bitmask.device)) & 1
+    """logits [vocab] with every token the bitmask leaves out set to -inf, in place."""
+    bitmask = bitmask.to(logits.device)
+    bits = (bitmask[:, None] >> torch.arange(32, dtype=torch.int32, device=logits.device)) & 1
     allowed = bits.flatten()[:logits.shape[-1]].bool()
     logits.masked_fill_(~allowed, float("-inf"))
