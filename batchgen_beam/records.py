@@ -22,7 +22,8 @@ Choices:
 - OpenAI body keys: harmless ones (`model`, `user`, ...) are ignored; keys that would change the
   output (`tools`, `echo`, ...) are accepted only at their no-op value; any other key is
   rejected, naming it, rather than silently not honoured. `response_format` (`json_object`: any
-  JSON object; `json_schema`: its schema) and vLLM's `guided_json` become our `json_schema`.
+  JSON object; `json_schema`: its schema) and vLLM's `guided_json` become our `json_schema`,
+  vLLM's `guided_regex` and `guided_choice` our `regex` and `choice`.
 - Passthrough values that strict JSON cannot hold (dates, decimals from Parquet or BigQuery,
   NaN and infinities, mapping keys that are not strings or numbers) are written as their str()
   in output rows rather than failing the pipeline or writing a bare NaN. Bytes are written in
@@ -62,7 +63,7 @@ from runtime.sampling import SamplingParams
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                    "stop_token_ids", "n", "logprobs", "prompt_logprobs", "ignore_eos", "min_tokens",
                    "logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty",
-                   "truncate_prompt_tokens", "json_schema")
+                   "truncate_prompt_tokens", "json_schema", "regex", "choice")
 ROLES = ("system", "user", "assistant")
 # OpenAI's newer name for the system role: chat templates know only "system".
 ROLE_ALIASES = {"developer": "system"}
@@ -77,8 +78,9 @@ _OPENAI_URLS = {
                                           "logprobs", "top_logprobs"}),
     "/v1/completions": ("prompt", {"prompt", "max_tokens", "logprobs"}),
 }
-# Body keys that ask for JSON output: OpenAI's, and vLLM's (both our json_schema).
-_OPENAI_FORMATS = {"response_format", "guided_json"}
+# Body keys that ask for structured output: OpenAI's response_format and vLLM's guided_json
+# (our json_schema), vLLM's guided_regex and guided_choice (our regex and choice).
+_OPENAI_FORMATS = {"response_format", "guided_json", "guided_regex", "guided_choice"}
 # Body keys that map one to one onto ours; top_k, min_p, stop_token_ids, ignore_eos, min_tokens,
 # prompt_logprobs, repetition_penalty and truncate_prompt_tokens are vLLM's extensions of the
 # API, so files written for vLLM work too (and its guided_json, our json_schema).
@@ -450,6 +452,7 @@ def _openai_fields(record: Mapping) -> dict:
     fields = {k: v for k, v in given.items() if k in _OPENAI_SAMPLING}
     fields[input_key] = given[input_key]
     fields["json_schema"] = _openai_json_schema(given)
+    fields["regex"], fields["choice"] = given.get("guided_regex"), given.get("guided_choice")
     fields["max_tokens"] = _openai_max_tokens(given)
     fields["logprobs"] = _chat_logprobs(given) if input_key == "messages" else given.get("logprobs")
     return fields
@@ -459,8 +462,8 @@ def _openai_json_schema(body: dict) -> Any:
     """response_format json_object (any JSON object) or json_schema (its schema), or vLLM's
     guided_json, as our json_schema; None for text."""
     formats = {key: body[key] for key in _OPENAI_FORMATS if key in body}
-    if len(formats) == 2:
-        raise _Invalid("body.response_format, body.guided_json: give one")
+    if len(formats) > 1:
+        raise _Invalid(f"body.{', body.'.join(sorted(formats))}: give one")
     if "guided_json" in formats:
         return formats["guided_json"]
     response_format = formats.get("response_format", {"type": "text"})

@@ -60,6 +60,7 @@ SAMPLING_FLAGS = (
                                 "0: off)"),
     ("json_schema", str, "make every completion JSON that matches this JSON schema (its text; "
                          '\'{"type": "object"}\': any JSON object)'),
+    ("regex", str, "make every completion text that this regular expression matches"),
 )
 DEFAULT_OUTPUT = "./output/generations"
 PIPELINE_NAMESPACE = "batchgen_pipeline"  # this pipeline's own metrics
@@ -113,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         sampling.add_argument(f"--{name}", type=kind, default=None, help=text)
     sampling.add_argument("--stop", action="append", default=None, metavar="STRING",
                           help="stop string (repeat the flag for several)")
+    sampling.add_argument("--choice", action="append", default=None, metavar="STRING",
+                          help="make every completion one of these (repeat the flag for each)")
     sampling.add_argument("--ignore_eos", action="store_true", default=None,
                           help="generate max_tokens whatever the model says")
 

@@ -236,8 +236,8 @@ class Engine:
             raise TypeError(f"request {request.id!r}: params must be SamplingParams")
         if request.params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a model with a tokenizer")
-        if request.params.json_schema is not None and self.tokenizer is None:
-            raise ValueError("json_schema: structured output needs a model with a tokenizer")
+        if request.params.structured and self.tokenizer is None:
+            raise ValueError("json_schema, regex, choice: structured output needs a model with a tokenizer")
         if request.params.n > self.scheduler.blocks.num_blocks:
             # Samples fork together once the prompt is computed, each soon writing a block of its own.
             raise ValueError(f"n: must be <= the KV cache's {self.scheduler.blocks.num_blocks} blocks, "

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
-from runtime.structured import canonical_json_schema, keep_allowed
+from runtime.structured import canonical_json_schema, check_regex, choice_regex, grammar_of, keep_allowed
 
 
 @dataclass(frozen=True)
@@ -31,9 +31,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # a seen token's logit (prompt or output): / if > 0, * if < 0
     frequency_penalty: float = 0.0  # minus this times the token's count in the output
     presence_penalty: float = 0.0  # minus this once the token is in the output
-    # The completion is JSON matching this schema (a mapping, or JSON text; held as canonical
-    # JSON text), and ends where the JSON value does (runtime/structured.py).
+    # Structured output (runtime/structured.py), one at most: the completion is JSON matching
+    # this schema (a mapping, or JSON text; held as canonical JSON text), text this regex
+    # matches, or one of these choices; it ends where the grammar does.
     json_schema: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] = ()
 
     def __post_init__(self):
         # Normalise list inputs so params stay hashable and picklable.
@@ -44,6 +47,13 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.json_schema is not None:
             object.__setattr__(self, "json_schema", canonical_json_schema(self.json_schema))
+        if self.regex is not None:
+            check_regex(self.regex)
+        if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice):
+            raise ValueError(f"choice must be a list of non-empty strings, got {self.choice!r}")
+        object.__setattr__(self, "choice", tuple(self.choice))
+        if sum(map(bool, (self.json_schema, self.regex, self.choice))) > 1:
+            raise ValueError("json_schema, regex and choice must be given one at most")
         _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
@@ -88,10 +98,24 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether its tokens are chosen from adjusted logits (min_tokens, bias, penalties, a
-        JSON schema)."""
+        """Whether its tokens are chosen from adjusted logits (min_tokens, bias, penalties,
+        structured output)."""
         return bool(self.min_tokens or self.logit_bias or self.repetition_penalty != 1
-                    or self.frequency_penalty or self.presence_penalty or self.json_schema)
+                    or self.frequency_penalty or self.presence_penalty or self.structured)
+
+    @property
+    def structured(self) -> bool:
+        """Whether it asks for structured output (json_schema, regex or choice)."""
+        return self.json_schema is not None or self.regex is not None or bool(self.choice)
+
+    @property
+    def grammar(self) -> str | None:
+        """The llguidance grammar its structured output asks for, or None."""
+        if self.json_schema is not None:
+            return grammar_of(json_schema=self.json_schema)
+        if self.regex is not None or self.choice:
+            return grammar_of(regex=self.regex if self.regex is not None else choice_regex(self.choice))
+        return None
 
     @property
     def argmax_only(self) -> bool:

@@ -60,7 +60,7 @@ class StopRule:
     eos_token_ids: frozenset[int]
     max_model_len: int
     detokenize: Callable[[list[int]], str] | None
-    grammars: Grammars | None = None  # for sequences with a JSON schema (needs a tokenizer)
+    grammars: Grammars | None = None  # for sequences with structured output (needs a tokenizer)
 
 
 class Sequence:
@@ -87,9 +87,9 @@ class Sequence:
         self.error: str | None = None
         self.counters = dict.fromkeys(("preemptions", "suspends", "evictions", "migrations"), 0)
         self.forked = sample_index > 0  # only sample 0 of an n > 1 request forks the others
-        # Its JSON schema's matcher, fed every token generated (those before a migration too).
-        self.grammar = (stop_rule.grammars.matcher(params.json_schema, self.generated_ids)
-                        if params.json_schema is not None else None)
+        # Its structured output's matcher, fed every token generated (before a migration too).
+        grammar = params.grammar
+        self.grammar = stop_rule.grammars.matcher(grammar, self.generated_ids) if grammar else None
         self._status_before_suspend = Status.PREFILLING
         self._coroutine = self._lifecycle()
         next(self._coroutine)
@@ -148,7 +148,7 @@ class Sequence:
 
     def _stop_reason(self, token: int) -> str | None:
         p, rule = self.params, self.stop_rule
-        if self.grammar is not None and self.grammar.is_stopped():  # the JSON value is complete
+        if self.grammar is not None and self.grammar.is_stopped():  # its grammar is complete
             return "stop"
         if self.num_generated >= p.min_tokens:  # (the sampler kept ending tokens out before)
             if token in p.stop_token_ids or (not p.ignore_eos and token in rule.eos_token_ids):

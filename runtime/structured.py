@@ -1,9 +1,10 @@
-"""Structured output: a completion constrained to JSON that matches a schema.
+"""Structured output: a completion constrained to JSON that matches a schema, to a regular
+expression, or to one of a list of choices (SamplingParams.json_schema, regex, choice).
 
-llguidance (the grammar engine vLLM and SGLang also use) compiles the schema and, token by
+llguidance (the grammar engine vLLM and SGLang also use) compiles the constraint and, token by
 token, says which tokens may come next; the sampler sets the others' logits to -inf. A sequence
 holds its own matcher, fed each token it appends (runtime/sequence.py), and is done once the
-grammar is: the JSON value is complete.
+grammar is: the JSON value is complete, the choice made, the regex unable to go on.
 
 The JSON is compact (no whitespace between its tokens) unless the schema's "x-guidance" says
 otherwise (`{"whitespace_flexible": true}`): a model free to add whitespace may add it until
@@ -11,6 +12,7 @@ max_tokens, as small models do.
 """
 
 import json
+import re
 import threading
 
 import llguidance
@@ -37,16 +39,39 @@ def canonical_json_schema(schema) -> str:
                          f"({exc})") from None
     error = llguidance.LLMatcher.validate_grammar(grammar_of(text))
     if error:
-        raise ValueError(f"json_schema must be a schema the grammar engine compiles: {error}")
+        raise ValueError(f"json_schema must be a schema the grammar engine compiles: {_one_line(error)}")
     return text
+
+
+def check_regex(regex: str) -> str:
+    """ValueError where llguidance cannot compile the regex (Rust's regex syntax)."""
+    if not isinstance(regex, str) or not regex:
+        raise ValueError(f"regex must be a non-empty string, got {regex!r}")
+    error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_regex(regex))
+    if error:
+        raise ValueError(f"regex must be a regular expression the grammar engine compiles: "
+                         f"{_one_line(error)}")
+    return regex
+
+
+def _one_line(error: str) -> str:
+    """llguidance's message (it draws the grammar, over lines) on one line, for an error row."""
+    return " ".join(error.split())
+
+
+def choice_regex(choices: tuple[str, ...]) -> str:
+    """A regex that matches exactly one of the choices."""
+    return "(" + "|".join(re.escape(choice) for choice in choices) + ")"
 
 
 COMPACT = {"whitespace_flexible": False}
 
 
-def grammar_of(json_schema: str) -> str:
-    """llguidance's grammar for the schema, compact unless the schema says otherwise."""
-    return llguidance.LLMatcher.grammar_from_json_schema(json_schema, defaults=COMPACT)
+def grammar_of(json_schema: str | None = None, regex: str | None = None) -> str:
+    """llguidance's grammar for a schema (compact unless the schema says otherwise) or a regex."""
+    if json_schema is not None:
+        return llguidance.LLMatcher.grammar_from_json_schema(json_schema, defaults=COMPACT)
+    return llguidance.LLMatcher.grammar_from_regex(regex)
 
 
 class Grammars:
@@ -58,13 +83,13 @@ class Grammars:
         self._tokenizer = None
         self._lock = threading.Lock()  # engines of one process may share it
 
-    def matcher(self, json_schema: str, generated: list[int]) -> llguidance.LLMatcher:
-        """A matcher for the schema that has consumed the tokens already generated (a migrated
-        sequence's)."""
+    def matcher(self, grammar: str, generated: list[int]) -> llguidance.LLMatcher:
+        """A matcher for the grammar (grammar_of's) that has consumed the tokens already
+        generated (a migrated sequence's)."""
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar_of(json_schema), log_level=0)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         for token in generated:
             consume(matcher, token)
         return matcher
@@ -73,7 +98,7 @@ class Grammars:
 def consume(matcher: llguidance.LLMatcher, token: int) -> None:
     """Feed the matcher the token chosen; ValueError if the grammar did not allow it."""
     if not matcher.consume_token(token) or matcher.is_error():
-        raise ValueError(f"token {token} breaks the JSON schema: {matcher.get_error()}")
+        raise ValueError(f"token {token} breaks the output's grammar: {matcher.get_error()}")
 
 
 def allowed_tokens(matcher: llguidance.LLMatcher, vocab_size: int) -> torch.Tensor:

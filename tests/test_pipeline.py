@@ -260,6 +260,9 @@ def test_argument_handling():
     assert cli.sampling_defaults_of(args) == {"max_tokens": 64, "temperature": 0.5,
                                               "stop": ["a", "b"]}
     assert cli.engine_args_of(args) == {}  # the engine's defaults: the same engine as others'
+    args, _ = cli.parse_args(["--choice", "yes", "--choice", "no", "--regex", "[a-z]+"])
+    assert {k: v for k, v in cli.sampling_defaults_of(args).items() if k in ("choice", "regex")} == {
+        "choice": ["yes", "no"], "regex": "[a-z]+"}
     args, _ = cli.parse_args(["--repetition_penalty", "1.2", "--frequency_penalty", "0.5",
                               "--presence_penalty", "-0.5", "--min_tokens", "4"])
     assert cli.sampling_defaults_of(args) == {"max_tokens": 64, "temperature": 0.0, "repetition_penalty": 1.2,

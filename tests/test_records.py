@@ -170,9 +170,11 @@ BAD_RECORDS = {
     "openai json_schema without a schema": (
         chat_line({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}), "c1",
         ["body.response_format.json_schema: must hold a schema object"]),
-    "openai response_format and guided_json": (
-        chat_line({"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}}),
-        "c1", ["body.response_format, body.guided_json: give one"]),
+    "openai response_format and guided_choice": (
+        chat_line({"response_format": {"type": "json_object"}, "guided_choice": ["a", "b"]}),
+        "c1", ["body.guided_choice, body.response_format: give one"]),
+    "choice a string": ({"id": "c", "prompt": "Hi", "choice": "yes"}, "c",
+                        ["choice: must be a list of non-empty strings"]),
     "json_schema not a schema": ({"id": "j", "prompt": "Hi", "json_schema": {"type": "nonsense"}}, "j",
                                  ["json_schema: must be a schema the grammar engine compiles"]),
     "json_schema not json": ({"id": "j", "prompt": "Hi", "json_schema": "{oops"}, "j",
@@ -531,6 +533,9 @@ def test_json_output_from_our_field_openai_response_format_and_vllm_guided_json(
     assert parse_record(chat_line({"response_format": {"type": "json_object"}})).params.json_schema \
         == '{"type": "object"}'
     assert parse_record(chat_line({"response_format": {"type": "text"}})).params.json_schema is None
+    assert parse_record(chat_line({"guided_choice": ["yes", "no"]})).params.choice == ("yes", "no")
+    assert parse_record(completions_line(guided_regex="[0-9]+")).params.regex == "[0-9]+"
+    assert parse_record({"id": "x", "prompt": "Hi", "choice": ["a", "b"]}).params.choice == ("a", "b")
 
 
 def test_openai_chat_logprobs_mapping():

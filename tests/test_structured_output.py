@@ -1,9 +1,11 @@
-"""Structured output (`json_schema`): completions are JSON that matches the schema. The oracle for
-greedy output is transformers' logits, masked step by step by an independent llguidance matcher,
-then the argmax."""
+"""Structured output (`json_schema`, `regex`, `choice`): completions are JSON that matches the
+schema, text the regex matches, one of the choices. The oracle for greedy output is
+transformers' logits, masked step by step by an independent llguidance matcher, then the
+argmax."""
 
 import json
 import pickle
+import re
 
 import llguidance
 import llguidance.hf
@@ -31,13 +33,16 @@ def matches_schema(value) -> bool:
 
 
 @torch.inference_mode()
-def oracle_greedy(model_dir, prompt_ids: list[int], schema: dict, max_tokens: int) -> list[int]:
-    """transformers' logits, masked by a matcher of the schema, argmax; until the grammar ends."""
+def json_grammar(schema: dict) -> str:
+    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                         defaults={"whitespace_flexible": False})
+
+
+def oracle_greedy(model_dir, prompt_ids: list[int], grammar: str, max_tokens: int) -> list[int]:
+    """transformers' logits, masked by a matcher of the grammar, argmax; until the grammar ends."""
     model, tokenizer = hf_model(model_dir), AutoTokenizer.from_pretrained(model_dir)
     vocab = model.config.vocab_size
-    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab),
-                                   llguidance.LLMatcher.grammar_from_json_schema(
-                                       json.dumps(schema), defaults={"whitespace_flexible": False}),
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab), grammar,
                                    log_level=0)
     mask = llguidance.torch.allocate_token_bitmask(1, vocab)
     ids, out = list(prompt_ids), []
@@ -66,7 +71,8 @@ def test_greedy_json_matches_transformers_under_the_same_mask(tiny_chat):
     plain = [Request("plain", prompt=PROMPTS[0], params=SamplingParams(max_tokens=8))]
     completions = engine.generate(requests(PROMPTS) + plain)
     for prompt, completion in zip(PROMPTS, completions):
-        expected = oracle_greedy(model_dir, tokenizer.encode(prompt, add_special_tokens=False), SCHEMA, 48)
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        expected = oracle_greedy(model_dir, prompt_ids, json_grammar(SCHEMA), 48)
         assert completion.token_ids == expected
         assert completion.finish_reason == "stop"  # where the JSON value ends
         assert matches_schema(json.loads(completion.text))
@@ -86,6 +92,29 @@ def test_sampled_forks_and_evictions_keep_to_the_schema(tiny_chat):
         for sample in completion.outputs:
             assert sample.finish_reason == "stop", sample
             assert matches_schema(json.loads(sample.text))
+    assert_idle_and_clean(engine)
+
+
+def test_greedy_choice_and_regex_match_transformers_under_the_same_mask(tiny_chat):
+    """A classification label (choice) and a pattern (regex): the engine's tokens are the
+    oracle's, the choice is one of the list, the regex matches the whole text."""
+    model_dir = tiny_chat.dir("qwen3")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    labels = ["positive", "negative", "not sure (mixed)"]
+    pattern = "[0-9]{3}-[a-z]{2,4}"
+    engine = make_engine(model_dir)
+    completions = engine.generate(
+        [Request(f"c{i}", prompt=p, params=SamplingParams(max_tokens=16, choice=labels))
+         for i, p in enumerate(PROMPTS)]
+        + [Request(f"r{i}", prompt=p, params=SamplingParams(max_tokens=16, regex=pattern))
+           for i, p in enumerate(PROMPTS)])
+    grammars = [llguidance.LLMatcher.grammar_from_regex("(positive|negative|not sure \\(mixed\\))"),
+                llguidance.LLMatcher.grammar_from_regex(pattern)]
+    for i, completion in enumerate(completions):
+        prompt_ids = tokenizer.encode(PROMPTS[i % len(PROMPTS)], add_special_tokens=False)
+        assert completion.token_ids == oracle_greedy(model_dir, prompt_ids, grammars[i // len(PROMPTS)], 16)
+    assert all(c.text in labels and c.finish_reason == "stop" for c in completions[:len(PROMPTS)])
+    assert all(re.fullmatch(pattern, c.text) for c in completions[len(PROMPTS):])
     assert_idle_and_clean(engine)
 
 
@@ -122,9 +151,17 @@ def test_the_schema_is_held_as_canonical_json_and_checked():
                          ({"type": "nonsense"}, "compiles: .*nonsense")]:
         with pytest.raises(ValueError, match=f"json_schema must be .*{message}"):
             SamplingParams(json_schema=bad)
+    with pytest.raises(ValueError, match="regex must be a regular expression .*unclosed group"):
+        SamplingParams(regex="(a")
+    for bad in ("yes", ["yes", ""], [1]):
+        with pytest.raises(ValueError, match="choice must be a list of non-empty strings"):
+            SamplingParams(choice=bad)
+    with pytest.raises(ValueError, match="one at most"):
+        SamplingParams(regex="a+", choice=["a"])
+    assert SamplingParams(choice=["a", "b"]).choice == ("a", "b")
 
 
 def test_a_model_without_a_tokenizer_refuses_a_schema(tiny):
     engine = make_engine(tiny.dir("llama"))
-    with pytest.raises(ValueError, match="json_schema: structured output needs a model with a tokenizer"):
+    with pytest.raises(ValueError, match="structured output needs a model with a tokenizer"):
         engine.submit(Request("r", prompt_token_ids=[5, 6], params=SamplingParams(json_schema=SCHEMA)))
