@@ -25,10 +25,10 @@ from runtime.moe import moe_blocks
 from runtime.request import Completion, CompletionWaiter, Request, SampleOutput, Timings
 from runtime.runner import ModelRunner, ScoredPrompts
 from runtime.sampling import SampledToken, SampleRow, SamplingParams, sample
-from runtime.structured import Grammars, allowed_tokens
 from runtime.scheduler import Scheduler
 from runtime.sequence import Event, Sequence, Status, StopRule
 from runtime.step_lock import StepLock
+from runtime.structured import Grammars, allowed_tokens
 from runtime.tokenizer import load_tokenizer
 from runtime.weight_stream import WeightStreamer
 

@@ -173,7 +173,7 @@ class SampleRow:
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
     banned_ids: Sequence[int] = ()  # may not be chosen now (they would end it before min_tokens)
-    allowed: torch.Tensor | None = None  # the only tokens its JSON schema allows now (a bitmask)
+    allowed: torch.Tensor | None = None  # the only tokens its output's grammar allows now (a bitmask)
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
@@ -203,10 +203,10 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
 
 
 def adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
-    """Adjust one row of logits [vocab] in place, in vLLM's order: tokens the JSON schema does
-    not allow and banned tokens (min_tokens) to -inf, the logit bias, the repetition penalty
-    over prompt and output (transformers' RepetitionPenaltyLogitsProcessor, vLLM's), OpenAI's
-    frequency and presence penalties over the output."""
+    """Adjust one row of logits [vocab] in place, in vLLM's order: tokens its structured
+    output's grammar does not allow and banned tokens (min_tokens) to -inf, the logit bias, the
+    repetition penalty over prompt and output (transformers' RepetitionPenaltyLogitsProcessor,
+    vLLM's), OpenAI's frequency and presence penalties over the output."""
     p, output_ids = row.params, row.output_ids
 
     def ids(tokens):
