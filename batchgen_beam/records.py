@@ -63,7 +63,8 @@ from runtime.sampling import SamplingParams
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                    "stop_token_ids", "n", "logprobs", "prompt_logprobs", "ignore_eos", "min_tokens",
                    "logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty",
-                   "truncate_prompt_tokens", "json_schema", "regex", "choice")
+                   "truncate_prompt_tokens", "json_schema", "regex", "choice",
+                   "include_stop_str_in_output", "skip_special_tokens")
 ROLES = ("system", "user", "assistant")
 # OpenAI's newer name for the system role: chat templates know only "system".
 ROLE_ALIASES = {"developer": "system"}
@@ -82,11 +83,12 @@ _OPENAI_URLS = {
 # (our json_schema), vLLM's guided_regex and guided_choice (our regex and choice).
 _OPENAI_FORMATS = {"response_format", "guided_json", "guided_regex", "guided_choice"}
 # Body keys that map one to one onto ours; top_k, min_p, stop_token_ids, ignore_eos, min_tokens,
-# prompt_logprobs, repetition_penalty and truncate_prompt_tokens are vLLM's extensions of the
-# API, so files written for vLLM work too (and its guided_json, our json_schema).
+# prompt_logprobs, repetition_penalty, truncate_prompt_tokens, include_stop_str_in_output and
+# skip_special_tokens are vLLM's extensions of the API, so files written for vLLM work too.
 _OPENAI_SAMPLING = {"temperature", "top_p", "seed", "stop", "n", "top_k", "min_p",
                     "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "frequency_penalty",
-                    "presence_penalty", "repetition_penalty", "prompt_logprobs", "truncate_prompt_tokens"}
+                    "presence_penalty", "repetition_penalty", "prompt_logprobs", "truncate_prompt_tokens",
+                    "include_stop_str_in_output", "skip_special_tokens"}
 # Body keys that do not affect the generated text.
 _OPENAI_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
                    "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}

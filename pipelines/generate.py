@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="stop string (repeat the flag for several)")
     sampling.add_argument("--choice", action="append", default=None, metavar="STRING",
                           help="make every completion one of these (repeat the flag for each)")
+    sampling.add_argument("--include_stop_str_in_output", action="store_true", default=None,
+                          help="keep the stop string that ended a completion in its text")
+    sampling.add_argument("--keep_special_tokens", dest="skip_special_tokens", action="store_false",
+                          default=None, help="keep special tokens (e.g. <|im_end|>) in the text")
     sampling.add_argument("--ignore_eos", action="store_true", default=None,
                           help="generate max_tokens whatever the model says")
 

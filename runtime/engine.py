@@ -225,8 +225,8 @@ class Engine:
                 return list(eos) if isinstance(eos, list) else [eos]
         return list(self.spec.eos_token_ids)
 
-    def _detokenize(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def _detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     # ---- submitting ----------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -508,7 +508,8 @@ class Engine:
             self.scheduler.estimator.observe(seq.num_generated, natural=seq.finish_reason == "stop")
         state = self._requests[seq.request_id]
         if seq.text is None:
-            seq.text = self._detokenize(seq.generated_ids) if self.tokenizer is not None else ""
+            seq.text = (self._detokenize(seq.generated_ids, seq.params.skip_special_tokens)
+                        if self.tokenizer is not None else "")
         logprobs = seq.logprobs if seq.params.logprobs is not None else None
         state.outputs[seq.sample_index] = SampleOutput(
             seq.sample_index, seq.generated_ids, seq.text, seq.finish_reason, logprobs,

@@ -59,7 +59,7 @@ class StopRule:
     """Engine-wide facts a sequence needs to decide when it is done."""
     eos_token_ids: frozenset[int]
     max_model_len: int
-    detokenize: Callable[[list[int]], str] | None
+    detokenize: Callable[[list[int], bool], str] | None  # (token ids, skip_special_tokens)
     grammars: Grammars | None = None  # for sequences with structured output (needs a tokenizer)
 
 
@@ -162,16 +162,21 @@ class Sequence:
     def _hit_stop_string(self) -> bool:
         # Decode the whole completion: tokenizers merge bytes across token boundaries, so a
         # tail window could miss a stop string; cost is paid only by sequences with stops.
-        text = self.stop_rule.detokenize(self.generated_ids)
+        p = self.params
+
+        def detokenize(ids):
+            return self.stop_rule.detokenize(ids, p.skip_special_tokens)
+
+        text = detokenize(self.generated_ids)
         # Under min_tokens a stop string counts once it ends in the min_tokens-th token's text or
         # later (vLLM's rule: checks start at that token, over the text it added).
-        min_tokens = self.params.min_tokens
-        floor = len(self.stop_rule.detokenize(self.generated_ids[:min_tokens - 1])) if min_tokens > 1 else 0
-        cut = min((i for i in (text.find(s, max(0, floor - len(s) + 1)) for s in self.params.stop)
-                   if i >= 0), default=-1)
-        if cut < 0:
+        floor = len(detokenize(self.generated_ids[:p.min_tokens - 1])) if p.min_tokens > 1 else 0
+        found = [(at, stop) for stop in p.stop
+                 if (at := text.find(stop, max(0, floor - len(stop) + 1))) >= 0]
+        if not found:
             return False
-        self.text = text[:cut]
+        at, stop = min(found, key=lambda hit: (hit[0], len(hit[1])))  # the first to end there
+        self.text = text[:at + len(stop)] if p.include_stop_str_in_output else text[:at]
         return True
 
     # ---- views ---------------------------------------------------------------------------

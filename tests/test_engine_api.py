@@ -155,6 +155,20 @@ def test_a_request_whose_stop_handling_fails_ends_alone_as_an_error(tiny_chat, m
     assert_idle_and_clean(engine)
 
 
+def test_skip_special_tokens_off_keeps_them_in_the_text(tiny_chat):
+    """vLLM's skip_special_tokens: a special token the model chose (made certain here by a logit
+    bias) is in the text only when it is False; the token ids are the same either way."""
+    engine = make_engine(tiny_chat.dir(FAMILY))
+    special = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    params = dict(max_tokens=3, logit_bias={special: 100})
+    kept, skipped = engine.generate([
+        Request("kept", prompt="Hi", params=SamplingParams(skip_special_tokens=False, **params)),
+        Request("skipped", prompt="Hi", params=SamplingParams(**params))])
+    assert kept.token_ids == skipped.token_ids == [special] * 3
+    assert kept.text == "<|im_start|>" * 3 and skipped.text == ""
+    assert_idle_and_clean(engine)
+
+
 def test_a_prompt_the_tokenizer_fails_on_is_an_error_completion(tiny_chat, monkeypatch):
     engine = make_engine(tiny_chat.dir(FAMILY))
     real = engine.tokenizer.encode

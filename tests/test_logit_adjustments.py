@@ -95,7 +95,7 @@ def test_min_tokens_holds_back_stop_strings_and_stop_ids():
     a stop string ending in the text it added (or later) does, one that ended earlier does not."""
     letters = "abcdefghij"
     rule = StopRule(eos_token_ids=frozenset({9}), max_model_len=100,
-                    detokenize=lambda ids: "".join(letters[t] for t in ids))
+                    detokenize=lambda ids, skip_special_tokens: "".join(letters[t] for t in ids))
 
     def run(tokens, **params):
         seq = Sequence("s", "r", 0, [0], 1, SamplingParams(max_tokens=10, **params), None, rule)
@@ -111,6 +111,9 @@ def test_min_tokens_holds_back_stop_strings_and_stop_ids():
     assert run([1, 2, 3, 4], stop=["cd"], min_tokens=3) == ([1, 2, 3], "stop", "b")  # ends in token 3
     assert run([9, 5, 9], min_tokens=2) == ([9, 5, 9], "stop", None)  # EOS counts from token 2 on
     assert run([6, 6, 6], stop_token_ids=[6], min_tokens=3) == ([6, 6, 6], "stop", None)
+    # vLLM's include_stop_str_in_output: the text keeps the stop string (the shorter of two at once).
+    assert run([1, 2, 3, 4], stop=["bcd", "bc"], include_stop_str_in_output=True) == ([1, 2], "stop", "bc")
+    assert run([1, 2, 3, 4], stop=["cd"], include_stop_str_in_output=True) == ([1, 2, 3], "stop", "bcd")
 
 
 def test_adjusted_values_are_validated():

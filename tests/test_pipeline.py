@@ -260,6 +260,10 @@ def test_argument_handling():
     assert cli.sampling_defaults_of(args) == {"max_tokens": 64, "temperature": 0.5,
                                               "stop": ["a", "b"]}
     assert cli.engine_args_of(args) == {}  # the engine's defaults: the same engine as others'
+    args, _ = cli.parse_args(["--include_stop_str_in_output", "--keep_special_tokens"])
+    assert {k: v for k, v in cli.sampling_defaults_of(args).items()
+            if k in ("include_stop_str_in_output", "skip_special_tokens")} == {
+        "include_stop_str_in_output": True, "skip_special_tokens": False}
     args, _ = cli.parse_args(["--choice", "yes", "--choice", "no", "--regex", "[a-z]+"])
     assert {k: v for k, v in cli.sampling_defaults_of(args).items() if k in ("choice", "regex")} == {
         "choice": ["yes", "no"], "regex": "[a-z]+"}

@@ -535,6 +535,8 @@ def test_json_output_from_our_field_openai_response_format_and_vllm_guided_json(
     assert parse_record(chat_line({"response_format": {"type": "text"}})).params.json_schema is None
     assert parse_record(chat_line({"guided_choice": ["yes", "no"]})).params.choice == ("yes", "no")
     assert parse_record(completions_line(guided_regex="[0-9]+")).params.regex == "[0-9]+"
+    vllm = parse_record(completions_line(include_stop_str_in_output=True, skip_special_tokens=False))
+    assert vllm.params.include_stop_str_in_output and not vllm.params.skip_special_tokens
     assert parse_record({"id": "x", "prompt": "Hi", "choice": ["a", "b"]}).params.choice == ("a", "b")
 
 
