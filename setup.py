@@ -40,6 +40,7 @@ setup(
         # Benchmarks: PNG charts.
         "bench": ["matplotlib>=3.8,<4"],
         "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "psutil>=5.9,<8", "gcp-storage-emulator>=2026.7.18,<2027",
+                 "peft>=0.17,<0.22",  # the oracle of LoRA merging (tests/test_lora.py)
                  TRITON],  # the Triton kernels' tests run in its interpreter, on CPU
         "cuda": [TRITON],
     },

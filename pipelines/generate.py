@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                         default=None, help="greedy rows take full fp32 logits, not a bf16 screen of "
                                            "the vocabulary verified in fp32 (same tokens; saves a bf16 "
                                            "copy of the lm_head)")
+    engine.add_argument("--lora", default=None, metavar="DIR",
+                        help="a PEFT LoRA adapter directory (local, on every worker), merged into "
+                             "the model's weights at load")
     engine.add_argument("--num_key_shards", type=int, default=16,
                         help="keys that records are spread over in the Generate transform")
     engine.add_argument("--max_in_flight", type=int, default=1024,
@@ -185,7 +188,8 @@ def engine_args_of(args: argparse.Namespace) -> dict:
              "kv_cache_bytes": None if args.kv_cache_mb is None else args.kv_cache_mb << 20,
              "num_threads": args.num_threads, "device": args.device,
              "weight_budget_bytes": None if args.weight_budget_mb is None else args.weight_budget_mb << 20,
-             "weights_in_host_memory": args.weights_in_host_memory, "greedy_screen": args.greedy_screen}
+             "weights_in_host_memory": args.weights_in_host_memory, "greedy_screen": args.greedy_screen,
+             "lora": None if args.lora is None else os.path.abspath(os.path.expanduser(args.lora))}
     return {k: v for k, v in given.items() if v is not None}
 
 

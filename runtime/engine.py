@@ -137,7 +137,8 @@ class Engine:
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  num_threads: int | None = None, weight_budget_bytes: int | None = None,
-                 weights_in_host_memory: bool = False, greedy_screen: bool | None = None):
+                 weights_in_host_memory: bool = False, greedy_screen: bool | None = None,
+                 lora: str | Path | None = None):
         """weight_budget_bytes: memory-constrained mode (runtime/weight_stream.py): the decoder
         layers stream from the safetensors files, and the weights held in memory (resident
         parts, two layer slots, the MoE expert ring) stay within this many bytes. The KV cache
@@ -152,7 +153,9 @@ class Engine:
         vocabulary verified in fp32 (runtime/logit_screen.py), not full fp32 logits; the tokens
         are the same. It keeps bf16 copies of the lm_head (on CPU two, each half its size).
         None (the default): on where bf16 matmuls run on matrix units
-        (kernels.bf16_matmul_is_fast), for fp32 weights held whole."""
+        (kernels.bf16_matmul_is_fast), for fp32 weights held whole.
+
+        lora: a PEFT LoRA adapter directory, merged into the weights at load (runtime/lora.py)."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_dir = Path(model) if model is not None else default_model_dir()
@@ -160,6 +163,9 @@ class Engine:
         streaming = weight_budget_bytes is not None
         if weights_in_host_memory and not streaming:
             raise ValueError("weights_in_host_memory streams weights: give weight_budget_bytes too")
+        if streaming and lora is not None:
+            raise NotImplementedError("a LoRA adapter with weight streaming is not supported: the "
+                                      "adapter is merged into weights held in memory")
         if streaming and self.device.type not in ("cpu", "cuda"):
             raise NotImplementedError(f"weight streaming runs on CPU and CUDA, not {self.device.type}")
         kernels.prepare(self.device)  # the C++ kernel's build (once per machine) outside any step
@@ -174,7 +180,7 @@ class Engine:
             self.weights = WeightStreamer(self.model, self.model_dir, weight_budget_bytes,
                                           host_copy=weights_in_host_memory)
         else:
-            self.model = on_a_passing_thread(load_model, self.model_dir, self.device, dtype)
+            self.model = on_a_passing_thread(load_model, self.model_dir, self.device, dtype, lora)
             self.weights = None
         if greedy_screen is None:
             greedy_screen = not streaming and dtype == torch.float32 and kernels.bf16_matmul_is_fast(self.device)

@@ -71,6 +71,22 @@ def hf_sources(our_name: str, checkpoint) -> list[str]:
     return [name]
 
 
+def packed_part(hf_name: str, spec) -> tuple[str, slice]:
+    """Our parameter holding an HF linear (named without its "model." prefix), and the rows
+    of it that are that linear's: a part of q|k|v or gate|up, or all of it."""
+    for packed, parts in _PACKED.items():
+        for index, part in enumerate(parts):
+            if hf_name.endswith("." + part):
+                if "qkv" in packed:
+                    sizes = [spec.num_heads * spec.head_dim] + [spec.num_kv_heads * spec.head_dim] * 2
+                else:
+                    size = spec.moe.shared_expert_size if "shared_expert" in packed else spec.intermediate_size
+                    sizes = [size, size]
+                start = sum(sizes[:index])
+                return hf_name[:-len(part)] + packed, slice(start, start + sizes[index])
+    return hf_name, slice(None)
+
+
 def build_model(model_dir: str | Path, device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.float32, stream_layers: bool = False) -> CausalLM:
     """The model's structure with RoPE tables set and parameters allocated, not yet read.
@@ -92,7 +108,8 @@ def build_model(model_dir: str | Path, device: torch.device | str = "cpu",
 
 
 def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32) -> CausalLM:
+               dtype: torch.dtype = torch.float32, lora: str | Path | None = None) -> CausalLM:
+    """The model, its weights read; with `lora` (a PEFT adapter directory) merged into them."""
     model_dir = Path(model_dir)
     model = build_model(model_dir, device, dtype)
     checkpoint = _Checkpoint(model_dir)
@@ -108,6 +125,9 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
             for module in model.modules():
                 if isinstance(module, RMSNorm):
                     module.weight += model.spec.norm_offset
+    if lora is not None:
+        from runtime.lora import merge_lora  # imported here: runtime.lora builds on this module
+        merge_lora(model, lora)
     model.to(dtype)  # the RoPE tables too
     for module in model.modules():
         if isinstance(module, Linear):
