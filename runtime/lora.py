@@ -19,8 +19,9 @@ from runtime.loader import packed_part
 
 _PREFIX = "base_model.model."
 # Config values that change the computation beyond W += scale * B @ A, and their neutral value.
-_REFUSED = {"use_dora": False, "modules_to_save": None, "bias": "none", "fan_in_fan_out": False,
-            "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None}
+_REFUSED = {"use_dora": False, "modules_to_save": None, "bias": "none", "lora_bias": False,
+            "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
+            "layers_to_transform": None}
 
 
 def read_adapter_config(adapter_dir: str | Path) -> dict:
@@ -48,6 +49,10 @@ def merge_lora(model, adapter_dir: str | Path) -> int:
     params = dict(model.named_parameters())
     with safe_open(str(adapter_dir / "adapter_model.safetensors"), framework="pt") as weights:
         names = set(weights.keys())
+        others = sorted(n for n in names if not n.endswith((".lora_A.weight", ".lora_B.weight")))
+        if others:  # biases, DoRA magnitudes, whole modules: more than W += scale * B @ A
+            raise NotImplementedError(f"{adapter_dir}: adapter tensors other than LoRA's A and B "
+                                      f"are not supported ({others[0]}, ...)")
         merged = 0
         for a_name in sorted(n for n in names if n.endswith(".lora_A.weight")):
             hf_name = a_name[:-len(".lora_A.weight")].removeprefix(_PREFIX)
