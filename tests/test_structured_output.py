@@ -153,7 +153,7 @@ def test_the_schema_is_held_as_canonical_json_and_checked():
             SamplingParams(json_schema=bad)
     with pytest.raises(ValueError, match="regex must be a regular expression .*unclosed group"):
         SamplingParams(regex="(a")
-    for bad in ("yes", ["yes", ""], [1]):
+    for bad in ("yes", ["yes", ""], [1], {"yes": 1}):
         with pytest.raises(ValueError, match="choice must be a list of non-empty strings"):
             SamplingParams(choice=bad)
     with pytest.raises(ValueError, match="one at most"):
