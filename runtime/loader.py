@@ -79,9 +79,10 @@ def packed_part(hf_name: str, spec) -> tuple[str, slice]:
             if hf_name.endswith("." + part):
                 if "qkv" in packed:
                     sizes = [spec.num_heads * spec.head_dim] + [spec.num_kv_heads * spec.head_dim] * 2
+                elif "shared_expert" in packed:
+                    sizes = [spec.moe.shared_expert_size] * 2
                 else:
-                    size = spec.moe.shared_expert_size if "shared_expert" in packed else spec.intermediate_size
-                    sizes = [size, size]
+                    sizes = [spec.intermediate_size] * 2
                 start = sum(sizes[:index])
                 return hf_name[:-len(part)] + packed, slice(start, start + sizes[index])
     return hf_name, slice(None)

@@ -51,7 +51,8 @@ class SamplingParams:
             object.__setattr__(self, "json_schema", canonical_json_schema(self.json_schema))
         if self.regex is not None:
             check_regex(self.regex)
-        if not isinstance(self.choice, (list, tuple)) or not all(isinstance(c, str) and c for c in self.choice):
+        if (not isinstance(self.choice, (list, tuple))
+                or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError(f"choice must be a list of non-empty strings, got {self.choice!r}")
         object.__setattr__(self, "choice", tuple(self.choice))
         if sum(map(bool, (self.json_schema, self.regex, self.choice))) > 1:
