@@ -192,24 +192,30 @@ class DecoderLayer(nn.Module):
         return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
 
-def decode_stack_layer(layer: DecoderLayer) -> dict | None:
-    """The layer's parameters as kernels.cpu_kernels.decode_stack takes them, or None where the
-    stack cannot run it (expert MLP, another activation than SwiGLU, norms not at the inputs, clipping,
-    a q/k norm over all heads at once, or a projection left unpacked)."""
+def decode_stack_layer(layer: DecoderLayer, rope_names: list[str]) -> dict | None:
+    """The layer's parameters as kernels.cpu_kernels.decode_stack takes them (its RoPE table as
+    an index into rope_names), or None where the stack cannot run it (expert MLP, norms only at
+    the sublayers' outputs, clipping, a q/k norm over all heads at once, or a projection left
+    unpacked)."""
     attention, mlp = layer.self_attn, layer.mlp
     q_norm, k_norm = attention.q_norm, attention.k_norm
-    if (type(mlp) is not MLP or mlp.activation != "silu" or layer.norms != "pre"
-            or attention.clip_qkv is not None or (q_norm is not None and not attention.qk_norm_per_head)):
+    if (type(mlp) is not MLP or layer.norms == "post" or attention.clip_qkv is not None
+            or (q_norm is not None and not attention.qk_norm_per_head)):
         return None
     projections = dict(qkv=attention.qkv_proj, o=attention.o_proj, gate_up=mlp.gate_up_proj,
                        down=mlp.down_proj)
     if any(linear.packed is None for linear in projections.values()):
         return None
-    return dict(input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+    sandwich = layer.norms == "sandwich"
+    return dict(input_norm=layer.input_layernorm.weight,
+                post_norm=(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm).weight,
+                attention_out_norm=layer.post_attention_layernorm.weight if sandwich else None,
+                mlp_out_norm=layer.post_feedforward_layernorm.weight if sandwich else None,
                 q_norm=None if q_norm is None else q_norm.weight,
                 k_norm=None if k_norm is None else k_norm.weight,
-                sliding_window=attention.sliding_window, rope=attention.rope is not None,
-                residual_multiplier=layer.residual_multiplier,
+                sliding_window=attention.sliding_window, softcap=attention.softcap,
+                rope_table=-1 if attention.rope is None else rope_names.index(attention.rope),
+                residual_multiplier=layer.residual_multiplier, activation=mlp.activation,
                 **{name: linear.packed for name, linear in projections.items()},
                 **{f"{name}_bias": linear.bias for name, linear in projections.items()})
 
@@ -237,14 +243,13 @@ class CausalLM(nn.Module):
 
     def _stack_for(self, batch: AttentionBatch, x: torch.Tensor):
         """The C++ decode stack, where it can run this step: decode rows only (one ragged group),
-        the C++ kernels taking x (kernels.decode_stack_runs), one RoPE table, every layer one it
-        runs."""
+        the C++ kernels taking x (kernels.decode_stack_runs), every layer one it runs."""
         if batch.prefills or len(batch.decodes) != 1 or not decode_stack_runs(x):
             return None
         if self._decode_stack is None:
-            layers = [decode_stack_layer(layer) for layer in self.layers]
+            layers = [decode_stack_layer(layer, self.rope_names) for layer in self.layers]
             attention = self.layers[0].self_attn
-            self._decode_stack = len(self.rope_names) == 1 and None not in layers and decode_stack(
+            self._decode_stack = None not in layers and decode_stack(
                 layers, attention.num_heads, attention.num_kv_heads, attention.head_dim,
                 self.spec.rms_norm_eps, attention.scale)
         return self._decode_stack or None
@@ -261,9 +266,8 @@ class CausalLM(nn.Module):
         stack = self._stack_for(batch, x)
         if stack is not None:
             [group] = batch.decodes
-            [(cos, sin)] = rope.values()
-            x = stack.forward(x, cos, sin, batch.slot_mapping, group.block_tables, group.context_lens,
-                              kv_caches)
+            x = stack.forward(x, [rope[name] for name in self.rope_names], batch.slot_mapping,
+                              group.block_tables, group.context_lens, kv_caches)
         else:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
                 x = layer(x, rope, batch, k_cache, v_cache)

@@ -11,12 +11,16 @@ DecodeStack::DecodeStack(std::vector<DecodeLayer> layers, int64_t num_heads, int
     : layers_(std::move(layers)), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
       head_dim_(head_dim), eps_(eps), scale_(scale) {
   TORCH_CHECK(!layers_.empty(), "a decode stack needs at least one layer");
-  for (const auto& layer : layers_)
+  for (const auto& layer : layers_) {
     TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(),
                 "q_norm and k_norm come together or not at all");
+    TORCH_CHECK(layer.activation == "silu" || layer.activation == "gelu" || layer.activation == "gelu_tanh",
+                "activation must be silu, gelu or gelu_tanh, got ", layer.activation);
+  }
 }
 
-torch::Tensor DecodeStack::forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+torch::Tensor DecodeStack::forward(torch::Tensor x,
+                                   const std::vector<std::pair<torch::Tensor, torch::Tensor>>& rope,
                                    const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                                    const torch::Tensor& context_lens,
                                    std::vector<std::pair<torch::Tensor, torch::Tensor>> kv_caches) const {
@@ -35,19 +39,30 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, const torch::Tensor& cos, co
       q = rms_norm(q, *layer.q_norm, eps_);
       k = rms_norm(k, *layer.k_norm, eps_);
     }
-    if (layer.rope) {
+    if (layer.rope_table >= 0) {
+      const auto& [cos, sin] = rope.at(layer.rope_table);
       q = apply_rope(q, cos, sin);
       k = apply_rope(k, cos, sin);
     }
     const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, num_kv_heads_, head_dim_});
     write_kv(k_cache, v_cache, slot_mapping, k, v);
     const auto attended = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                                 scale_, layer.sliding_window, std::nullopt);
+                                                 scale_, layer.sliding_window, layer.softcap);
     auto projected = panel_linear(attended.view({-1, q_size}), layer.o, hidden, layer.o_bias);
+    if (layer.attention_out_norm) projected = rms_norm(projected, *layer.attention_out_norm, eps_);
     if (layer.residual_multiplier != 1.0) projected.mul_(layer.residual_multiplier);
     auto [normed, residual] = add_rms_norm(projected, x, layer.post_norm, eps_);
-    const auto gate_up = panel_linear(normed, layer.gate_up, layer.down.size(1) * 2, layer.gate_up_bias);
-    auto mlp_out = panel_linear(silu_and_mul(gate_up), layer.down, hidden, layer.down_bias);
+    const int64_t intermediate = layer.down.size(1);
+    const auto gate_up = panel_linear(normed, layer.gate_up, intermediate * 2, layer.gate_up_bias);
+    torch::Tensor activated;
+    if (layer.activation == "silu") {
+      activated = silu_and_mul(gate_up);
+    } else {  // GeGLU: torch's own GELU, as kernels.activation's ops take it
+      const auto gate = gate_up.narrow(1, 0, intermediate), up = gate_up.narrow(1, intermediate, intermediate);
+      activated = at::gelu(gate, layer.activation == "gelu_tanh" ? "tanh" : "none") * up;
+    }
+    auto mlp_out = panel_linear(activated, layer.down, hidden, layer.down_bias);
+    if (layer.mlp_out_norm) mlp_out = rms_norm(mlp_out, *layer.mlp_out_norm, eps_);
     if (layer.residual_multiplier != 1.0) mlp_out.mul_(layer.residual_multiplier);
     x = residual.add_(mlp_out);
   }

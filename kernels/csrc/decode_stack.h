@@ -3,6 +3,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -10,14 +11,20 @@
 
 // One layer's parameters, the projections packed for panel_linear (q|k|v and gate|up packed
 // together, as runtime/model.py holds them); q_norm and k_norm normalise each head (Qwen3);
-// rope false: a layer without rotary positions (SmolLM3's NoPE layers); residual_multiplier
-// scales the attention's and the MLP's outputs before their residual adds (Granite).
+// rope_table: which of the step's (cos, sin) pairs turns q and k, -1 for none (SmolLM3's NoPE
+// layers); residual_multiplier scales the attention's and the MLP's outputs before their
+// residual adds (Granite). post_norm norms the MLP's input; Gemma 2 and 3 also norm the
+// attention's output (attention_out_norm) and the MLP's (mlp_out_norm). activation: "silu"
+// (SwiGLU), "gelu" or "gelu_tanh" (GeGLU); softcap: the attention scores' soft cap (Gemma 2).
 struct DecodeLayer {
   torch::Tensor input_norm, qkv, o, post_norm, gate_up, down;
   std::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias, q_norm, k_norm;
   std::optional<int64_t> sliding_window;
-  bool rope;
+  int64_t rope_table;
   double residual_multiplier;
+  std::optional<torch::Tensor> attention_out_norm, mlp_out_norm;
+  std::string activation;
+  std::optional<double> softcap;
 };
 
 class DecodeStack {
@@ -25,10 +32,11 @@ class DecodeStack {
   DecodeStack(std::vector<DecodeLayer> layers, int64_t num_heads, int64_t num_kv_heads,
               int64_t head_dim, double eps, double scale);
 
-  // x [rows, hidden]: one decode token per row, cos and sin [rows, head_dim] at their positions;
+  // x [rows, hidden]: one decode token per row; rope: (cos, sin) [rows, rotary dims] at their
+  // positions, per RoPE table;
   // slot_mapping, block_tables and context_lens as paged_decode_attention and write_kv take
   // them. Returns the last layer's output (before the final norm).
-  torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+  torch::Tensor forward(torch::Tensor x, const std::vector<std::pair<torch::Tensor, torch::Tensor>>& rope,
                         const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                         const torch::Tensor& context_lens,
                         std::vector<std::pair<torch::Tensor, torch::Tensor>> kv_caches) const;
