@@ -1,7 +1,8 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, SmolLM3, Phi-3, Granite, Gemma,
-Gemma 2, Gemma 3, OLMo 2, OLMo 3; with runtime/moe.py's expert blocks
-Mixtral, Qwen-MoE, OLMoE) in plain torch, over one flattened batch of tokens from many
-sequences: decode tokens first, then prefill chunks. No padding.
+"""Decoder-only models of the Llama lineage in plain torch (Llama, Mistral, Ministral, Qwen2,
+Qwen3, SmolLM, SmolLM3, Phi-3, Granite, Gemma 1-3, OLMo 2-3; with runtime/moe.py's expert blocks
+Mixtral, Qwen-MoE, OLMoE), over one flattened batch of tokens from many sequences: decode
+tokens first, then prefill chunks. No padding. runtime/config.py's ModelSpec says where the
+families differ (norm placement, activation, RoPE tables, multipliers, soft caps).
 
 Projections are packed at load time (q|k|v, gate|up): one matmul each instead of three and two.
 On CPU, a step of decode rows through a dense stack runs as one call of the C++ kernels
