@@ -54,6 +54,7 @@ _EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
                ".parquet": "parquet", ".pq": "parquet",
                ".txt": "text", ".text": "text", ".csv": "csv", ".tsv": "tsv"}
 _DELIMITERS = {"csv": ",", "tsv": "\t"}
+DELIMITED_FORMATS = tuple(_DELIMITERS)  # read by delimited_rows
 # CSV columns whose cells are read as JSON where they parse (numbers, lists, objects).
 _JSON_COLUMNS = frozenset({"messages", *SAMPLING_FIELDS})
 # Compressions Beam's file readers detect from the name (CompressionTypes.AUTO).

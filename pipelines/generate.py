@@ -35,8 +35,8 @@ from apache_beam.options.pipeline_options import PipelineOptions, StandardOption
 import batchgen_beam
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.generate import METRICS_NAMESPACE, Generate
-from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, delimited_rows,
-                              infer_format)
+from batchgen_beam.io import (DELIMITED_FORMATS, INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows,
+                              delimited_rows, infer_format)
 from batchgen_beam.records import SAMPLING_FIELDS
 
 BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"
@@ -189,7 +189,7 @@ def engine_args_of(args: argparse.Namespace) -> dict:
              "num_threads": args.num_threads, "device": args.device,
              "weight_budget_bytes": None if args.weight_budget_mb is None else args.weight_budget_mb << 20,
              "weights_in_host_memory": args.weights_in_host_memory, "greedy_screen": args.greedy_screen,
-             "lora": None if args.lora is None else os.path.abspath(os.path.expanduser(args.lora))}
+             "lora": None if args.lora is None else _absolute(args.lora)}
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -202,7 +202,12 @@ def sampling_defaults_of(args: argparse.Namespace) -> dict:
 def model_of(args: argparse.Namespace) -> str | None:
     if args.model is None or args.model.startswith("gs://"):
         return args.model
-    return os.path.abspath(os.path.expanduser(args.model))  # the same engine from any cwd
+    return _absolute(args.model)
+
+
+def _absolute(path: str) -> str:
+    """A local path as engine arguments hold it: the same engine from any cwd."""
+    return os.path.abspath(os.path.expanduser(path))
 
 
 def as_chat(record):
@@ -260,7 +265,7 @@ def count_records(pattern: str, fmt: str, limit_bytes: int = COUNT_LIMIT_BYTES) 
     total = 0
     for meta in files:
         with FileSystems.open(meta.path) as f:
-            if fmt in ("csv", "tsv"):
+            if fmt in DELIMITED_FORMATS:
                 total += sum(1 for _ in delimited_rows(f, fmt)[1])
             else:
                 total += sum(1 for line in f if line.strip())
