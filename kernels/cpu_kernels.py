@@ -217,10 +217,11 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
 def decode_stack(layers: list[dict], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  scale: float):
     """A dense decoder stack's decode step in one C++ call (kernels/csrc/decode_stack.cpp), over
-    `layers`' parameters (dicts of DecodeLayer's fields: the norms' weights, the per-head q/k
-    norms' or None, the projections packed by pack_panels, their biases or None, the sliding
-    window or None, the index of its RoPE table or -1, the residual multiplier, Gemma's norms of
-    the sublayers' outputs or None, the activation, the attention soft cap or None). Its
+    `layers`' parameters (dicts of DecodeLayer's fields: the weights of the norms of the
+    sublayers' inputs and outputs, each or None, the q/k norms' or None and whether they norm
+    all heads at once, the projections packed by pack_panels, their biases or None, the sliding
+    window or None, the index of its RoPE table or -1, the residual multiplier, the activation,
+    the attention soft cap or None). Its
     `forward(x, rope, slot_mapping, block_tables, context_lens, kv_caches)`, rope a list of
     (cos, sin), one per RoPE table, returns the last
     layer's output; it holds the parameters, so a model changed afterwards needs a new stack."""

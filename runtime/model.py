@@ -193,27 +193,35 @@ class DecoderLayer(nn.Module):
         return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
 
+# Per ModelSpec.norms, the layer's norms of the attention's input, the MLP's input, the
+# attention's output and the MLP's output, as the decode stack takes them (None: no such norm).
+_STACK_NORMS = {
+    "pre": ("input_layernorm", "post_attention_layernorm", None, None),
+    "sandwich": ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
+                 "post_feedforward_layernorm"),
+    "post": (None, None, "post_attention_layernorm", "post_feedforward_layernorm"),
+}
+
+
 def decode_stack_layer(layer: DecoderLayer, rope_names: list[str]) -> dict | None:
     """The layer's parameters as kernels.cpu_kernels.decode_stack takes them (its RoPE table as
-    an index into rope_names), or None where the stack cannot run it (expert MLP, norms only at
-    the sublayers' outputs, clipping, a q/k norm over all heads at once, or a projection left
-    unpacked)."""
+    an index into rope_names), or None where the stack cannot run it (expert MLP, clipping, or a
+    projection left unpacked)."""
     attention, mlp = layer.self_attn, layer.mlp
-    q_norm, k_norm = attention.q_norm, attention.k_norm
-    if (type(mlp) is not MLP or layer.norms == "post" or attention.clip_qkv is not None
-            or (q_norm is not None and not attention.qk_norm_per_head)):
+    if type(mlp) is not MLP or attention.clip_qkv is not None:
         return None
     projections = dict(qkv=attention.qkv_proj, o=attention.o_proj, gate_up=mlp.gate_up_proj,
                        down=mlp.down_proj)
     if any(linear.packed is None for linear in projections.values()):
         return None
-    sandwich = layer.norms == "sandwich"
-    return dict(input_norm=layer.input_layernorm.weight,
-                post_norm=(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm).weight,
-                attention_out_norm=layer.post_attention_layernorm.weight if sandwich else None,
-                mlp_out_norm=layer.post_feedforward_layernorm.weight if sandwich else None,
+    input_norm, post_norm, attention_out_norm, mlp_out_norm = (
+        None if name is None else getattr(layer, name).weight for name in _STACK_NORMS[layer.norms])
+    q_norm, k_norm = attention.q_norm, attention.k_norm
+    return dict(input_norm=input_norm, post_norm=post_norm, attention_out_norm=attention_out_norm,
+                mlp_out_norm=mlp_out_norm,
                 q_norm=None if q_norm is None else q_norm.weight,
                 k_norm=None if k_norm is None else k_norm.weight,
+                qk_norm_whole=q_norm is not None and not attention.qk_norm_per_head,
                 sliding_window=attention.sliding_window, softcap=attention.softcap,
                 rope_table=-1 if attention.rope is None else rope_names.index(attention.rope),
                 residual_multiplier=layer.residual_multiplier, activation=mlp.activation,

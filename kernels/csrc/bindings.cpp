@@ -21,16 +21,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "k and v into the paged caches at flat slots");
 
   py::class_<DecodeLayer>(m, "DecodeLayer", "One dense decoder layer's packed parameters")
-      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                    torch::Tensor, std::optional<torch::Tensor>, std::optional<torch::Tensor>,
+      .def(py::init<std::optional<torch::Tensor>, torch::Tensor, torch::Tensor,
+                    std::optional<torch::Tensor>, torch::Tensor, torch::Tensor,
                     std::optional<torch::Tensor>, std::optional<torch::Tensor>,
                     std::optional<torch::Tensor>, std::optional<torch::Tensor>,
+                    std::optional<torch::Tensor>, std::optional<torch::Tensor>, bool,
                     std::optional<int64_t>, int64_t, double, std::optional<torch::Tensor>,
                     std::optional<torch::Tensor>, std::string, std::optional<double>>(),
            py::arg("input_norm"), py::arg("qkv"), py::arg("o"), py::arg("post_norm"),
            py::arg("gate_up"), py::arg("down"), py::arg("qkv_bias"), py::arg("o_bias"),
            py::arg("gate_up_bias"), py::arg("down_bias"), py::arg("q_norm"), py::arg("k_norm"),
-           py::arg("sliding_window"), py::arg("rope_table"), py::arg("residual_multiplier"),
+           py::arg("qk_norm_whole"), py::arg("sliding_window"), py::arg("rope_table"), py::arg("residual_multiplier"),
            py::arg("attention_out_norm"), py::arg("mlp_out_norm"), py::arg("activation"),
            py::arg("softcap"));
   py::class_<DecodeStack>(m, "DecodeStack", "A dense decoder stack's decode step in one call")

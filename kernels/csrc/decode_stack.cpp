@@ -1,5 +1,5 @@
-// A decode step through a dense Llama-family decoder stack (Qwen3's per-head q/k norms included)
-// in one call. Each layer runs the same kernels, in the same order, on the same values as
+// A decode step through a dense Llama-family decoder stack (with the norms, q/k norms, RoPE
+// tables, activations and soft caps of the families decode_stack.h lists) in one call. Each layer runs the same kernels, in the same order, on the same values as
 // runtime/model.py's DecoderLayer does for a batch of decode rows, so the hidden states come out
 // bit-identical; what it saves is the ~300 Python calls, module hooks and dispatches of a
 // 30-layer step (about 5 ms, a tenth of a small-batch step on the default model).
@@ -14,6 +14,9 @@ DecodeStack::DecodeStack(std::vector<DecodeLayer> layers, int64_t num_heads, int
   for (const auto& layer : layers_) {
     TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(),
                 "q_norm and k_norm come together or not at all");
+    TORCH_CHECK(layer.input_norm.has_value() == layer.post_norm.has_value(),
+                "input_norm and post_norm come together or not at all");
+    TORCH_CHECK(layer.q_norm.has_value() || !layer.qk_norm_whole, "qk_norm_whole without q/k norms");
     TORCH_CHECK(layer.activation == "silu" || layer.activation == "gelu" || layer.activation == "gelu_tanh",
                 "activation must be silu, gelu or gelu_tanh, got ", layer.activation);
   }
@@ -31,11 +34,17 @@ torch::Tensor DecodeStack::forward(torch::Tensor x,
   for (size_t i = 0; i < layers_.size(); ++i) {
     const DecodeLayer& layer = layers_[i];
     auto& [k_cache, v_cache] = kv_caches[i];
-    const auto qkv = panel_linear(rms_norm(x, layer.input_norm, eps_), layer.qkv,
-                                  q_size + 2 * kv_size, layer.qkv_bias);
-    auto q = qkv.narrow(1, 0, q_size).view({-1, num_heads_, head_dim_});
-    auto k = qkv.narrow(1, q_size, kv_size).view({-1, num_kv_heads_, head_dim_});
-    if (layer.q_norm) {
+    const auto qkv = panel_linear(layer.input_norm ? rms_norm(x, *layer.input_norm, eps_) : x,
+                                  layer.qkv, q_size + 2 * kv_size, layer.qkv_bias);
+    auto q = qkv.narrow(1, 0, q_size);
+    auto k = qkv.narrow(1, q_size, kv_size);
+    if (layer.q_norm && layer.qk_norm_whole) {
+      q = rms_norm(q, *layer.q_norm, eps_);
+      k = rms_norm(k, *layer.k_norm, eps_);
+    }
+    q = q.view({-1, num_heads_, head_dim_});
+    k = k.view({-1, num_kv_heads_, head_dim_});
+    if (layer.q_norm && !layer.qk_norm_whole) {
       q = rms_norm(q, *layer.q_norm, eps_);
       k = rms_norm(k, *layer.k_norm, eps_);
     }
@@ -51,7 +60,12 @@ torch::Tensor DecodeStack::forward(torch::Tensor x,
     auto projected = panel_linear(attended.view({-1, q_size}), layer.o, hidden, layer.o_bias);
     if (layer.attention_out_norm) projected = rms_norm(projected, *layer.attention_out_norm, eps_);
     if (layer.residual_multiplier != 1.0) projected.mul_(layer.residual_multiplier);
-    auto [normed, residual] = add_rms_norm(projected, x, layer.post_norm, eps_);
+    torch::Tensor normed, residual;
+    if (layer.post_norm) {
+      std::tie(normed, residual) = add_rms_norm(projected, x, *layer.post_norm, eps_);
+    } else {  // OLMo 2: the MLP takes the residual stream itself
+      residual = normed = x + projected;
+    }
     const int64_t intermediate = layer.down.size(1);
     const auto gate_up = panel_linear(normed, layer.gate_up, intermediate * 2, layer.gate_up_bias);
     torch::Tensor activated;

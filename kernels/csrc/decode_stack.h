@@ -10,15 +10,22 @@
 #include "ops.h"
 
 // One layer's parameters, the projections packed for panel_linear (q|k|v and gate|up packed
-// together, as runtime/model.py holds them); q_norm and k_norm normalise each head (Qwen3);
-// rope_table: which of the step's (cos, sin) pairs turns q and k, -1 for none (SmolLM3's NoPE
-// layers); residual_multiplier scales the attention's and the MLP's outputs before their
-// residual adds (Granite). post_norm norms the MLP's input; Gemma 2 and 3 also norm the
-// attention's output (attention_out_norm) and the MLP's (mlp_out_norm). activation: "silu"
-// (SwiGLU), "gelu" or "gelu_tanh" (GeGLU); softcap: the attention scores' soft cap (Gemma 2).
+// together, as runtime/model.py holds them). Where the norms sit: input_norm norms the
+// attention's input and post_norm the MLP's (Llama); Gemma 2 and 3 also norm the attention's
+// output (attention_out_norm) and the MLP's (mlp_out_norm); OLMo 2 and 3 norm only those two
+// outputs, so input_norm and post_norm are absent. q_norm and k_norm normalise each head
+// (Qwen3), or with qk_norm_whole all heads at once before the head split (OLMo 2); rope_table:
+// which of the step's (cos, sin) pairs turns q and k, -1 for none (SmolLM3's NoPE layers);
+// residual_multiplier scales the attention's and the MLP's outputs before their residual adds
+// (Granite). activation: "silu" (SwiGLU), "gelu" or "gelu_tanh" (GeGLU); softcap: the attention
+// scores' soft cap (Gemma 2).
 struct DecodeLayer {
-  torch::Tensor input_norm, qkv, o, post_norm, gate_up, down;
+  std::optional<torch::Tensor> input_norm;
+  torch::Tensor qkv, o;
+  std::optional<torch::Tensor> post_norm;
+  torch::Tensor gate_up, down;
   std::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias, q_norm, k_norm;
+  bool qk_norm_whole;
   std::optional<int64_t> sliding_window;
   int64_t rope_table;
   double residual_multiplier;
