@@ -7,27 +7,41 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-# model_type -> (qkv bias, o_proj bias, q/k RMSNorm); None: biases read from the config.
+# model_type -> the biases of its attention's q|k|v and o projections: fixed, or the config key
+# that sets them. Each family reads only the config keys its transformers model reads: a key
+# from another family (a window on a Llama, Granite's multipliers on a Qwen) changes nothing.
 _FAMILIES = {
-    "llama": None,  # attention_bias / mlp_bias
-    "mistral": (False, False, False),
-    "ministral": (False, False, False),  # Mistral's, the window on the sliding layer types only
-    "qwen2": (True, False, False),
-    "qwen3": None,  # attention_bias, plus q/k norm
-    "smollm3": None,  # attention_bias / mlp_bias; some layers without RoPE (NoPE)
-    "granite": None,  # attention_bias / mlp_bias; the four multipliers below
-    "phi3": (False, False, False),  # q|k|v and gate|up stored packed; partial rotary (Phi-4-mini)
-    "gemma": None,  # attention_bias; GeGLU, norms scaling by 1 + weight, embeddings by sqrt(hidden)
-    "gemma2": None,  # Gemma's, plus norms around both sublayers, soft-capped scores and logits
-    "gemma3_text": None,  # Gemma 2's, plus q/k norm and a RoPE table per layer type
-    "olmo2": None,  # attention_bias; q/k norm over whole projections, norms at sublayer outputs
-    "olmo3": None,  # OLMo 2's, plus sliding layers with a RoPE table per layer type
+    "llama": ("attention_bias",) * 2,
+    "mistral": (False, False),
+    "ministral": (False, False),  # Mistral's, the window on the sliding layer types only
+    "qwen2": (True, False),
+    "qwen3": ("attention_bias",) * 2,  # plus q/k norm
+    "smollm3": ("attention_bias",) * 2,  # some layers without RoPE (NoPE)
+    "granite": ("attention_bias",) * 2,  # the four multipliers below
+    "phi3": (False, False),  # q|k|v and gate|up stored packed; partial rotary (Phi-4-mini)
+    "gemma": ("attention_bias",) * 2,  # GeGLU, norms scaling by 1 + weight, embeddings by sqrt(hidden)
+    "gemma2": ("attention_bias",) * 2,  # Gemma's, plus norms around both sublayers, soft caps
+    "gemma3_text": ("attention_bias",) * 2,  # Gemma 2's, plus q/k norm, a RoPE table per layer type
+    "olmo2": ("attention_bias",) * 2,  # q/k norm over whole projections, norms at sublayer outputs
+    "olmo3": ("attention_bias",) * 2,  # OLMo 2's, plus sliding layers with their RoPE table
     # MoE families (expert blocks in runtime/moe.py)
-    "mixtral": (False, False, False),
-    "qwen2_moe": None,  # qkv_bias
-    "qwen3_moe": None,  # attention_bias, plus q/k norm
-    "olmoe": None,  # attention_bias, plus q/k norm over whole projections
+    "mixtral": (False, False),
+    "qwen2_moe": ("qkv_bias", False),
+    "qwen3_moe": ("attention_bias",) * 2,  # plus q/k norm
+    "olmoe": ("attention_bias",) * 2,  # plus q/k norm over whole projections, clip_qkv
 }
+_MLP_BIAS = ("llama", "smollm3", "granite")  # mlp_bias; the others' MLPs have no biases
+# Families with sliding-window attention (see _sliding_windows for a window on the others), and
+# those of them that also read use_sliding_window (Mistral, Mixtral and Phi-3 apply any window given).
+_WINDOWED = ("mistral", "ministral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3_text",
+             "olmo3", "mixtral", "qwen2_moe", "qwen3_moe")
+_USE_SLIDING_WINDOW = ("qwen2", "qwen3", "smollm3", "qwen2_moe", "qwen3_moe")
+_GRANITE = ("granite",)  # embedding, residual and attention multipliers, logits scaling
+_QUERY_PRE_ATTN_SCALAR = ("gemma2", "gemma3_text")
+_ATTN_SOFTCAP = ("gemma2",)  # Gemma 3's config has the key, but its attention never applies it
+_FINAL_SOFTCAP = ("gemma2", "gemma3_text")
+_CLIP_QKV = ("olmoe",)
+_HIDDEN_ACTIVATION = ("gemma2", "gemma3_text")  # name the MLP's activation hidden_activation
 _QK_NORM = ("qwen3", "qwen3_moe", "olmoe", "gemma3_text", "olmo2", "olmo3")
 _QK_NORM_OVER_ALL_HEADS = ("olmoe", "olmo2", "olmo3")
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
@@ -110,7 +124,8 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
     if model_type not in _FAMILIES:
         raise NotImplementedError(
             f"model_type {model_type!r} is not supported yet (supported: {sorted(_FAMILIES)})")
-    hidden_act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    hidden_act = (_family_key(config, "hidden_activation", _HIDDEN_ACTIVATION)
+                  or getattr(config, "hidden_act", "silu"))
     # The expert kernels compute SwiGLU only: another activation would run, silently wrong.
     supported = ["silu", "swish"] if model_type in _MOE_FAMILIES else sorted(_ACTIVATIONS)
     if hidden_act not in supported:
@@ -119,16 +134,13 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
     if getattr(config, "use_bidirectional_attention", False):
         raise NotImplementedError("use_bidirectional_attention is not supported (causal attention only)")
     gemma = model_type in _GEMMA
-    query_scalar = getattr(config, "query_pre_attn_scalar", None)  # Gemma 2, 3
-    biases = _FAMILIES[model_type]
-    if biases is None:
-        attention_bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = bool(getattr(config, "qkv_bias", attention_bias))  # Qwen2-MoE has its own flag
-        biases = (qkv_bias, attention_bias, model_type in _QK_NORM)
-    qkv_bias, o_bias, qk_norm = biases
+    query_scalar = _family_key(config, "query_pre_attn_scalar", _QUERY_PRE_ATTN_SCALAR)
+    qkv_bias, o_bias = (bias if isinstance(bias, bool) else bool(getattr(config, bias, False))
+                        for bias in _FAMILIES[model_type])
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     eos = config.eos_token_id
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    granite = model_type in _GRANITE
     return ModelSpec(
         model_type=model_type,
         vocab_size=config.vocab_size,
@@ -143,26 +155,31 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
-        mlp_bias=bool(getattr(config, "mlp_bias", False)),
-        qk_norm=qk_norm,
+        mlp_bias=bool(_family_key(config, "mlp_bias", _MLP_BIAS)),
+        qk_norm=model_type in _QK_NORM,
         sliding_windows=_sliding_windows(config),
         rope_layers=_rope_layers(config),
         eos_token_ids=eos_ids,
         embedding_multiplier=(config.hidden_size ** 0.5 if gemma
-                              else getattr(config, "embedding_multiplier", 1.0)),
-        residual_multiplier=getattr(config, "residual_multiplier", 1.0),
+                              else config.embedding_multiplier if granite else 1.0),
+        residual_multiplier=config.residual_multiplier if granite else 1.0,
         attention_multiplier=(query_scalar ** -0.5 if query_scalar
-                              else getattr(config, "attention_multiplier", None)),
-        logits_scaling=getattr(config, "logits_scaling", 1.0),
+                              else config.attention_multiplier if granite else None),
+        logits_scaling=config.logits_scaling if granite else 1.0,
         activation=_ACTIVATIONS[hidden_act],
         norm_offset=1.0 if gemma else 0.0,
         norms=_NORMS.get(model_type, "pre"),
-        attn_softcap=getattr(config, "attn_logit_softcapping", None),
-        final_softcap=getattr(config, "final_logit_softcapping", None),
+        attn_softcap=_family_key(config, "attn_logit_softcapping", _ATTN_SOFTCAP),
+        final_softcap=_family_key(config, "final_logit_softcapping", _FINAL_SOFTCAP),
         qk_norm_per_head=model_type not in _QK_NORM_OVER_ALL_HEADS,
-        clip_qkv=getattr(config, "clip_qkv", None),
+        clip_qkv=_family_key(config, "clip_qkv", _CLIP_QKV),
         moe=_moe_spec(config),
     )
+
+
+def _family_key(config: PretrainedConfig, key: str, families: tuple[str, ...]):
+    """The config's value for a key that only these families' models read, else None."""
+    return getattr(config, key, None) if config.model_type in families else None
 
 
 def _rope_layers(config: PretrainedConfig) -> tuple[str | None, ...]:
@@ -200,8 +217,18 @@ def _moe_spec(config: PretrainedConfig) -> MoESpec | None:
 
 
 def _sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    foreign = getattr(config, "sliding_window", None)
+    if (config.model_type not in _WINDOWED and foreign is not None
+            and foreign < config.max_position_embeddings):
+        # transformers' model attends to the whole prompt, but generate's cache then keeps only
+        # the window for the decode steps: neither all-window nor no-window attention matches.
+        raise NotImplementedError(
+            f"sliding_window {foreign} on model_type {config.model_type!r} is not supported "
+            f"(transformers windows only its decode steps' cache for it)")
+    window = _family_key(config, "sliding_window", _WINDOWED)
     # SmolLM3 keeps the window and the layer types when use_sliding_window switches it off.
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if config.model_type in _USE_SLIDING_WINDOW and not getattr(config, "use_sliding_window", True):
+        window = None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:  # Mistral: one window (or none) for every layer
         return (window,) * config.num_hidden_layers

@@ -326,7 +326,8 @@ def test_other_block_sizes_with_chunks_prefix_sharing_and_preemption(tiny, block
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
      "rope_type 'dynamic' is not supported"),
     (dict(model_type="gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention"),
-], ids=["model_type", "hidden_act", "moe-gelu", "rope_type", "bidirectional"])
+    (dict(sliding_window=8, max_position_embeddings=64), "sliding_window 8 on model_type 'llama'"),
+], ids=["model_type", "hidden_act", "moe-gelu", "rope_type", "bidirectional", "foreign-window"])
 def test_a_config_we_would_compute_wrong_is_refused(overrides, problem):
     """Load-time refusal, never a model that runs and differs from transformers."""
     from transformers import AutoConfig
@@ -338,6 +339,28 @@ def test_a_config_we_would_compute_wrong_is_refused(overrides, problem):
                                   num_hidden_layers=1, **overrides)
     with pytest.raises(NotImplementedError, match=problem):
         rope_cos_sin(config, model_spec(config).head_dim, 16)
+
+
+# Keys of another family's config, which this family's transformers model never reads (some
+# checkpoints carry them): each would change our output if we honoured it. Mistral and Mixtral
+# have no use_sliding_window switch, so their window applies whatever it says.
+@pytest.mark.parametrize("family,overrides", [
+    ("llama", dict(attention_multiplier=0.5, logits_scaling=2.0, final_logit_softcapping=1.0,
+                   embedding_multiplier=3.0, residual_multiplier=0.5, qkv_bias=True)),
+    ("qwen3", dict(clip_qkv=0.05, mlp_bias=True)),
+    ("gemma", dict(query_pre_attn_scalar=4, hidden_activation="gelu")),
+    ("gemma3", dict(attn_logit_softcapping=0.5)),
+    ("qwen2_moe", dict(attention_bias=True)),
+    ("mistral", dict(sliding_window=4, use_sliding_window=False)),
+    ("mixtral", dict(sliding_window=4, use_sliding_window=False)),
+    ("llama", dict(sliding_window=4096)),  # past the context: transformers' cache keeps it all
+])
+def test_config_keys_the_familys_model_ignores_are_ignored(tiny, family, overrides):
+    engine = make_engine(tiny.dir(family, **overrides))
+    completions = engine.generate(greedy_requests(PROMPTS, MAX_TOKENS))
+    for prompt, completion in zip(PROMPTS, completions):
+        tokens, logprobs = tiny.greedy(family, prompt, MAX_TOKENS, **overrides)
+        assert_matches(completion, tokens, logprobs, max_tokens=MAX_TOKENS)
 
 
 def test_a_path_that_is_not_a_model_directory_says_so(tmp_path):
