@@ -13,9 +13,13 @@ opens).
   string such as ``END``). A row without an ``id`` column gets ``<name>:<n>``, `<name>` as for
   text files and `<n>` its row number under the header. A row with more cells than the header
   becomes an error row; one with fewer lacks the last fields; a cell that is not UTF-8 rejects
-  the record, naming its column. Each file is read whole by one worker, as text files are
-  (a row may span lines, inside quotes).
-- ``text`` (``.txt``, ``.text``): one prompt per non-blank line, as
+  the record, naming its column. Quoting is CSV's in both formats (pandas writes TSV so): a
+  quoted cell may hold delimiters, line breaks and doubled quotes. A quote anywhere else, or a
+  quoted cell that never closes, makes that row an error row saying where, rather than a guess
+  at what it meant. Each file is read whole by one worker, as text files are (a row may span
+  lines, inside quotes).
+- ``text`` (``.txt``, ``.text``): one prompt per non-blank line (ended by ``\n``, ``\r\n`` or a
+  lone ``\r``), as
   ``{"id": "<name>:<line>", "prompt": line}``. `<line>` is the 1-based line number in the file
   (blank lines count, so it is the number an editor shows) and `<name>` is the file's path below
   the pattern's fixed directory: the base name for a plain path or a ``dir/*.txt`` glob, and
@@ -38,6 +42,8 @@ import json
 import os
 import posixpath
 import re
+import sys
+from dataclasses import dataclass
 
 import apache_beam as beam
 from apache_beam import coders
@@ -125,17 +131,21 @@ def _file_name(readable_file, fixed_dir: str) -> str:
 def _text_records(readable_file, fixed_dir: str):
     name = _file_name(readable_file, fixed_dir)
     with readable_file.open() as f:
-        for number, line in enumerate(f, start=1):
-            line = line.rstrip(b"\r\n")
-            if not line.strip():
-                continue
-            try:
-                prompt = line.decode("utf-8-sig")  # the first line may carry a byte-order mark
-            except UnicodeDecodeError:
-                # Left as bytes: `Generate` rejects the record with an error row that carries
-                # the line's id ("prompt: not valid UTF-8 (...)").
-                prompt = line
+        for number, prompt in text_lines(f):
+            # A line that is not UTF-8 stays bytes: `Generate` rejects the record with an error
+            # row that carries the line's id ("prompt: not valid UTF-8 (...)").
             yield {"id": f"{name}:{number}", "prompt": prompt}
+
+
+def text_lines(binary_file):
+    """A text file's non-blank lines with their 1-based numbers, each as text, or as bytes where
+    it is not UTF-8. Lines end at "\n", "\r\n" or a lone "\r", as editors count them."""
+    text = io.TextIOWrapper(io.BufferedReader(_RawReader(binary_file)), encoding="utf-8-sig",
+                            errors="surrogateescape", newline=None)
+    for number, line in enumerate(text, start=1):
+        line = line.rstrip("\n")
+        if line.strip():
+            yield number, _text_or_bytes(line)
 
 
 class _RawReader(io.RawIOBase):
@@ -154,44 +164,86 @@ class _RawReader(io.RawIOBase):
         return len(data)
 
 
+@dataclass(frozen=True)
+class MalformedRow:
+    """A row the file's quoting breaks: `line` is where it starts."""
+    line: int
+    reason: str
+
+
 def delimited_rows(binary_file, fmt: str):
-    """A CSV or TSV file's header and an iterator over its rows (lists of cells, blank lines
-    skipped)."""
-    # surrogateescape: a cell that is not UTF-8 goes on (as bytes, see _cell_text) for
+    """A CSV or TSV file's header and an iterator over its rows (blank lines skipped): each a
+    list of cells, or a MalformedRow where a quote breaks the format's rules (a stray quote in a
+    cell, or a quoted cell that never closes and so takes in the rest of the file). The header
+    is a MalformedRow too where its own quoting is broken."""
+    # surrogateescape: a cell that is not UTF-8 goes on (as bytes, see _text_or_bytes) for
     # `Generate` to reject naming its column; the file's other rows still run.
     text = io.TextIOWrapper(io.BufferedReader(_RawReader(binary_file)), encoding="utf-8-sig",
                             errors="surrogateescape", newline="")
-    reader = csv.reader(text, delimiter=_DELIMITERS[fmt])
-    header = [_cell_text(column) for column in next(reader, [])]
-    return header, (row for row in reader if row)
+    # strict: a stray quote is an error, not a silent guess at what the cell meant. No size
+    # limit on a cell (the csv module's default is 128 KiB): long documents are prompts too.
+    csv.field_size_limit(sys.maxsize)
+    reader = csv.reader(text, delimiter=_DELIMITERS[fmt], strict=True)
+
+    def rows():
+        while True:
+            line = reader.line_num + 1
+            try:
+                cells = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as exc:
+                yield MalformedRow(line, _quoting_error(str(exc), line))
+                continue
+            if cells:
+                yield cells
+
+    found = rows()
+    first = next(found, [])
+    header = first if isinstance(first, MalformedRow) else [_text_or_bytes(column) for column in first]
+    return header, found
+
+
+def _quoting_error(message: str, line: int) -> str:
+    if message == "unexpected end of data":
+        return (f"the quoted cell opened on line {line} or after never closes, so the rest of "
+                f"the file was read into it")
+    return f"a quote inside a cell must be doubled, and only a whole cell quoted ({message})"
 
 
 def _delimited_records(readable_file, fixed_dir: str, fmt: str):
     name = _file_name(readable_file, fixed_dir)
     with readable_file.open() as f:
         header, rows = delimited_rows(f, fmt)
+        if isinstance(header, MalformedRow):  # its own error row, then one per row under it
+            unread = f"{name}: the header row (line {header.line}) cannot be read: {header.reason}"
+            yield Rejected(f"{name}:0", unread)
         for number, cells in enumerate(rows, start=1):
             fallback_id = f"{name}:{number}"
-            if len(cells) > len(header):
+            if isinstance(header, MalformedRow):
+                yield Rejected(fallback_id, unread)
+            elif isinstance(cells, MalformedRow):
+                yield Rejected(fallback_id, f"{name}: row {number} (line {cells.line}): {cells.reason}")
+            elif len(cells) > len(header):
                 yield Rejected(fallback_id, f"{name}: row {number} has {len(cells)} cells, the header "
                                             f"{len(header)}")
-                continue
-            record = {column: _cell(column, cell) for column, cell in zip(header, cells) if cell}
-            record.setdefault("id", fallback_id)
-            yield record
+            else:
+                record = {column: _cell(column, cell) for column, cell in zip(header, cells) if cell}
+                record.setdefault("id", fallback_id)
+                yield record
 
 
-def _cell_text(cell: str) -> str | bytes:
-    """The cell's text, or its bytes where they were not UTF-8."""
+def _text_or_bytes(text: str) -> str | bytes:
+    """Text decoded with surrogateescape as it is, or as its bytes where they were not UTF-8."""
     try:
-        cell.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate: an undecodable byte, escaped
-        return cell.encode("utf-8", "surrogateescape")
-    return cell
+        return text.encode("utf-8", "surrogateescape")
+    return text
 
 
 def _cell(column: str | bytes, cell: str):
-    value = _cell_text(cell)
+    value = _text_or_bytes(cell)
     if column in _JSON_COLUMNS and isinstance(value, str):
         try:
             return json.loads(value)

@@ -36,7 +36,7 @@ import batchgen_beam
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.generate import METRICS_NAMESPACE, Generate
 from batchgen_beam.io import (DELIMITED_FORMATS, INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows,
-                              delimited_rows, infer_format)
+                              MalformedRow, delimited_rows, infer_format, text_lines)
 from batchgen_beam.records import SAMPLING_FIELDS
 
 BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"
@@ -266,7 +266,10 @@ def count_records(pattern: str, fmt: str, limit_bytes: int = COUNT_LIMIT_BYTES) 
     for meta in files:
         with FileSystems.open(meta.path) as f:
             if fmt in DELIMITED_FORMATS:
-                total += sum(1 for _ in delimited_rows(f, fmt)[1])
+                header, rows = delimited_rows(f, fmt)
+                total += sum(1 for _ in rows) + isinstance(header, MalformedRow)  # its own error row
+            elif fmt == "text":
+                total += sum(1 for _ in text_lines(f))
             else:
                 total += sum(1 for line in f if line.strip())
     return total

@@ -5,14 +5,18 @@ The fast tests run the Beam tests' tiny chat model with the same engine argument
 (beam_helpers), so one engine process, started once per session, serves them all."""
 
 import gzip
+import io
 import json
 import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import apache_beam as beam
 import pytest
+from apache_beam.testing.util import assert_that, equal_to
 
-from batchgen_beam.io import ReadRecords, WriteRows, _fixed_dir, infer_format
+from batchgen_beam.io import (MalformedRow, ReadRecords, WriteRows, _fixed_dir, delimited_rows,
+                              infer_format, text_lines)
 from batchgen_beam.records import OUTPUT_SCHEMA, row_from_arrow_dict, row_from_json, rows_to_arrow
 from beam_helpers import ENGINE_ARGS, chat_model_dir
 from pipelines import generate as cli
@@ -169,6 +173,47 @@ def test_csv_and_tsv_rows_are_records(chat_model, tmp_path, name):
     assert rows[ids[3]]["error"] == f"{name}: row 4 has 6 cells, the header 5"
     assert rows[ids[4]]["error"].startswith("prompt: not valid UTF-8")
     assert rows[ids[5]]["error"].startswith("prompt: missing")
+
+
+def test_quoting_mistakes_and_long_cells_are_error_rows_not_guesses(chat_model, tmp_path):
+    """A stray quote and a quoted cell that never closes each give their row an error row that
+    says where; a cell past the csv module's 128 KiB default is a prompt like any other (here
+    too long for the model: an error row too); the rows between still run."""
+    path = tmp_path / "in.tsv"
+    path.write_bytes(b'prompt\ttag\n'
+                     b'Hello there\ta\n'
+                     b'"Quoted" title: explain\tb\n'                # a quote inside an unquoted cell
+                     + b"long " * 40_000 + b'\tc\n'                   # 200 kB
+                     b'Say hi\td\n'
+                     b'"never closed\te\nSay hi\tf\n')            # takes in the rest of the file
+    assert cli.count_records(str(path), "tsv") == 5
+    summary = run(chat_model, "--input", str(path), "--output", str(tmp_path / "out/gen"),
+                  "--format", "jsonl")
+    rows = {r["id"]: r for r in read_jsonl(summary["output_files"])}
+    assert sorted(rows) == [f"in.tsv:{n}" for n in range(1, 6)] and summary["errors"] == 3
+    assert rows["in.tsv:1"]["error"] is None and rows["in.tsv:4"]["error"] is None
+    assert rows["in.tsv:2"]["error"].startswith("in.tsv: row 2 (line 3): a quote inside a cell must be doubled")
+    assert rows["in.tsv:3"]["error"].startswith("prompt has ")  # read whole, then too long
+    assert rows["in.tsv:5"]["error"] == ("in.tsv: row 5 (line 6): the quoted cell opened on line 6 "
+                                         "or after never closes, so the rest of the file was read into it")
+
+
+def test_a_header_with_broken_quoting_rejects_its_file_row_by_row(tmp_path):
+    header, rows = delimited_rows(io.BytesIO(b'"id" x,prompt\na,hi\nb,yo\n'), "csv")
+    assert isinstance(header, MalformedRow) and header.line == 1
+    assert list(rows) == [["a", "hi"], ["b", "yo"]]
+    path = tmp_path / "in.csv"
+    path.write_bytes(b'"id" x,prompt\na,hi\nb,yo\n')
+    with beam.Pipeline() as p:
+        records = p | ReadRecords(str(path)) | beam.Map(lambda r: (r.id, r.error))
+        assert_that(records, equal_to([(f"in.csv:{n}", 'in.csv: the header row (line 1) cannot be read: '
+                                        'a quote inside a cell must be doubled, and only a whole cell '
+                                        'quoted (\',\' expected after \'"\')') for n in range(3)]))
+
+
+def test_text_lines_end_at_lone_carriage_returns_too():
+    lines = list(text_lines(io.BytesIO(b"\xef\xbb\xbfone\rtwo\r\n\rthree\n\xff\r")))
+    assert lines == [(1, "one"), (2, "two"), (4, "three"), (5, b"\xff")]
 
 
 def test_json_schema_flag_and_record_field(chat_model, tmp_path):
