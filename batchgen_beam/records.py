@@ -19,6 +19,9 @@ Choices:
   blank strings are rejected.
 - A field that is None counts as absent, so a column that is null in some rows means "use the
   default" there. The flip side: a record cannot switch a default seed or logprobs back off.
+  NaN in a sampling field counts as absent too: it is pandas' missing value (and pyarrow's
+  from_pandas reads it as null). A whole float in an integer field (2.0: pandas keeps a column
+  of ints with gaps as float64, some JSON writers print it so) counts as that int; 2.5 does not.
 - OpenAI body keys: harmless ones (`model`, `user`, ...) are ignored; keys that would change the
   output (`tools`, `echo`, ...) are accepted only at their no-op value; any other key is
   rejected, naming it, rather than silently not honoured. `response_format` (`json_object`: any
@@ -42,13 +45,17 @@ Choices:
   never an exception that would stop the pipeline.
 - Text that UTF-8 cannot hold (a lone surrogate, which JSON's "\\ud800" escape makes) rejects
   the record, naming the field: no tokenizer or output file takes it. The field is left out of
-  the error row's passthrough, which must be writable.
+  the error row's passthrough, which must be writable; so is an int too long for Python to
+  write as text (over 4,300 digits). A JSON line whose bytes are not all UTF-8 is rejected
+  whole, with its id where the id itself reads.
 """
 
 import base64
 import hashlib
 import json
 import math
+import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -68,6 +75,10 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
 ROLES = ("system", "user", "assistant")
 # OpenAI's newer name for the system role: chat templates know only "system".
 ROLE_ALIASES = {"developer": "system"}
+# Sampling fields that take an integer (a whole float counts, see _whole).
+_INTEGER_FIELDS = ("max_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprobs", "min_tokens",
+                   "truncate_prompt_tokens")
+_TOKEN_ID = re.compile(r"-?[0-9]+")  # a logit_bias key (JSON keys are text)
 RAW_PREVIEW_CHARS = 200
 MAX_NESTING = 32  # levels of mappings and lists in a record: far past any real one
 
@@ -141,7 +152,7 @@ def parse_record(raw: Any, defaults: Mapping[str, Any] | None = None,
     try:
         record = _to_mapping(raw, fallback_id)
     except _Invalid as bad:
-        return Rejected(None, str(bad), {"raw": _preview(raw)})
+        return Rejected(_id_of_undecodable(raw), str(bad), {"raw": _preview(raw)})
     try:
         if _nests_deeper(record, MAX_NESTING):
             # Checking it (or writing its row: json, pyarrow, repr) would recurse past Python's
@@ -187,6 +198,27 @@ def _to_mapping(raw: Any, fallback_id: str | None) -> Mapping:
         raise _Invalid(f"record: must be an object with an id and a prompt or messages, "
                        f"got {_type_name(raw)}")
     return raw
+
+
+def _id_of_undecodable(raw: Any) -> str | None:
+    """The id of a JSON line rejected because its bytes are not all UTF-8, where the id itself
+    reads (so its error row carries it); else None."""
+    if not isinstance(raw, bytes):
+        return None
+    try:
+        record = json.loads(raw.decode("utf-8", "surrogateescape"))
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    for key in ("id", "custom_id"):
+        value = record.get(key)
+        if _unwritable(value, key) is None:
+            try:
+                return _check_id(value, key)
+            except _Invalid:
+                pass
+    return None
 
 
 def _plain(value: Any) -> Any:
@@ -244,6 +276,8 @@ def _preview(raw: Any) -> str:
             raw = repr(raw)
         except RecursionError:
             raw = f"<a {type(raw).__name__} nested too deeply to show>"
+        except ValueError:  # an int past Python's digit limit for str()
+            raw = f"<a {type(raw).__name__} too long to show>"
     return _writable(raw[:RAW_PREVIEW_CHARS])
 
 
@@ -252,9 +286,17 @@ def _writable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _unencodable(value: Any, where: str) -> str | None:
-    """The problem with the first string in `value` (keys and items of nested mappings and
-    lists included) that UTF-8 cannot hold, or None."""
+def _unwritable(value: Any, where: str) -> str | None:
+    """The problem with the first value in `value` (keys and items of nested mappings and lists
+    included) that no output row can hold, or None: a string UTF-8 cannot hold, or an int past
+    the digits Python writes as text."""
+    digits = sys.get_int_max_str_digits()  # 0: no limit
+    if isinstance(value, int) and digits and value.bit_length() > 3 * digits:
+        try:
+            str(value)
+        except ValueError:
+            return f"{_writable(where)}: an integer of over {sys.get_int_max_str_digits()} digits"
+        return None
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -268,7 +310,7 @@ def _unencodable(value: Any, where: str) -> str | None:
         items = [(v, f"{where}[{i}]") for i, v in enumerate(value)]
     else:
         return None
-    return next((p for v, w in items if (p := _unencodable(v, w)) is not None), None)
+    return next((p for v, w in items if (p := _unwritable(v, w)) is not None), None)
 
 
 def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
@@ -277,7 +319,7 @@ def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
     openai = "custom_id" in record or ("body" in record and "id" not in record)
     id_key, consumed = ("custom_id", _OPENAI_KEYS) if openai else ("id", _NATIVE_KEYS)
     unwritable = {k: p for k, v in record.items()
-                  if (p := _unencodable(k, f"key {k!r}") or _unencodable(v, str(k)))}
+                  if (p := _unwritable(k, f"key {_show(k)}") or _unwritable(v, str(k)))}
     passthrough = {k: v for k, v in record.items() if k not in consumed and k not in unwritable}
     record_id = None
     try:
@@ -396,8 +438,16 @@ def _params(fields: Mapping, base: dict) -> SamplingParams:
 
 
 def _sampling_fields(fields: Mapping) -> dict:
-    """The sampling fields that `fields` sets; None means not set."""
-    given = {k: fields[k] for k in SAMPLING_FIELDS if fields.get(k) is not None}
+    """The sampling fields that `fields` sets; None and NaN mean not set."""
+    given = {k: fields[k] for k in SAMPLING_FIELDS if not _missing(fields.get(k))}
+    for key in _INTEGER_FIELDS:
+        given[key] = _whole(given[key]) if key in given else None
+        if given[key] is None:
+            del given[key]
+    if isinstance(given.get("stop_token_ids"), (list, tuple)):
+        given["stop_token_ids"] = [_whole(token) for token in given["stop_token_ids"]]
+    if isinstance(given.get("choice"), (list, tuple)) and not given["choice"]:
+        raise _Invalid("choice: must list at least one choice")
     # SamplingParams would iterate any iterable here: a dict's keys, a string's characters.
     if not isinstance(given.get("stop", ""), (str, list, tuple)):
         raise _Invalid(f"stop: must be a string or a list of strings, "
@@ -410,6 +460,18 @@ def _sampling_fields(fields: Mapping) -> dict:
     return given
 
 
+def _missing(value: Any) -> bool:
+    """None, or NaN: pandas' missing value (a column of ints with a gap is float64 there), which
+    pyarrow's from_pandas reads as null too."""
+    return value is None or isinstance(value, float) and math.isnan(value)
+
+
+def _whole(value: Any) -> Any:
+    """A float with no fractional part as the int it holds (2.0 from a float column or a JSON
+    writer); anything else as it is, for SamplingParams to judge."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def _logit_bias(value: Any) -> list[tuple[Any, Any]]:
     """(token id, bias) pairs from OpenAI's {"token id": bias} (JSON keys are strings) or from
     Parquet's map column (a list of key-value pairs); SamplingParams checks the values."""
@@ -419,7 +481,7 @@ def _logit_bias(value: Any) -> list[tuple[Any, Any]]:
         raise _Invalid(f"logit_bias: must map token ids to numbers, got {_show(value)}")
 
     def token_id(key):
-        return int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        return int(key) if isinstance(key, str) and _TOKEN_ID.fullmatch(key) else key
 
     return [(token_id(key), bias) for key, bias in items]
 
@@ -502,6 +564,8 @@ def _chat_logprobs(body: dict) -> int | None:
         raise _Invalid("body.top_logprobs: needs logprobs: true")
     if not wanted:
         return None
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
+        raise _Invalid(f"body.top_logprobs: must be an integer >= 0, got {_show(top)}")
     return 0 if top is None else top
 
 

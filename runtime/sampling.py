@@ -156,8 +156,21 @@ def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
 
 
 def _check_number(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        raise ValueError(f"{name} must be a finite number, got {_short(value)}")
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past float's range: it would overflow the logits' math
+        return False
+
+
+def _short(value) -> str:
+    """repr(value), cut short: a number may have hundreds of digits."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass

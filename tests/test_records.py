@@ -46,7 +46,8 @@ def completions_line(**body):
 # (raw input, the Rejected's id, fragments its message must contain)
 BAD_RECORDS = {
     # Lines that are not records at all.
-    "undecodable bytes": (b'{"id": "a", "prompt": "caf\xe9"}', None, ["not valid UTF-8"]),
+    "undecodable bytes": (b'{"id": "a", "prompt": "caf\xe9"}', "a", ["not valid UTF-8"]),
+    "undecodable bytes, no id": (b'{"prompt": "caf\xe9"}', None, ["not valid UTF-8"]),
     "invalid JSON": ('{"id": "a", "prompt": ', None, ["invalid JSON"]),
     "empty line": ("", None, ["invalid JSON"]),
     "JSON nested past the parser's depth": ('{"id": "a", "prompt": "x", "tag": ' + "[" * 100_000
@@ -107,15 +108,17 @@ BAD_RECORDS = {
         ["messages[0].name: not supported"]),
     # Sampling fields: wrong types.
     "bool max_tokens": (rec(max_tokens=True), "r1", ["max_tokens: must be an integer", "True"]),
-    "float max_tokens": (rec(max_tokens=3.0), "r1", ["max_tokens: must be an integer", "3.0"]),
+    "fractional max_tokens": (rec(max_tokens=3.5), "r1", ["max_tokens: must be an integer", "3.5"]),
     "string max_tokens": (rec(max_tokens="32"), "r1", ["max_tokens: must be an integer", "'32'"]),
     "string temperature": (rec(temperature="hot"), "r1",
                            ["temperature: must be a finite number, got 'hot'"]),
     "numeric-string top_p": (rec(top_p="0.9"), "r1", ["top_p: must be a finite number"]),
-    "NaN temperature": (rec(temperature=math.nan), "r1", ["temperature: must be a finite number"]),
     "inf top_p": (rec(top_p=math.inf), "r1", ["top_p: must be a finite number"]),
-    "NaN from a JSON line": ('{"id": "r1", "prompt": "Hi", "temperature": NaN}', "r1",
-                             ["temperature: must be a finite number"]),
+    "Infinity from a JSON line": ('{"id": "r1", "prompt": "Hi", "temperature": Infinity}', "r1",
+                                  ["temperature: must be a finite number"]),
+    "int past a float": (rec(temperature=10 ** 400), "r1", ["temperature: must be a finite number"]),
+    "int past str's digits": (rec(top_p=10 ** 5000), "r1", ["top_p: an integer of over 4300 digits"]),
+    "empty choice": (rec(choice=[]), "r1", ["choice: must list at least one choice"]),
     "float seed": (rec(seed=1.5), "r1", ["seed: must be an integer"]),
     "bool top_k": (rec(top_k=False), "r1", ["top_k: must be an integer"]),
     "string n": (rec(n="2"), "r1", ["n: must be an integer"]),
@@ -241,6 +244,7 @@ def test_unparseable_lines_keep_a_preview_of_the_raw_input():
     undecodable = parse_record(b"\xff" + b"y" * 300)
     assert undecodable.passthrough["raw"].startswith("\\xffyyy")
     assert parse_record("[1, 2]").passthrough == {"raw": "[1, 2]"}
+    assert parse_record(10 ** 5000).passthrough == {"raw": "<a int too long to show>"}
 
 
 def test_a_rejected_record_keeps_its_passthrough():
@@ -463,6 +467,20 @@ def test_record_fields_override_defaults_and_none_means_use_the_default():
     assert defaults == {"max_tokens": 64, "temperature": 0.5, "seed": 9, "stop": ["\n"]}
 
 
+def test_a_pandas_column_of_ints_with_gaps_reads_as_ints_and_defaults():
+    """pandas holds a column of ints with a missing value as float64, the gap as NaN (as do
+    Parquet files written from it, and JSON writers that print 2.0)."""
+    rows = [{"id": "a", "prompt": "Hi", "max_tokens": np.float64(8), "temperature": np.nan,
+             "stop_token_ids": np.array([5.0])},  # what DataFrame.to_dict("records") gives
+            {"id": "b", "prompt": "Yo", "max_tokens": np.float64("nan"), "temperature": 0.5}]
+    got = [parse_record(row, {"max_tokens": 3}) for row in rows]
+    assert got[0].params == SamplingParams(max_tokens=8, stop_token_ids=(5,))
+    assert isinstance(got[0].params.max_tokens, int)
+    assert got[1].params == SamplingParams(max_tokens=3, temperature=0.5)
+    assert parse_record('{"id": "j", "prompt": "Hi", "n": 2.0, "seed": 1e3}').params == \
+        SamplingParams(n=2, seed=1000)
+
+
 def test_a_record_bad_field_is_its_own_fault_even_with_defaults():
     got = parse_record(rec(top_p=2), {"top_p": 0.9})
     assert isinstance(got, Rejected) and got.error.startswith("top_p: must be in (0, 1]")
@@ -546,6 +564,8 @@ def test_openai_chat_logprobs_mapping():
     assert parse_record(chat_line({"logprobs": True, "top_logprobs": 5})).params.logprobs == 5
     both = chat_line({"max_tokens": 9, "max_completion_tokens": 9})
     assert parse_record(both).params.max_tokens == 9
+    negative = parse_record(chat_line({"logprobs": True, "top_logprobs": -1}))
+    assert negative.error == "body.top_logprobs: must be an integer >= 0, got -1"
 
 
 def test_openai_completions_line_with_vllm_extras():
@@ -565,6 +585,7 @@ def test_logit_bias_from_json_objects_and_parquet_maps():
     assert from_openai.params.logit_bias == expected and from_openai.params.min_tokens == 3
     assert parse_record(rec(logit_bias={7: -100, 50: 2.5})).params.logit_bias == expected
     assert parse_record(rec(logit_bias=[("50", 2.5), ("7", -100.0)])).params.logit_bias == expected
+    assert parse_record(rec(logit_bias={"-1": 5})).error.startswith("logit_bias: must be >= 0, got -1")
 
 
 def test_a_record_of_ours_may_carry_a_field_named_body():
