@@ -47,6 +47,9 @@ def check_regex(regex: str) -> str:
     """ValueError where llguidance cannot compile the regex (Rust's regex syntax)."""
     if not isinstance(regex, str) or not regex:
         raise ValueError(f"regex must be a non-empty string, got {regex!r}")
+    if (len(regex) - len(regex.rstrip("\\"))) % 2:  # llguidance would drop the lone backslash
+        raise ValueError("regex must be a regular expression the grammar engine compiles: it ends "
+                         "in a backslash that escapes nothing")
     error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_regex(regex))
     if error:
         raise ValueError(f"regex must be a regular expression the grammar engine compiles: "
@@ -98,7 +101,10 @@ class Grammars:
 def consume(matcher: llguidance.LLMatcher, token: int) -> None:
     """Feed the matcher the token chosen; ValueError if the grammar did not allow it."""
     if not matcher.consume_token(token) or matcher.is_error():
-        raise ValueError(f"token {token} breaks the output's grammar: {matcher.get_error()}")
+        # The first line says what went wrong (a regex too large to compile, say); the lines
+        # after it are the matcher's state, of no use in an error row.
+        reason = (matcher.get_error() or "").strip().split("\n")[0]
+        raise ValueError(f"token {token} breaks the output's grammar: {reason}")
 
 
 def allowed_tokens(matcher: llguidance.LLMatcher, vocab_size: int) -> torch.Tensor:

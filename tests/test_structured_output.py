@@ -153,12 +153,27 @@ def test_the_schema_is_held_as_canonical_json_and_checked():
             SamplingParams(json_schema=bad)
     with pytest.raises(ValueError, match="regex must be a regular expression .*unclosed group"):
         SamplingParams(regex="(a")
+    for bad in ("ab\\", "\\", "a\\\\\\"):  # llguidance would drop the unfinished escape
+        with pytest.raises(ValueError, match="regex must be .*a backslash that escapes nothing"):
+            SamplingParams(regex=bad)
+    assert SamplingParams(regex="a\\\\").regex == "a\\\\"  # an escaped backslash
     for bad in ("yes", ["yes", ""], [1], {"yes": 1}):
         with pytest.raises(ValueError, match="choice must be a list of non-empty strings"):
             SamplingParams(choice=bad)
     with pytest.raises(ValueError, match="one at most"):
         SamplingParams(regex="a+", choice=["a"])
     assert SamplingParams(choice=["a", "b"]).choice == ("a", "b")
+
+
+def test_a_grammar_that_fails_only_while_running_ends_its_row_with_a_one_line_reason(tiny_chat):
+    """llguidance compiles some regexes lazily: this one fails at the first token. The error
+    row says why in a line, without the matcher's state dump."""
+    engine = make_engine(tiny_chat.dir("llama"))
+    [failed, fine] = engine.generate([Request("big", prompt="Hi", params=SamplingParams(regex="a{99999999}")),
+                                      Request("ok", prompt="Hi", params=SamplingParams(max_tokens=3))])
+    assert failed.finish_reason == "error" and "\n" not in failed.error
+    assert failed.error.endswith("breaks the output's grammar: lexer error: too many expressions constructed")
+    assert fine.error is None and fine.completion_tokens == 3
 
 
 def test_a_model_without_a_tokenizer_refuses_a_schema(tiny):
