@@ -8,9 +8,10 @@ opens).
 - ``parquet`` (``.parquet``, ``.pq``): each row as a dict of its columns.
 - ``csv`` (``.csv``) and ``tsv`` (``.tsv``): each row under a header row as a dict of its
   non-empty cells (an empty cell is an absent field, so the default applies). Cells are text,
-  except in the `messages` and sampling columns, where a cell that parses as JSON is read as
-  JSON (``256``, ``0.7``, ``["\n\n"]``, ``{"50256": -100}``) and any other stays text (a stop
-  string such as ``END``). A row without an ``id`` column gets ``<name>:<n>``, `<name>` as for
+  except in the `messages` and sampling columns, where a cell that parses as JSON of a type the
+  field takes is read as JSON (``256``, ``0.7``, ``["\n\n"]``, ``{"50256": -100}``) and any
+  other stays text (a stop string such as ``END`` or ``5``; `regex` and `json_schema` cells are
+  always text). A row without an ``id`` column gets ``<name>:<n>``, `<name>` as for
   text files and `<n>` its row number under the header. A row with more cells than the header
   becomes an error row; one with fewer lacks the last fields; a cell that is not UTF-8 rejects
   the record, naming its column. Quoting is CSV's in both formats (pandas writes TSV so): a
@@ -61,8 +62,14 @@ _EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
                ".txt": "text", ".text": "text", ".csv": "csv", ".tsv": "tsv"}
 _DELIMITERS = {"csv": ",", "tsv": "\t"}
 DELIMITED_FORMATS = tuple(_DELIMITERS)  # read by delimited_rows
-# CSV columns whose cells are read as JSON where they parse (numbers, lists, objects).
-_JSON_COLUMNS = frozenset({"messages", *SAMPLING_FIELDS})
+# CSV columns whose cells are read as JSON where they parse as a value of a type the field
+# takes: the numbers (and the flags: JSON's true is an int here), lists and objects. Any other
+# cell stays text: "5" or "null" as a stop string, a regex, a schema (which is JSON text).
+_LISTS_AND_OBJECTS = {"messages": list, "stop": (str, list), "stop_token_ids": list,
+                      "logit_bias": dict, "choice": list}
+_TEXT_FIELDS = ("regex", "json_schema")
+_JSON_CELLS = {**{field: (int, float) for field in SAMPLING_FIELDS if field not in _TEXT_FIELDS},
+               **_LISTS_AND_OBJECTS}
 # Compressions Beam's file readers detect from the name (CompressionTypes.AUTO).
 _COMPRESSION_EXTENSIONS = (".gz", ".bz2", ".deflate", ".zst", ".zstd", ".lzma", ".xz")
 _WILDCARD = re.compile(r"[*?\[{]")
@@ -244,11 +251,12 @@ def _text_or_bytes(text: str) -> str | bytes:
 
 def _cell(column: str | bytes, cell: str):
     value = _text_or_bytes(cell)
-    if column in _JSON_COLUMNS and isinstance(value, str):
+    if column in _JSON_CELLS and isinstance(value, str):
         try:
-            return json.loads(value)
+            parsed = json.loads(value)
         except (ValueError, RecursionError):  # not JSON: text, such as a stop string
-            pass
+            return value
+        return parsed if isinstance(parsed, _JSON_CELLS[column]) else value
     return value
 
 

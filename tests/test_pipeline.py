@@ -211,6 +211,18 @@ def test_a_header_with_broken_quoting_rejects_its_file_row_by_row(tmp_path):
                                         'quoted (\',\' expected after \'"\')') for n in range(3)]))
 
 
+def test_sampling_cells_are_json_only_where_the_field_takes_that_json(tmp_path):
+    path = tmp_path / "in.csv"
+    path.write_bytes(b'id,prompt,stop,regex,max_tokens,ignore_eos,tag\n'
+                     b'a,Hi,5,123,3,true,7\n'
+                     b'b,Hi,"[""x"", ""y""]",a+,null,,\n')
+    with beam.Pipeline() as p:
+        assert_that(p | ReadRecords(str(path)), equal_to([
+            {"id": "a", "prompt": "Hi", "stop": "5", "regex": "123", "max_tokens": 3,
+             "ignore_eos": True, "tag": "7"},
+            {"id": "b", "prompt": "Hi", "stop": ["x", "y"], "regex": "a+", "max_tokens": "null"}]))
+
+
 def test_text_lines_end_at_lone_carriage_returns_too():
     lines = list(text_lines(io.BytesIO(b"\xef\xbb\xbfone\rtwo\r\n\rthree\n\xff\r")))
     assert lines == [(1, "one"), (2, "two"), (4, "three"), (5, b"\xff")]
