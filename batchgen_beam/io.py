@@ -29,6 +29,7 @@ opens).
   byte-range split would not know how many lines came before it); files of prompts are small
   next to the generation they feed. Content hashes were the alternative, but two equal lines
   would share an id, and ids must be unique. A line that is not UTF-8 becomes an error row.
+Text, CSV and TSV files are UTF-8, or UTF-16 or UTF-32 where a byte-order mark says so.
 Compressed files (``.gz``, ``.bz2``, ...) are read transparently and the format is inferred
 from the extension under the compression one; pass `format` for any other name.
 
@@ -37,6 +38,7 @@ shards ``<prefix>-SSSSS-of-NNNNN.<format>`` and returns the PCollection of the w
 names.
 """
 
+import codecs
 import csv
 import io
 import json
@@ -147,12 +149,26 @@ def _text_records(readable_file, fixed_dir: str):
 def text_lines(binary_file):
     """A text file's non-blank lines with their 1-based numbers, each as text, or as bytes where
     it is not UTF-8. Lines end at "\n", "\r\n" or a lone "\r", as editors count them."""
-    text = io.TextIOWrapper(io.BufferedReader(_RawReader(binary_file)), encoding="utf-8-sig",
-                            errors="surrogateescape", newline=None)
+    text = _text_stream(binary_file, newline=None)
     for number, line in enumerate(text, start=1):
         line = line.rstrip("\n")
         if line.strip():
             yield number, _text_or_bytes(line)
+
+
+# Byte-order marks of the Unicode encodings other than UTF-8 (Excel's "Unicode Text" export
+# and Windows Notepad's "Unicode" are UTF-16), longest first: UTF-32's starts like UTF-16's.
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+
+
+def _text_stream(binary_file, newline: str | None) -> io.TextIOWrapper:
+    """The file as text: UTF-8 (a byte-order mark dropped), or UTF-16 or UTF-32 where a
+    byte-order mark says so. Bytes the encoding cannot decode are escaped (surrogateescape)."""
+    buffered = io.BufferedReader(_RawReader(binary_file))
+    start = buffered.peek(4)[:4]
+    encoding = next((name for bom, name in _BOMS if start.startswith(bom)), "utf-8-sig")
+    return io.TextIOWrapper(buffered, encoding=encoding, errors="surrogateescape", newline=newline)
 
 
 class _RawReader(io.RawIOBase):
@@ -182,11 +198,10 @@ def delimited_rows(binary_file, fmt: str):
     """A CSV or TSV file's header and an iterator over its rows (blank lines skipped): each a
     list of cells, or a MalformedRow where a quote breaks the format's rules (a stray quote in a
     cell, or a quoted cell that never closes and so takes in the rest of the file). The header
-    is a MalformedRow too where its own quoting is broken."""
+    is a MalformedRow too where its own quoting is broken or it names a column twice."""
     # surrogateescape: a cell that is not UTF-8 goes on (as bytes, see _text_or_bytes) for
     # `Generate` to reject naming its column; the file's other rows still run.
-    text = io.TextIOWrapper(io.BufferedReader(_RawReader(binary_file)), encoding="utf-8-sig",
-                            errors="surrogateescape", newline="")
+    text = _text_stream(binary_file, newline="")
     # strict: a stray quote is an error, not a silent guess at what the cell meant. No size
     # limit on a cell (the csv module's default is 128 KiB): long documents are prompts too.
     csv.field_size_limit(sys.maxsize)
@@ -207,7 +222,12 @@ def delimited_rows(binary_file, fmt: str):
 
     found = rows()
     first = next(found, [])
-    header = first if isinstance(first, MalformedRow) else [_text_or_bytes(column) for column in first]
+    if isinstance(first, MalformedRow):
+        return first, found
+    header = [_text_or_bytes(column) for column in first]
+    twice = sorted({repr(column) for column in header if header.count(column) > 1})
+    if twice:  # which of the two cells would a record take? Not ours to guess.
+        return MalformedRow(reader.line_num, f"it names {', '.join(twice)} twice"), found
     return header, found
 
 

@@ -4,6 +4,7 @@ out, local and gs:// (through the GCS emulator), one row per record, error rows 
 The fast tests run the Beam tests' tiny chat model with the same engine arguments
 (beam_helpers), so one engine process, started once per session, serves them all."""
 
+import codecs
 import gzip
 import io
 import json
@@ -223,9 +224,24 @@ def test_sampling_cells_are_json_only_where_the_field_takes_that_json(tmp_path):
             {"id": "b", "prompt": "Hi", "stop": ["x", "y"], "regex": "a+", "max_tokens": "null"}]))
 
 
+def test_a_header_naming_a_column_twice_is_not_read():
+    header, rows = delimited_rows(io.BytesIO(b"\nid,tag,prompt,tag\na,1,hi,2\n"), "csv")
+    assert header == MalformedRow(2, "it names 'tag' twice") and list(rows) == [["a", "1", "hi", "2"]]
+
+
 def test_text_lines_end_at_lone_carriage_returns_too():
     lines = list(text_lines(io.BytesIO(b"\xef\xbb\xbfone\rtwo\r\n\rthree\n\xff\r")))
     assert lines == [(1, "one"), (2, "two"), (4, "three"), (5, b"\xff")]
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+def test_utf16_and_utf32_files_with_a_byte_order_mark_are_decoded(encoding):
+    """Excel's "Unicode Text" export is UTF-16 TSV; Notepad's "Unicode" UTF-16 text."""
+    bom = {"utf-16-be": codecs.BOM_UTF16_BE}.get(encoding, b"")
+    data = bom + "id\tprompt\na\tcafé\r\n".encode(encoding)
+    header, rows = delimited_rows(io.BytesIO(data), "tsv")
+    assert header == ["id", "prompt"] and list(rows) == [["a", "café"]]
+    assert list(text_lines(io.BytesIO(data))) == [(1, "id\tprompt"), (2, "a\tcafé")]
 
 
 def test_json_schema_flag_and_record_field(chat_model, tmp_path):
