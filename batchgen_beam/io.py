@@ -189,7 +189,8 @@ class _RawReader(io.RawIOBase):
 
 @dataclass(frozen=True)
 class MalformedRow:
-    """A row the file's quoting breaks: `line` is where it starts."""
+    """A row that cannot be read as a record (broken quoting; a header naming a column twice):
+    `line` is where it starts, `reason` why."""
     line: int
     reason: str
 
