@@ -9,7 +9,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 # model_type -> the biases of its attention's q|k|v and o projections: fixed, or the config key
 # that sets them. Each family reads only the config keys its transformers model reads: a key
-# from another family (a window on a Llama, Granite's multipliers on a Qwen) changes nothing.
+# from another family (Granite's multipliers on a Qwen, a q|k|v bias flag on a Llama) changes
+# nothing.
 _FAMILIES = {
     "llama": ("attention_bias",) * 2,
     "mistral": (False, False),
