@@ -15,7 +15,7 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 (or -1, as vLLM has it) = off
     min_p: float = 0.0  # drop tokens less likely than this times the likeliest one; 0 = off
     seed: int | None = None
     stop: tuple[str, ...] = ()
@@ -64,6 +64,8 @@ class SamplingParams:
         _check_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if type(self.top_k) is int and self.top_k == -1:  # vLLM's other "off"
+            object.__setattr__(self, "top_k", 0)
         _check_int("top_k", self.top_k, minimum=0)
         _check_number("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
@@ -260,11 +262,15 @@ def _sample_row(i: int, row: SampleRow, logits: torch.Tensor, greedy_ids: list[i
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
-    """Temperature, then top-k, top-p and min-p (the order transformers applies them), then a draw.
+    """Temperature, then min-p, top-k and top-p (the order vLLM applies them: min-p measures
+    the tokens before top-k and top-p cut them), then a draw.
 
     In float64 and shifted so the largest logit is 0: any positive temperature, however small,
     then scales to finite values or -inf, never inf or NaN (fp32 holds no 1e-300)."""
     scaled = (logits.double() - logits.max()) / p.temperature
+    if p.min_p > 0:
+        probs = scaled.softmax(-1)
+        scaled = scaled.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_k and p.top_k < scaled.numel():
         kth = scaled.topk(p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -274,8 +280,5 @@ def _sample_one(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         # Drop a token once the mass before it already reaches top_p; the first always stays.
         drop = (cumulative - sorted_logits.softmax(-1)) >= p.top_p
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    if p.min_p > 0:
-        probs = scaled.softmax(-1)
-        scaled = scaled.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     probs = scaled.softmax(-1).to(logits.dtype)
     return torch.multinomial(probs, 1, generator=generator).item()

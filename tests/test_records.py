@@ -137,7 +137,7 @@ BAD_RECORDS = {
     "negative temperature": (rec(temperature=-0.5), "r1", ["temperature: must be >= 0"]),
     "top_p above 1": (rec(top_p=1.5), "r1", ["top_p: must be in (0, 1]"]),
     "zero top_p": (rec(top_p=0), "r1", ["top_p: must be in (0, 1]"]),
-    "negative top_k": (rec(top_k=-1), "r1", ["top_k: must be >= 0"]),
+    "negative top_k": (rec(top_k=-2), "r1", ["top_k: must be >= 0"]),
     "negative seed": (rec(seed=-3), "r1", ["seed: must be >= 0"]),
     "zero n": (rec(n=0), "r1", ["n: must be >= 1"]),
     "negative logprobs": (rec(logprobs=-1), "r1", ["logprobs: must be >= 0"]),

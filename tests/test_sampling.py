@@ -141,22 +141,36 @@ def sampled_distribution(logits: torch.Tensor, params: SamplingParams, monkeypat
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
     (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.3, 20, 1.0, 0.0), (1.0, 0, 0.6, 0.0), (0.8, 50, 0.9, 0.0),
     (1.5, 5, 0.3, 0.0), (1.0, 0, 1.0, 0.1), (1.4, 30, 0.95, 0.05)])
-def test_filtered_distribution_matches_transformers_warpers(monkeypatch, temperature, top_k, top_p, min_p):
+def test_filtered_distribution_is_transformers_warpers_in_vllms_order(monkeypatch, temperature, top_k,
+                                                                      top_p, min_p):
+    """vLLM's sampler: temperature, then min-p (a logits processor), then top-k and top-p."""
     logits = torch.randn(256, generator=torch.Generator().manual_seed(3)) * 3
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     probs = sampled_distribution(logits, params, monkeypatch)
     scores = TemperatureLogitsWarper(temperature)(None, logits[None].clone())
+    if min_p:
+        scores = MinPLogitsWarper(min_p)(None, scores)
     if top_k:
         scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1:
         scores = TopPLogitsWarper(top_p)(None, scores)
-    if min_p:
-        scores = MinPLogitsWarper(min_p)(None, scores)
     expected = scores.softmax(-1)[0]
     assert torch.equal(probs > 0, expected > 0)
     assert torch.allclose(probs, expected, atol=1e-6)
     if top_k:
         assert int((probs > 0).sum()) <= top_k
+
+
+def test_top_k_minus_one_is_off_as_in_vllm():
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
+
+
+def test_min_p_cuts_before_top_p_measures(monkeypatch):
+    """min_p drops 0.1 (< 0.3 x 0.4); top_p then measures the rest, renormalised: 0.4/0.9 and
+    0.3/0.9 reach 0.75, so 0.2 goes too. Measured the other way round, 0.2 would stay."""
+    probs = sampled_distribution(torch.tensor([0.4, 0.3, 0.2, 0.1]).log(),
+                                 SamplingParams(temperature=1.0, top_p=0.75, min_p=0.3), monkeypatch)
+    assert torch.allclose(probs, torch.tensor([4 / 7, 3 / 7, 0, 0]))
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
@@ -284,7 +298,7 @@ INVALID = [
     ("temperature", -1), ("temperature", math.nan), ("temperature", math.inf), ("temperature", "hot"),
     ("temperature", None), ("temperature", True),
     ("top_p", 0), ("top_p", 1.5), ("top_p", -0.1), ("top_p", math.nan), ("top_p", "all"),
-    ("top_k", -1), ("top_k", 2.5), ("top_k", True),
+    ("top_k", -2), ("top_k", 2.5), ("top_k", True),
     ("min_p", -0.1), ("min_p", 1.5), ("min_p", math.nan),
     ("seed", -1), ("seed", 1.5), ("seed", "7"),
     ("n", 0), ("n", -2), ("n", 2.0),
