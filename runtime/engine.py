@@ -460,8 +460,8 @@ class Engine:
         if not p.adjusts_logits:
             return SampleRow(p, seq.generator)
         banned = ()
-        if seq.num_generated < p.min_tokens:
-            ending = {*p.stop_token_ids, *(() if p.ignore_eos else self.stop_rule.eos_token_ids)}
+        if seq.num_generated < p.min_tokens:  # EOS too under ignore_eos, as vLLM bans it
+            ending = {*p.stop_token_ids, *self.stop_rule.eos_token_ids}
             banned = sorted(t for t in ending if t < self.spec.vocab_size)
         split = seq.num_prompt_tokens
         allowed = None if seq.grammar is None else allowed_tokens(seq.grammar, self.spec.vocab_size)

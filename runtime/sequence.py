@@ -150,11 +150,14 @@ class Sequence:
         p, rule = self.params, self.stop_rule
         if self.grammar is not None and self.grammar.is_stopped():  # its grammar is complete
             return "stop"
-        if self.num_generated >= p.min_tokens:  # (the sampler kept ending tokens out before)
-            if token in p.stop_token_ids or (not p.ignore_eos and token in rule.eos_token_ids):
-                return "stop"
-            if p.stop and self._hit_stop_string():
-                return "stop"
+        ending = token in p.stop_token_ids or (not p.ignore_eos and token in rule.eos_token_ids)
+        if ending and self.num_generated >= p.min_tokens:  # (the sampler kept them out before)
+            # vLLM's text leaves the ending token's out, unless asked to keep the stop.
+            if rule.detokenize is not None and not p.include_stop_str_in_output:
+                self.text = rule.detokenize(self.generated_ids[:-1], p.skip_special_tokens)
+            return "stop"
+        if p.stop and self.num_generated > p.min_tokens and self._hit_stop_string():
+            return "stop"
         if self.num_generated >= p.max_tokens or len(self.token_ids) >= rule.max_model_len:
             return "length"
         return None
@@ -168,15 +171,15 @@ class Sequence:
             return self.stop_rule.detokenize(ids, p.skip_special_tokens)
 
         text = detokenize(self.generated_ids)
-        # Under min_tokens a stop string counts once it ends in the min_tokens-th token's text or
-        # later (vLLM's rule: checks start at that token, over the text it added).
-        floor = len(detokenize(self.generated_ids[:p.min_tokens - 1])) if p.min_tokens > 1 else 0
-        found = [(at, stop) for stop in p.stop
+        # Under min_tokens a stop string counts only where it ends in the text of a token after
+        # the min_tokens-th (vLLM's rule: its checks start after that token's text).
+        floor = len(detokenize(self.generated_ids[:p.min_tokens])) if p.min_tokens else 0
+        found = [(at + len(stop), order, at) for order, stop in enumerate(p.stop)
                  if (at := text.find(stop, max(0, floor - len(stop) + 1))) >= 0]
         if not found:
             return False
-        at, stop = min(found, key=lambda hit: (hit[0], len(hit[1])))  # the first to end there
-        self.text = text[:at + len(stop)] if p.include_stop_str_in_output else text[:at]
+        end, _, at = min(found)  # the first to end, the first listed of those (vLLM's choice)
+        self.text = text[:end] if p.include_stop_str_in_output else text[:at]
         return True
 
     # ---- views ---------------------------------------------------------------------------

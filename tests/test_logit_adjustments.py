@@ -91,8 +91,10 @@ def test_min_tokens_matches_transformers_min_new_tokens(tiny):
 
 
 def test_min_tokens_holds_back_stop_strings_and_stop_ids():
-    """vLLM's rule: before min_tokens nothing stops the sequence; from the min_tokens-th token on,
-    a stop string ending in the text it added (or later) does, one that ended earlier does not."""
+    """vLLM's rules: before min_tokens nothing stops the sequence; after it, a stop string
+    ending in the text of a token past the min_tokens-th does, one that ended earlier does not.
+    Of stop strings completed by the same token, the first to end wins, then the first listed.
+    A stop token's text is left out unless the stop is kept (include_stop_str_in_output)."""
     letters = "abcdefghij"
     rule = StopRule(eos_token_ids=frozenset({9}), max_model_len=100,
                     detokenize=lambda ids, skip_special_tokens: "".join(letters[t] for t in ids))
@@ -108,10 +110,21 @@ def test_min_tokens_holds_back_stop_strings_and_stop_ids():
 
     assert run([1, 2, 3, 4], stop=["bc"]) == ([1, 2], "stop", "")
     assert run([1, 2, 3, 4, 5], stop=["bc"], min_tokens=3) == ([1, 2, 3, 4, 5], None, None)
-    assert run([1, 2, 3, 4], stop=["cd"], min_tokens=3) == ([1, 2, 3], "stop", "b")  # ends in token 3
-    assert run([9, 5, 9], min_tokens=2) == ([9, 5, 9], "stop", None)  # EOS counts from token 2 on
-    assert run([6, 6, 6], stop_token_ids=[6], min_tokens=3) == ([6, 6, 6], "stop", None)
-    # vLLM's include_stop_str_in_output: the text keeps the stop string (the shorter of two at once).
+    assert run([1, 2, 3, 4], stop=["cd"], min_tokens=3) == ([1, 2, 3, 4], None, None)  # ends in token 3
+    assert run([1, 2, 3, 4], stop=["de"], min_tokens=3) == ([1, 2, 3, 4], "stop", "bc")  # in token 4
+    assert run([2], stop=["c"], min_tokens=1) == ([2], None, None)
+    assert run([9, 5, 9], min_tokens=2) == ([9, 5, 9], "stop", "jf")  # EOS counts from token 2 on
+    assert run([6, 6, 6], stop_token_ids=[6], min_tokens=3) == ([6, 6, 6], "stop", "gg")
+    assert run([1, 6], stop_token_ids=[6], include_stop_str_in_output=True) == ([1, 6], "stop", None)
+    assert run([0, 1, 2, 3], stop=["bcd", "abcd"]) == ([0, 1, 2, 3], "stop", "a")
+    words = StopRule(eos_token_ids=frozenset(), max_model_len=100,
+                     detokenize=lambda ids, skip_special_tokens: "".join(["N", "am", "e", " three"][t] for t in ids))
+    seq = Sequence("w", "r", 0, [0], 1, SamplingParams(stop=["e three", " th"]), None, words)
+    seq.send(Event.ADMITTED)
+    for token in (0, 1, 2, 3):  # " three" completes both: " th" ends first
+        seq.send(Event.TOKEN, SampledToken(token))
+    assert (seq.finish_reason, seq.text) == ("stop", "Name")
+    # include_stop_str_in_output: the text keeps the stop string (the first of two to end).
     assert run([1, 2, 3, 4], stop=["bcd", "bc"], include_stop_str_in_output=True) == ([1, 2], "stop", "bc")
     assert run([1, 2, 3, 4], stop=["cd"], include_stop_str_in_output=True) == ([1, 2, 3], "stop", "bcd")
 
