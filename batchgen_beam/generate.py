@@ -104,9 +104,8 @@ class EngineMetrics:
 
 
 class _GenerateFn(beam.DoFn):
-    # Records (Parsed, or Continuation in the second stage) whose rows are not out yet.
-    PENDING = BagStateSpec("pending", PickleCoder())
-    FLUSH = TimerSpec("flush", TimeDomain.WATERMARK)
+    """A stage's logic, over its state (`pending`: the records, Parsed or Continuation, whose
+    rows are not out yet) and its window-end timer (`flush`); `stateful_stage` declares them."""
 
     def __init__(self, config: EngineConfig, num_shards: int, max_in_flight: int, namespace: str,
                  straggler_timeout_s: float | None = None, shard_suffix: str = ""):
@@ -124,14 +123,6 @@ class _GenerateFn(beam.DoFn):
         # Two Generate transforms may share an engine and reuse record ids; the second stage's
         # ids differ from the first's, so no client mistakes one for the other.
         return engine_request_id(self._namespace, _parsed(item), self._shard_suffix)
-
-    def process(self, element, window=beam.DoFn.WindowParam,
-                pending=beam.DoFn.StateParam(PENDING), flush=beam.DoFn.TimerParam(FLUSH)):
-        return self._process(element, window, pending, flush)
-
-    @on_timer(FLUSH)
-    def flush(self, pending=beam.DoFn.StateParam(PENDING)):
-        return self._flush(pending)
 
     def _process(self, element, window, pending, flush):
         shard, parsed = element
@@ -214,24 +205,19 @@ class _GenerateFn(beam.DoFn):
 
 class _StreamingGenerateFn(_GenerateFn):
     """The first stage on an unbounded input: besides the window-end flush, a processing-time
-    timer emits the key's finished rows every `poll_interval_s` while any are pending, so a row
-    waits neither for its window to end nor for its key's next record."""
-    POLL = TimerSpec("poll", TimeDomain.REAL_TIME)
+    timer (`poll`) emits the key's finished rows every `poll_interval_s` while any are pending,
+    so a row waits neither for its window to end nor for its key's next record."""
     clock = staticmethod(time.time)  # what runners' processing time reads (as GroupIntoBatches has it)
 
     def __init__(self, *args, poll_interval_s: float, **kwargs):
         super().__init__(*args, **kwargs)
         self._poll_interval_s = poll_interval_s
 
-    def process(self, element, window=beam.DoFn.WindowParam,
-                pending=beam.DoFn.StateParam(_GenerateFn.PENDING),
-                flush=beam.DoFn.TimerParam(_GenerateFn.FLUSH), poll=beam.DoFn.TimerParam(POLL)):
-        yield from self._process(element, window, pending, flush)
+    def _process(self, element, window, pending, flush, poll):
+        yield from super()._process(element, window, pending, flush)
         poll.set(self.clock() + self._poll_interval_s)
 
-    @on_timer(POLL)
-    def poll(self, pending=beam.DoFn.StateParam(_GenerateFn.PENDING),
-             poll=beam.DoFn.TimerParam(POLL)):
+    def _poll(self, pending, poll):
         # The key may have moved here from a failed worker: resubmit what no engine runs.
         self._submit(list(pending.read()))
         yield from self._emit_done(pending, wait=False)
@@ -239,19 +225,40 @@ class _StreamingGenerateFn(_GenerateFn):
             poll.set(self.clock() + self._poll_interval_s)
 
 
-class _ContinueFn(_GenerateFn):
-    """The second stage. Its state and timer need their own names: with the first stage's, the
-    DirectRunner fired one stage's timers on the other's DoFn (Beam 2.77)."""
-    PENDING = BagStateSpec("continued", PickleCoder())
-    FLUSH = TimerSpec("flush_continued", TimeDomain.WATERMARK)
+def stateful_stage(logic: type[_GenerateFn], names: str) -> type[_GenerateFn]:
+    """`logic` as a stateful DoFn whose state and timers are named after `names`. Each stage of
+    each Generate transform needs names of its own: where two stateful stages share them, the
+    DirectRunner (Beam 2.77) fires one's timers on the other's DoFn, and the records one holds
+    never come out (two Generate transforms reading one PCollection lost rows)."""
+    pending_spec = BagStateSpec(f"pending_{names}", PickleCoder())
+    flush_spec = TimerSpec(f"flush_{names}", TimeDomain.WATERMARK)
+    if not issubclass(logic, _StreamingGenerateFn):
+        class Stage(logic):
+            def process(self, element, window=beam.DoFn.WindowParam,
+                        pending=beam.DoFn.StateParam(pending_spec),
+                        flush=beam.DoFn.TimerParam(flush_spec)):
+                return self._process(element, window, pending, flush)
 
-    def process(self, element, window=beam.DoFn.WindowParam,
-                pending=beam.DoFn.StateParam(PENDING), flush=beam.DoFn.TimerParam(FLUSH)):
-        return self._process(element, window, pending, flush)
+            @on_timer(flush_spec)
+            def flush(self, pending=beam.DoFn.StateParam(pending_spec)):
+                return self._flush(pending)
+        return Stage
+    poll_spec = TimerSpec(f"poll_{names}", TimeDomain.REAL_TIME)
 
-    @on_timer(FLUSH)
-    def flush(self, pending=beam.DoFn.StateParam(PENDING)):
-        return self._flush(pending)
+    class StreamingStage(logic):
+        def process(self, element, window=beam.DoFn.WindowParam,
+                    pending=beam.DoFn.StateParam(pending_spec),
+                    flush=beam.DoFn.TimerParam(flush_spec), poll=beam.DoFn.TimerParam(poll_spec)):
+            return self._process(element, window, pending, flush, poll)
+
+        @on_timer(flush_spec)
+        def flush(self, pending=beam.DoFn.StateParam(pending_spec)):
+            return self._flush(pending)
+
+        @on_timer(poll_spec)
+        def poll(self, pending=beam.DoFn.StateParam(pending_spec), poll=beam.DoFn.TimerParam(poll_spec)):
+            return self._poll(pending, poll)
+    return StreamingStage
 
 
 class Generate(beam.PTransform):
@@ -287,6 +294,9 @@ class Generate(beam.PTransform):
     def expand(self, records):
         defaults, shards = self._defaults, self._num_shards
         namespace = uuid.uuid4().hex[:8]
+        # State and timer names of this transform's own (stateful_stage), stable from run to
+        # run (a streaming job's update maps state by name): from its place in the pipeline.
+        names = f"{zlib.crc32(records.pipeline._current_transform().full_label.encode()):08x}"
 
         def keyed(record: Any):
             parsed = parse_record(record, defaults)
@@ -296,9 +306,10 @@ class Generate(beam.PTransform):
         validated = records | "Validate" >> beam.Map(keyed).with_output_types(KV[int, Any])
         first_stage_args = (self._config, shards, self._max_in_flight, namespace, self._straggler_timeout_s)
         if not records.is_bounded or records.pipeline.options.view_as(StandardOptions).streaming:
-            first_stage = _StreamingGenerateFn(*first_stage_args, poll_interval_s=self._poll_interval_s)
+            first_stage = stateful_stage(_StreamingGenerateFn, names)(
+                *first_stage_args, poll_interval_s=self._poll_interval_s)
         else:
-            first_stage = _GenerateFn(*first_stage_args)
+            first_stage = stateful_stage(_GenerateFn, names)(*first_stage_args)
         if self._straggler_timeout_s is None:
             return validated | "Generate" >> beam.ParDo(first_stage)
         first = validated | "Generate" >> beam.ParDo(first_stage).with_outputs(CONTINUATIONS, main="rows")
@@ -306,6 +317,6 @@ class Generate(beam.PTransform):
                      # Other shards than the first stage's: the stragglers of one key spread out.
                      | "Rekey" >> beam.Map(lambda c: (shard_of(c.parsed.id + CONTINUED, shards), c)
                                            ).with_output_types(KV[int, Any])
-                     | "Continue" >> beam.ParDo(_ContinueFn(self._config, shards, self._max_in_flight,
-                                                           namespace, None, CONTINUED)))
+                     | "Continue" >> beam.ParDo(stateful_stage(_GenerateFn, names + "_continued")(
+                         self._config, shards, self._max_in_flight, namespace, None, CONTINUED)))
         return (first.rows, continued) | "Rows" >> beam.Flatten()

@@ -13,7 +13,7 @@ from apache_beam.pvalue import TaggedOutput
 from apache_beam.transforms.window import GlobalWindow
 
 from batchgen_beam.engine_client import EngineClient, EngineConfig
-from batchgen_beam.generate import CONTINUATIONS, CONTINUED, Continuation, _ContinueFn, _GenerateFn, shard_of
+from batchgen_beam.generate import CONTINUATIONS, CONTINUED, Continuation, _GenerateFn, shard_of, stateful_stage
 from batchgen_beam.records import parse_record
 from beam_helpers import (ENGINE_ARGS, FAMILY, IN_MEMORY, MULTI_PROCESSING, bundled_prompts, counter,
                           worker_pythonpath)
@@ -94,7 +94,7 @@ def test_flush_hands_stragglers_to_a_second_stage_exactly_once(config, good, bar
     # Longer than the pipeline's: ~700 steps of work, flushed after a few.
     long = [{**r, "max_tokens": r.get("max_tokens", 100) + 90} for r in good[:5] + good[-3:]]
     records = [parse_record(r) for r in long]
-    first = _GenerateFn(config, num_shards=1, max_in_flight=1024, namespace="cont", straggler_timeout_s=0.0)
+    first = stateful_stage(_GenerateFn, "t")(config, num_shards=1, max_in_flight=1024, namespace="cont", straggler_timeout_s=0.0)
     first.setup()
     bag, outputs = Bag(), []
     start = decoded(first._client)
@@ -111,7 +111,7 @@ def test_flush_hands_stragglers_to_a_second_stage_exactly_once(config, good, bar
     # Some left mid-generation: their tokens so far travel with them.
     assert any(len(c.state["sequences"][0]["token_ids"]) > c.state["prompt_tokens"] for c in continued)
 
-    second = _ContinueFn(config, num_shards=4, max_in_flight=1024, namespace="cont", shard_suffix=CONTINUED)
+    second = stateful_stage(_GenerateFn, "t_continued")(config, num_shards=4, max_in_flight=1024, namespace="cont", shard_suffix=CONTINUED)
     second.setup()
     bags = {}
     for continuation in continued:

@@ -21,7 +21,7 @@ from apache_beam.testing.util import assert_that
 from apache_beam.transforms.window import GlobalWindow
 
 from batchgen_beam.engine_client import EngineClient, EngineConfig
-from batchgen_beam.generate import Generate, _GenerateFn, _StreamingGenerateFn
+from batchgen_beam.generate import Generate, _GenerateFn, _StreamingGenerateFn, stateful_stage
 from batchgen_beam.records import parse_record, row_to_json
 from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, MULTI_PROCESSING, bundled_prompts,
                           chat_model_dir, counter, distribution, run_pipeline, worker_pythonpath)
@@ -63,8 +63,7 @@ BAD_RECORDS = {
     "missing id": ({"prompt": "Hi", "tag": "missing-id"}, "tag:missing-id", "id: missing"),
     "empty id": ({"id": "", "prompt": "Hi", "tag": "empty-id"}, "tag:empty-id", "id: must not be empty"),
     "not an object": (42, "raw:42", "must be an object"),
-    "undecodable bytes": (b'{"id": "bad-bytes", "prompt": "caf\xe9"}',
-                          'raw:{"id": "bad-bytes", "prompt": "caf\\xe9"}', "not valid UTF-8"),
+    "undecodable bytes": (b'{"id": "bad-bytes", "prompt": "caf\xe9"}', "bad-bytes", "not valid UTF-8"),
     "invalid JSON line": ('{"id": "bad-json", "prompt": ', 'raw:{"id": "bad-json", "prompt": ',
                           "invalid JSON"),
     "empty prompt": ({"id": "bad-empty", "prompt": "  "}, "bad-empty", "prompt: must not be empty"),
@@ -232,6 +231,24 @@ def test_records_sharing_an_id_each_get_their_own_row(model_dir, tmp_path):
     assert sorted((r["passthrough"]["k"], r["completion_tokens"]) for r in rows) == [(2, 2), (5, 5), (5, 5)]
     short, long, repeat = sorted(rows, key=lambda r: r["completion_tokens"])
     assert short["token_ids"] == long["token_ids"][:2] and repeat["token_ids"] == long["token_ids"]
+
+
+def test_two_generate_transforms_reading_one_input_each_emit_every_row(model_dir, good, tmp_path):
+    """Their stateful stages hold records in state under names of their own (stateful_stage):
+    with shared names the DirectRunner fired one's timers on the other's DoFn, and the records
+    the second held at its window's end never came out."""
+    records = good[:6]
+
+    def build(pipeline):
+        base = pipeline | beam.Create(records)
+        short = base | "Short" >> Generate(str(model_dir), engine_args=ENGINE_ARGS, num_shards=4, max_tokens=3)
+        longer = base | "Longer" >> Generate(str(model_dir), engine_args=ENGINE_ARGS, num_shards=4, max_tokens=6)
+        return {"short": short | "s" >> beam.Map(row_to_json), "longer": longer | "l" >> beam.Map(row_to_json)}
+
+    outputs, _ = run_pipeline(build, tmp_path, IN_MEMORY)
+    for name, limit in (("short", 3), ("longer", 6)):
+        assert sorted(row["id"] for row in outputs[name]) == sorted(r["id"] for r in records), name
+        assert all(row["error"] is None and row["completion_tokens"] <= limit for row in outputs[name])
 
 
 def test_passthrough_fields_come_back(rows_by_key):
@@ -511,7 +528,7 @@ def test_records_left_in_state_are_resubmitted_by_a_restarted_worker(model_dir, 
     def run(fn, method, *args, **state):
         rows.extend(getattr(fn, method)(*args, **state))
 
-    worker1 = _GenerateFn(EngineConfig.of(str(model_dir), **ENGINE_ARGS), num_shards=1,
+    worker1 = stateful_stage(_GenerateFn, "t")(EngineConfig.of(str(model_dir), **ENGINE_ARGS), num_shards=1,
                           max_in_flight=1024, namespace="job-1")
     worker1.setup()
     for parsed in records[:6]:
@@ -522,7 +539,7 @@ def test_records_left_in_state_are_resubmitted_by_a_restarted_worker(model_dir, 
 
     # The worker dies: its DoFn and its process's clients are gone; the state survives.
     EngineClient._instances.clear()
-    worker2 = _GenerateFn(EngineConfig.of(str(model_dir), **ENGINE_ARGS), num_shards=1,
+    worker2 = stateful_stage(_GenerateFn, "t")(EngineConfig.of(str(model_dir), **ENGINE_ARGS), num_shards=1,
                           max_in_flight=1024, namespace="job-1")
     worker2.setup()
     run(worker2, "process", (0, records[6]), window=GlobalWindow(), pending=bag, flush=timer)
@@ -542,7 +559,7 @@ def test_on_an_unbounded_input_finished_rows_leave_before_the_window_ends(model_
     records = [parse_record(r, {"max_tokens": 16, "ignore_eos": True}) for r in good[:5]]
     bag, flush, poll, rows = Bag(), Timer(), Timer(), []
     monkeypatch.setattr(EngineClient, "_instances", {})
-    fn = _StreamingGenerateFn(EngineConfig.of(str(model_dir), **ENGINE_ARGS), num_shards=1,
+    fn = stateful_stage(_StreamingGenerateFn, "t")(EngineConfig.of(str(model_dir), **ENGINE_ARGS), num_shards=1,
                               max_in_flight=1024, namespace="stream-1", poll_interval_s=0.5)
     fn.setup()
     for parsed in records:
@@ -595,7 +612,8 @@ def test_generate_polls_only_on_unbounded_inputs(model_dir):
         rows = pipeline | source | Generate(str(model_dir), engine_args=ENGINE_ARGS)
         return type(rows.producer.transform.fn)
 
-    assert first_stage(beam.Pipeline(), beam.Create([{"id": "a", "prompt": "Hi"}])) is _GenerateFn
+    bounded = first_stage(beam.Pipeline(), beam.Create([{"id": "a", "prompt": "Hi"}]))
+    assert issubclass(bounded, _GenerateFn) and not issubclass(bounded, _StreamingGenerateFn)
     unbounded = test_stream.TestStream().add_elements([{"id": "a", "prompt": "Hi"}])
     streaming = beam.Pipeline(options=PipelineOptions(["--streaming"]))
-    assert first_stage(streaming, unbounded) is _StreamingGenerateFn
+    assert issubclass(first_stage(streaming, unbounded), _StreamingGenerateFn)
