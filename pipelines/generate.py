@@ -5,7 +5,8 @@
         --model gs://bucket/models/x --max_tokens 256 --temperature 0.7 --seed 1 [Beam options]
 
 Our flags are listed by --help; every other flag goes to Beam's PipelineOptions (--runner,
---direct_num_workers, --project, ...). The runner defaults to the DirectRunner.
+--direct_num_workers, --project, ...); a flag neither knows is an error. The runner defaults to
+the DirectRunner.
 
 On a local runner the engine is started here, in the launching process, before the pipeline
 runs (so its load time is reported on its own), and the pipeline's workers on this machine
@@ -175,6 +176,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     if args.weights_in_host_memory and (args.device != "cuda" or args.weight_budget_mb is None):
         parser.error("--weights_in_host_memory streams weights to a GPU: it needs --device cuda "
                      "and --weight_budget_mb")
+    # Beam only warns of flags no PipelineOptions knows and drops them: a mistyped sampling flag
+    # (--temprature) would run the job with the default, unnoticed.
+    options = PipelineOptions(beam_args).get_all_options
+    unknown = sorted(set(options(retain_unknown_options=True)) - set(options()))
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join('--' + name for name in unknown)} (neither "
+                     f"this job's flags, see --help, nor Beam's PipelineOptions)")
     if not any(a == "--runner" or a.startswith("--runner=") for a in beam_args):
         beam_args = ["--runner=DirectRunner", *beam_args]
     return args, beam_args

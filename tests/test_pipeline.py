@@ -359,6 +359,9 @@ def test_argument_handling():
         with pytest.raises(SystemExit):
             cli.parse_args([*flags, "--weights_in_host_memory"])
     assert cli._is_local("DirectRunner") and not cli._is_local("DataflowRunner")
+    for mistyped in (["--temprature", "0.9"], ["--n=2"]):  # Beam would drop them with a warning
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--input", "x.jsonl", *mistyped, "--direct_num_workers=2"])
     with pytest.raises(ValueError, match="temperature"):
         cli.main(["--input", "x.jsonl", "--temperature", "-1", "--no_progress"])
 
