@@ -51,6 +51,8 @@ from dataclasses import dataclass
 import apache_beam as beam
 from apache_beam import coders
 from apache_beam.io import fileio
+from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
 from apache_beam.io.parquetio import ReadFromParquet, WriteToParquet
 from apache_beam.io.textio import ReadFromText, WriteToText
 
@@ -89,6 +91,21 @@ def infer_format(pattern: str) -> str:
             return fmt
     raise ValueError(f"cannot tell the format of {pattern!r} from its extension "
                      f"({', '.join(_EXTENSIONS)}); give format= one of {', '.join(INPUT_FORMATS)}")
+
+
+def check_parquet_input(pattern: str) -> None:
+    """ValueError, naming the file, where the first file the pattern matches is not Parquet:
+    Beam's Parquet reader would fail the whole job on it with pyarrow's "magic bytes" error.
+    (The other formats read any bytes: a wrong guess gives error rows, which say what is wrong.)"""
+    matched = FileSystems.match([pattern])[0].metadata_list
+    if not matched:
+        return
+    path = min(meta.path for meta in matched)
+    with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+        magic = f.read(4)
+    if magic != b"PAR1":
+        raise ValueError(f"{path}: not a Parquet file (it starts {magic!r}, Parquet with b'PAR1'); "
+                         f"name the input format, or the files by it")
 
 
 def _check_format(fmt: str, known: tuple[str, ...]) -> str:

@@ -37,7 +37,8 @@ import batchgen_beam
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.generate import METRICS_NAMESPACE, Generate
 from batchgen_beam.io import (DELIMITED_FORMATS, INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows,
-                              MalformedRow, delimited_rows, infer_format, text_lines)
+                              MalformedRow, check_parquet_input, delimited_rows, infer_format,
+                              text_lines)
 from batchgen_beam.records import SAMPLING_FIELDS
 
 BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"
@@ -376,6 +377,8 @@ def main(argv: list[str] | None = None) -> dict:
     bundled = args.input is None
     input_pattern = str(BUNDLED_PROMPTS) if bundled else args.input
     input_format = args.input_format or infer_format(input_pattern)
+    if input_format == "parquet":
+        check_parquet_input(input_pattern)
     chat = bundled if args.chat is None else args.chat
     options = PipelineOptions(beam_args)
     runner = options.view_as(StandardOptions).runner

@@ -326,6 +326,14 @@ def test_as_chat():
         assert cli.as_chat(raw) is raw
 
 
+def test_a_file_read_as_parquet_that_is_not_is_refused_before_the_job_runs(tmp_path):
+    (tmp_path / "recs.csv").write_text("id,prompt\na,hi\n")
+    with pytest.raises(ValueError, match="recs.csv: not a Parquet file"):
+        cli.main(["--input", str(tmp_path / "*.csv"), "--input_format", "parquet", "--no_progress",
+                  "--output", str(tmp_path / "out/gen")])
+    assert not (tmp_path / "out").exists()
+
+
 def test_argument_handling():
     args, beam_args = cli.parse_args(["--input", "x.jsonl", "--temperature", "0.5",
                                       "--temp_location", "/tmp/t", "--stop", "a", "--stop", "b"])
