@@ -590,13 +590,28 @@ def completion_row(parsed: Parsed, completion: Completion) -> dict:
     first = completion.outputs[0]
     samples = None
     if parsed.params.n > 1:
-        samples = [{"text": o.text, "token_ids": list(o.token_ids),
-                    "finish_reason": o.finish_reason} for o in completion.outputs[1:]]
+        samples = [{"text": o.text, "token_ids": list(o.token_ids), "finish_reason": o.finish_reason,
+                    "logprobs": _list_or_none(o.logprobs), "top_logprobs": _ranked(o.top_logprobs)}
+                   for o in completion.outputs[1:]]
     return _row(parsed.id, parsed.passthrough, text=first.text, token_ids=first.token_ids,
                 finish_reason=first.finish_reason, prompt_tokens=completion.prompt_tokens,
                 completion_tokens=completion.completion_tokens, samples=samples,
-                logprobs=None if first.logprobs is None else list(first.logprobs),
-                prompt_logprobs=completion.prompt_logprobs, timings=completion.timings)
+                logprobs=_list_or_none(first.logprobs), top_logprobs=_ranked(first.top_logprobs),
+                prompt_logprobs=completion.prompt_logprobs,
+                prompt_top_logprobs=_ranked(completion.prompt_top_logprobs), timings=completion.timings)
+
+
+def _list_or_none(values) -> list | None:
+    return None if values is None else list(values)
+
+
+def _ranked(top: list[dict[int, float] | None] | None) -> list[list[dict] | None] | None:
+    """Per position, the top logprobs ({token id: logprob}) as [{"token_id", "logprob"}, ...],
+    likeliest first (a column type Parquet and JSON both hold); None stays None."""
+    if top is None:
+        return None
+    return [None if at is None else [{"token_id": token, "logprob": logprob} for token, logprob in
+                                     sorted(at.items(), key=lambda item: -item[1])] for at in top]
 
 
 def error_row(rejected_or_id: Rejected | str | None, message: str | None = None,
@@ -615,12 +630,14 @@ def error_row(rejected_or_id: Rejected | str | None, message: str | None = None,
 def _row(id: str | None, passthrough: Mapping | None, *, text: str | None = None,
          token_ids: Sequence[int] = (), finish_reason: str = "error", prompt_tokens: int = 0,
          completion_tokens: int = 0, error: str | None = None, samples: list[dict] | None = None,
-         logprobs: list[float] | None = None, prompt_logprobs: list[float | None] | None = None,
+         logprobs: list[float] | None = None, top_logprobs: list[list[dict]] | None = None,
+         prompt_logprobs: list[float | None] | None = None,
+         prompt_top_logprobs: list[list[dict] | None] | None = None,
          timings: Timings | None = None) -> dict:
     return {"id": id, "text": text, "token_ids": list(token_ids), "finish_reason": finish_reason,
             "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "error": error, "samples": samples, "logprobs": logprobs,
-            "prompt_logprobs": None if prompt_logprobs is None else list(prompt_logprobs),
+            "error": error, "samples": samples, "logprobs": logprobs, "top_logprobs": top_logprobs,
+            "prompt_logprobs": _list_or_none(prompt_logprobs), "prompt_top_logprobs": prompt_top_logprobs,
             **_durations(timings), "passthrough": dict(passthrough or {})}
 
 
@@ -637,8 +654,11 @@ def _durations(timings: Timings | None) -> dict:
             "total_s": since_submitted(timings.finished)}
 
 
+# Per position: the top logprobs asked for, likeliest first.
+_TOP_LOGPROBS = pa.list_(pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float64())])))
 _SAMPLE = pa.struct([("text", pa.string()), ("token_ids", pa.list_(pa.int32())),
-                     ("finish_reason", pa.string())])
+                     ("finish_reason", pa.string()), ("logprobs", pa.list_(pa.float64())),
+                     ("top_logprobs", _TOP_LOGPROBS)])
 OUTPUT_SCHEMA = pa.schema([
     pa.field("id", pa.string()),
     pa.field("text", pa.string()),
@@ -649,7 +669,9 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("error", pa.string()),
     pa.field("samples", pa.list_(_SAMPLE)),
     pa.field("logprobs", pa.list_(pa.float64())),
+    pa.field("top_logprobs", _TOP_LOGPROBS),
     pa.field("prompt_logprobs", pa.list_(pa.float64())),  # null first: the first token has none
+    pa.field("prompt_top_logprobs", _TOP_LOGPROBS),  # null first too
     pa.field("queue_s", pa.float64()),
     pa.field("first_token_s", pa.float64()),
     pa.field("total_s", pa.float64()),

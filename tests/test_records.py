@@ -23,8 +23,8 @@ from runtime.request import Completion, Request, SampleOutput, Timings
 from runtime.sampling import SamplingParams
 
 ROW_KEYS = ["id", "text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens",
-            "error", "samples", "logprobs", "prompt_logprobs", "queue_s", "first_token_s", "total_s",
-            "passthrough"]
+            "error", "samples", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs",
+            "queue_s", "first_token_s", "total_s", "passthrough"]
 
 
 def rec(**fields):
@@ -606,7 +606,8 @@ def test_completion_row_n1():
     assert list(row) == ROW_KEYS
     assert row == {"id": "r1", "text": "abc", "token_ids": [5, 6, 7], "finish_reason": "stop",
                    "prompt_tokens": 4, "completion_tokens": 3, "error": None, "samples": None,
-                   "logprobs": [-0.5, -1.25, -0.0], "prompt_logprobs": None, "queue_s": 0.25,
+                   "logprobs": [-0.5, -1.25, -0.0], "top_logprobs": None, "prompt_logprobs": None,
+                   "prompt_top_logprobs": None, "queue_s": 0.25,
                    "first_token_s": 0.75, "total_s": 3.5, "passthrough": {"meta": {"k": [1]}}}
 
 
@@ -620,6 +621,22 @@ def test_a_scored_prompt_keeps_its_logprobs_through_parquet_and_jsonl(tmp_path):
     assert row_from_json(row_to_json(row))["prompt_logprobs"] == [None, -2.5, -0.125]
 
 
+def test_top_logprobs_reach_the_row_likeliest_first_through_parquet_and_jsonl():
+    parsed = parse_record(rec(n=2, temperature=1.0, logprobs=2, prompt_logprobs=1))
+    outputs = [SampleOutput(0, [5, 6], "ab", "length", [-0.5, -2.0], [{5: -0.5, 9: -1.5}, {7: -0.25, 6: -2.0}]),
+               SampleOutput(1, [9], "c", "stop", [-1.5], [{5: -0.5, 9: -1.5}])]
+    completion = Completion("r1", outputs, 2, TIMINGS, prompt_logprobs=[None, -3.0],
+                            prompt_top_logprobs=[None, {4: -0.75}])
+    row = completion_row(parsed, completion)
+    assert row["top_logprobs"] == [[{"token_id": 5, "logprob": -0.5}, {"token_id": 9, "logprob": -1.5}],
+                                   [{"token_id": 7, "logprob": -0.25}, {"token_id": 6, "logprob": -2.0}]]
+    assert row["prompt_top_logprobs"] == [None, [{"token_id": 4, "logprob": -0.75}]]
+    [sample] = row["samples"]
+    assert sample["logprobs"] == [-1.5] and sample["top_logprobs"] == row["top_logprobs"][:1]
+    assert arrow_to_rows(rows_to_arrow([row]))[0] == row
+    assert row_from_json(row_to_json(row)) == row
+
+
 def test_completion_row_n3_lists_the_other_samples():
     parsed = parse_record(rec(n=3, temperature=1.0, seed=1))
     outputs = [SampleOutput(0, [1, 2], "ab", "length"), SampleOutput(1, [3], "c", "stop"),
@@ -627,8 +644,9 @@ def test_completion_row_n3_lists_the_other_samples():
     row = completion_row(parsed, Completion("r1", outputs, 2, TIMINGS))
     assert (row["text"], row["token_ids"], row["finish_reason"]) == ("ab", [1, 2], "length")
     assert row["completion_tokens"] == 5
-    assert row["samples"] == [{"text": "c", "token_ids": [3], "finish_reason": "stop"},
-                              {"text": "de", "token_ids": [4, 5], "finish_reason": "length"}]
+    assert row["samples"] == [
+        {"text": "c", "token_ids": [3], "finish_reason": "stop", "logprobs": None, "top_logprobs": None},
+        {"text": "de", "token_ids": [4, 5], "finish_reason": "length", "logprobs": None, "top_logprobs": None}]
     assert row["logprobs"] is None
 
 
@@ -641,7 +659,8 @@ def test_engine_error_completion_becomes_an_error_row():
     assert row == {"id": "r1", "text": None, "token_ids": [], "finish_reason": "error",
                    "prompt_tokens": 0, "completion_tokens": 0,
                    "error": "prompt too long: 9000 tokens", "samples": None, "logprobs": None,
-                   "prompt_logprobs": None, "queue_s": None, "first_token_s": None, "total_s": 0.5,
+                   "top_logprobs": None, "prompt_logprobs": None, "prompt_top_logprobs": None,
+                   "queue_s": None, "first_token_s": None, "total_s": 0.5,
                    "passthrough": {"src": "x"}}
 
 
