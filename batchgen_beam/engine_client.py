@@ -66,7 +66,11 @@ class EngineService:
 
         kwargs = dict(config.engine_args)
         kwargs.setdefault("num_threads", os.cpu_count())
-        self.engine = Engine(resolve_model(config.model), **kwargs).start()
+        self._new_engine = functools.partial(Engine, resolve_model(config.model), **kwargs)
+        self.engine = self._new_engine().start()
+        self.engine_failures = 0
+        # Held while a call uses the engine, so a failed engine is replaced between calls.
+        self._engine_lock = threading.RLock()
         self._ready = threading.Condition()  # guards everything below
         self._owner: dict[str, str] = {}  # request id -> client, from submit until acknowledged
         self._outboxes: dict[str, dict[str, Completion]] = defaultdict(dict)
@@ -79,8 +83,35 @@ class EngineService:
 
     def _route(self) -> None:
         while True:
-            for completion in self.engine.poll(timeout=0.2):
+            try:
+                completions = self.engine.poll(timeout=0.2)
+            except RuntimeError:
+                if self.engine.failure is None:
+                    raise
+                self._replace_failed_engine()
+                continue
+            for completion in completions:
                 self._deliver(completion)
+
+    def _replace_failed_engine(self) -> None:
+        """The engine's loop died (a bug): every request in flight gets an error completion
+        saying so, rather than waiting forever, and a fresh engine takes the requests after."""
+        with self._engine_lock:
+            failure = self.engine.failure
+            log.error("batchgen engine loop failed; failing the requests in flight and starting a "
+                      "new engine", exc_info=failure)
+            leftover = self.engine.finished()  # finished before it failed: delivered as they are
+            self.engine = self._new_engine().start()
+            self.engine_failures += 1
+            for completion in leftover:
+                self._deliver(completion)
+            with self._ready:
+                done = set(self._delivered).union(*(box.keys() for box in self._outboxes.values()))
+                in_flight = [rid for rid in self._owner if rid not in done]
+            for request_id in in_flight:
+                self._deliver(Completion.failed(request_id, f"the engine failed while this request was "
+                                                            f"in flight ({type(failure).__name__}: {failure}); "
+                                                            f"it was restarted"))
 
     def _deliver(self, completion: Completion) -> None:
         with self._ready:
@@ -109,20 +140,22 @@ class EngineService:
         return fresh
 
     def submit(self, client_id: str, requests: list[Request]) -> None:
-        fresh = self._claim(client_id, [r.id for r in requests])
-        for request in [r for r in requests if r.id in fresh]:
-            try:
-                self.engine.submit(request)
-            except ValueError as bad:  # e.g. stop strings on a model without a tokenizer
-                self._deliver(Completion.failed(request.id, str(bad)))
+        with self._engine_lock:
+            fresh = self._claim(client_id, [r.id for r in requests])
+            for request in [r for r in requests if r.id in fresh]:
+                try:
+                    self.engine.submit(request)
+                except ValueError as bad:  # e.g. stop strings on a model without a tokenizer
+                    self._deliver(Completion.failed(request.id, str(bad)))
 
     def resume(self, client_id: str, states: list[dict]) -> None:
         """Continue requests another engine (or an earlier attempt) migrated out, from their
         tokens: their KV is recomputed in one prefill."""
-        fresh = self._claim(client_id, [s["request_id"] for s in states])
-        for state in states:
-            if state["request_id"] in fresh:
-                self.engine.migrate_in(state)
+        with self._engine_lock:
+            fresh = self._claim(client_id, [s["request_id"] for s in states])
+            for state in states:
+                if state["request_id"] in fresh:
+                    self.engine.migrate_in(state)
 
     def migrate_out(self, client_id: str, request_ids: list[str]) -> dict[str, dict]:
         """Take this client's requests that are still running out of the engine: their states
@@ -131,14 +164,15 @@ class EngineService:
         with self._ready:
             owned = [rid for rid in request_ids if self._owner.get(rid) == client_id]
         states = {}
-        for request_id in owned:
-            try:
-                states[request_id] = self.engine.migrate_out(request_id)
-            except KeyError:
-                continue
-            with self._ready:
-                del self._owner[request_id]
-                self._migrated_out += 1
+        with self._engine_lock:
+            for request_id in owned:
+                try:
+                    states[request_id] = self.engine.migrate_out(request_id)
+                except KeyError:
+                    continue
+                with self._ready:
+                    del self._owner[request_id]
+                    self._migrated_out += 1
         return states
 
     def poll(self, client_id: str, timeout: float, taken: list[str]
@@ -164,6 +198,7 @@ class EngineService:
                 "waiting": len(scheduler.waiting), "running": len(scheduler.running),
                 "suspended": len(scheduler.suspended), "finished": self._finished,
                 "generated_tokens": self._generated_tokens, "migrated_out": self._migrated_out,
+                "engine_failures": self.engine_failures,
                 "screened_rows": self.engine.stats.screened_rows,
                 "screen_misses": self.engine.stats.screen_misses,
                 "linear_plan": linear_rows.described()}

@@ -306,6 +306,10 @@ class Engine:
             ids = self.tokenizer.encode(request.prompt)
         if not ids:
             raise InvalidPrompt("prompt is empty")
+        outside = sorted({t for t in ids if t >= self.spec.vocab_size})
+        if outside:  # the tokenizer knows tokens the model has no embedding for (added ones)
+            raise InvalidPrompt(f"prompt: the tokenizer gave token ids {outside[:5]} past the model's "
+                                f"{self.spec.vocab_size}-token vocabulary")
         keep = request.params.truncate_prompt_tokens
         if keep is not None:
             ids = ids[-keep:]  # the end of a prompt is what its continuation follows (vLLM's rule)
@@ -648,6 +652,12 @@ class Engine:
                     self._wake.clear()
         except BaseException as failure:  # surfaced to every caller waiting on this engine
             self._failure = failure
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What ended the background loop, if it died (a bug); then every call that waits on
+        the engine raises RuntimeError("engine loop failed") from it."""
+        return self._failure
 
     def _raise_failure(self) -> None:
         if self._failure is not None:

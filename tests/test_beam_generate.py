@@ -20,7 +20,7 @@ from apache_beam.testing import test_stream
 from apache_beam.testing.util import assert_that
 from apache_beam.transforms.window import GlobalWindow
 
-from batchgen_beam.engine_client import EngineClient, EngineConfig
+from batchgen_beam.engine_client import EngineClient, EngineConfig, EngineService
 from batchgen_beam.generate import Generate, _GenerateFn, _StreamingGenerateFn, stateful_stage
 from batchgen_beam.records import parse_record, row_to_json
 from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, MULTI_PROCESSING, bundled_prompts,
@@ -414,6 +414,38 @@ def test_dead_engine_is_restarted_and_resident_requests_resubmitted(model_dir, b
     # Exactly once: nothing more arrives, and nothing is left resident.
     assert client.take([r.id for r in requests], timeout=1.0) == {}
     assert not client.knows(requests[0].id) and client.done_ids() == set()
+
+
+def test_an_engine_whose_loop_fails_fails_its_requests_in_flight_and_is_replaced(model_dir, bare_engine):
+    """The engine process lives on but its loop died (a bug): the requests in flight come back
+    as error completions instead of never, and the next requests run on a fresh engine."""
+    service = EngineService(EngineConfig.of(str(model_dir), **ENGINE_ARGS))
+    prompts = bundled_prompts(bare_engine.tokenizer, 3, CONTEXT - 40 - 1)
+
+    def broken_step():
+        raise IndexError("index out of range in self")
+    service.engine.step = broken_step
+    service.submit("client", engine_requests(prompts, "doomed-"))
+    failed = collect(service, "client", 3)
+    assert sorted(failed) == [f"doomed-{i}" for i in range(3)]
+    assert all(c.finish_reason == "error" and "the engine failed while this request was in flight "
+               "(IndexError: index out of range in self)" in c.error for c in failed.values())
+    assert service.info()["engine_failures"] == 1
+
+    service.submit("client", engine_requests(prompts, "after-"))
+    after = collect(service, "client", 3, acknowledge=list(failed))
+    expected = {c.id: c.token_ids for c in bare_engine.generate(engine_requests(prompts, "after-"))}
+    assert {rid: c.token_ids for rid, c in after.items()} == expected
+    service.engine.stop()
+
+
+def collect(service, client_id, count, acknowledge=()):
+    done, deadline = {}, time.monotonic() + 120
+    while len(done) < count and time.monotonic() < deadline:
+        completions, _, _ = service.poll(client_id, 1.0, list(acknowledge))
+        acknowledge = []
+        done.update((c.id, c) for c in completions)
+    return done
 
 
 def test_submit_right_after_an_engine_death(model_dir, bare_engine, caplog):

@@ -187,6 +187,28 @@ def test_a_prompt_the_tokenizer_fails_on_is_an_error_completion(tiny_chat, monke
     assert_idle_and_clean(engine)
 
 
+def test_a_prompt_the_tokenizer_gives_ids_past_the_vocabulary_is_an_error_completion(tmp_path):
+    """A tokenizer with an added token the model has no embedding for: that prompt's request
+    fails alone (the embedding lookup would have failed the whole step)."""
+    from tiny_models import make_tiny_model, make_tiny_tokenizer
+
+    tokenizer = make_tiny_tokenizer(tmp_path)
+    make_tiny_model("llama", tmp_path, vocab_size=len(tokenizer))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    tokenizer.save_pretrained(tmp_path)
+    engine = make_engine(tmp_path)
+    bad, chat, good = engine.generate([
+        Request("bad", prompt="call <|tool|> now"),
+        Request("chat", messages=[{"role": "user", "content": "<|tool|>"}]),
+        Request("good", prompt="Hi", params=SamplingParams(max_tokens=3))])
+    for failed in (bad, chat):
+        assert failed.finish_reason == "error"
+        assert failed.error == (f"prompt: the tokenizer gave token ids [{len(tokenizer) - 1}] past the "
+                                f"model's {len(tokenizer) - 1}-token vocabulary")
+    assert good.error is None and good.completion_tokens >= 1
+    assert_idle_and_clean(engine)
+
+
 def test_more_samples_than_the_kv_cache_has_blocks_are_refused(tiny):
     engine = make_engine(tiny.dir(FAMILY), num_blocks=8, max_num_seqs=2)
     prompt = random_prompts([6], seed=2)[0]
