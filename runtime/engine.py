@@ -676,6 +676,10 @@ class Engine:
         until resume(). Returns how many were suspended."""
         with self._lock.held():
             running = [s for s in self._live_sequences(request_id) if s in self.scheduler.running]
+            needed = sum(len(s.block_table) for s in running)
+            if not self.scheduler.host.can_hold(needed):  # all of its samples, or none
+                raise ValueError(f"request {request_id!r}: the host KV tier cannot hold its {needed} "
+                                 f"block(s); nothing was suspended")
             for seq in running:
                 self.scheduler.suspend(seq, hold=True)
             return len(running)
@@ -705,6 +709,11 @@ class Engine:
             live = self._live_sequences(request_id)
             with self._ids_lock:
                 state = self._requests.pop(request_id)
+                waiter = self._waiters.pop(request_id, None)
+            if waiter is not None:  # a generate() call waits on it here: it must not wait forever
+                waiter.add(Completion.failed(request_id, "migrated out of this engine: its completion "
+                                                         "comes from the engine it migrated to",
+                                             state.timings))
             exported = []
             for seq in live:
                 kv = self._export_kv(seq) if with_kv else None
@@ -726,6 +735,7 @@ class Engine:
     def migrate_in(self, migrated: dict) -> None:
         """Continue a migrated-out request here, under migrated["request_id"] (which a caller may
         change: the sequences follow it)."""
+        self._check_migrated(migrated)
         request_id = migrated["request_id"]
         state = _RequestState(request_id, migrated["prompt_tokens"], migrated["n"],
                               Timings(submitted=time.perf_counter()), outputs=dict(migrated["outputs"]),
@@ -738,6 +748,22 @@ class Engine:
         self._inbox.put(state)
         self._wake.set()
 
+    def _check_migrated(self, migrated: dict) -> None:
+        """ValueError for a state this engine could never finish: it would wait here forever,
+        and hold up what comes after it."""
+        request_id, n = migrated.get("request_id"), migrated.get("n")
+        sequences, outputs = migrated.get("sequences") or [], migrated.get("outputs") or {}
+        if not isinstance(n, int) or n < 1 or len(sequences) + len(outputs) not in range(1, n + 1):
+            raise ValueError(f"migrate_in {request_id!r}: not a migrate_out state ({len(sequences)} "
+                             f"sequence(s) and {len(outputs)} finished output(s) for n={n})")
+        if n > self.scheduler.blocks.num_blocks:
+            raise ValueError(f"migrate_in {request_id!r}: n={n} is more than the KV cache's "
+                             f"{self.scheduler.blocks.num_blocks} blocks")
+        longest = max((len(s["token_ids"]) for s in sequences), default=0)
+        if longest >= self.max_model_len:
+            raise ValueError(f"migrate_in {request_id!r}: {longest} tokens; this engine's context "
+                             f"holds {self.max_model_len}")
+
     def workload(self) -> list[RequestLoad]:
         """What each in-flight request still needs: where its sequences are and the tokens they
         are expected to generate (runtime/estimate.py; an unforked n > 1 request counts n)."""
@@ -748,7 +774,9 @@ class Engine:
                       "suspended": sched.suspended, "held": sched.held.values()}
             where = {id(seq): name for name, queue in queues.items() for seq in queue}
             loads = []
-            for request_id, state in self._requests.items():
+            with self._ids_lock:  # submit() adds ids from other threads
+                requests = list(self._requests.items())
+            for request_id, state in requests:
                 live = [s for s in state.seqs if not s.is_finished] if state else []
                 if not live:
                     continue

@@ -2,6 +2,7 @@
 engine, fork (n > 1, copy-on-write) — leave every output exactly as an uninterrupted run."""
 
 import pickle
+import threading
 import time
 
 import pytest
@@ -116,9 +117,29 @@ def test_suspend_during_chunked_prefill_is_exact(tiny):
 def test_suspend_fails_cleanly_when_the_host_tier_is_full(tiny):
     engine = make_engine(tiny.dir("qwen2"), host_kv_bytes=0)
     start(engine, PROMPTS[:2], steps=2)
-    with pytest.raises(RuntimeError, match="host"):
+    with pytest.raises(ValueError, match="'r1': the host KV tier cannot hold .* nothing was suspended"):
         engine.suspend("r1")
     check_greedy(tiny, "qwen2", collect(engine), ids=["r0", "r1"])
+    assert_idle_and_clean(engine)
+
+
+def test_suspend_takes_all_of_a_requests_samples_or_none(tiny):
+    """Three samples of 3 blocks each against a host tier of 4 blocks: none is held, so nothing
+    waits on a resume() the caller, told it failed, would never send."""
+    from helpers import kv_block_bytes
+
+    model = tiny.dir("qwen2")
+    engine = make_engine(model, host_kv_bytes=4 * kv_block_bytes(model, 16))
+    engine.submit(Request("a", prompt_token_ids=list(PROMPTS[2]),
+                          params=SamplingParams(max_tokens=MAX_TOKENS, n=3, temperature=1.0, seed=5)))
+    for _ in range(3):
+        engine.step()
+    assert len(live_sequences(engine, "a")) == 3
+    with pytest.raises(ValueError, match="nothing was suspended"):
+        engine.suspend("a")
+    assert not engine.scheduler.held
+    [done] = collect(engine).values()
+    assert len(done.outputs) == 3 and all(o.finish_reason != "error" for o in done.outputs)
     assert_idle_and_clean(engine)
 
 
@@ -240,6 +261,46 @@ def test_migrate_a_held_request_and_one_still_prefilling(tiny):
     check_greedy(tiny, "mistral", collect(source), ids=["r1", "r2"])
     assert_idle_and_clean(source)
     assert_idle_and_clean(target)
+
+
+def test_migrate_in_refuses_a_state_this_engine_could_never_finish(tiny):
+    """Too long for its context, more samples than its blocks, or not a state at all: each
+    would wait here forever, and hold up the requests behind it."""
+    model = tiny.dir("qwen2")
+    source, small = make_engine(model), make_engine(model, num_blocks=4, max_model_len=64)
+    source.submit(Request("big", prompt_token_ids=list(PROMPTS[3]), params=SamplingParams(max_tokens=8)))
+    source.step()
+    state = source.migrate_out("big")
+    with pytest.raises(ValueError, match="'big': 71 tokens; this engine's context holds 64"):
+        small.migrate_in(state)
+    with pytest.raises(ValueError, match="n=5 is more than the KV cache's 4 blocks"):
+        small.migrate_in({**state, "n": 5})
+    with pytest.raises(ValueError, match="'ghost': not a migrate_out state"):
+        small.migrate_in({"request_id": "ghost", "prompt_tokens": 3, "n": 1, "outputs": {}, "sequences": []})
+    [done] = small.generate(greedy_requests(PROMPTS[:1], 8))  # nothing was left behind
+    assert done.error is None
+    assert_idle_and_clean(small)
+    source.migrate_in(state)
+    assert collect(source)["big"].error is None
+
+
+def test_a_generate_call_waiting_on_a_request_migrated_away_returns(tiny):
+    engine, other = make_engine(tiny.dir("qwen2")).start(), make_engine(tiny.dir("qwen2"))
+    request = Request("g", prompt_token_ids=list(PROMPTS[0]),
+                      params=SamplingParams(max_tokens=400, ignore_eos=True))
+    results = []
+    waiting = threading.Thread(target=lambda: results.extend(engine.generate([request])))
+    waiting.start()
+    deadline = time.monotonic() + 30
+    while not engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    other.migrate_in(engine.migrate_out("g"))
+    waiting.join(30)
+    [moved] = results
+    assert moved.finish_reason == "error" and "migrated out of this engine" in moved.error
+    assert collect(other)["g"].completion_tokens == 400
+    engine.stop()
+    assert_idle_and_clean(engine)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
