@@ -132,6 +132,10 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
     if hidden_act not in supported:
         raise NotImplementedError(f"hidden_act {hidden_act!r} is not supported yet (supported: "
                                   f"{', '.join(supported)})")
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:  # GPTQ, AWQ, bitsandbytes, fp8, ...: weights we would read as plain floats
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+        raise NotImplementedError(f"quantization_config ({method}): quantised checkpoints are not supported")
     if getattr(config, "use_bidirectional_attention", False):
         raise NotImplementedError("use_bidirectional_attention is not supported (causal attention only)")
     gemma = model_type in _GEMMA

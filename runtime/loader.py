@@ -24,6 +24,10 @@ _RENAMES = {".block_sparse_moe.": ".mlp.",  # Mixtral
             "model.language_model.": "model."}
 
 
+# Stored types read (converted to the engine's dtype as they are read).
+STORED_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
 def canonical_name(name: str) -> str:
     for old, new in _RENAMES.items():
         name = name.replace(old, new)
@@ -55,7 +59,11 @@ class _Checkpoint:
         if name not in self._where:
             raise KeyError(f"checkpoint has no tensor {name!r}")
         handle, stored_name = self._where[name]
-        return handle.get_tensor(stored_name)
+        tensor = handle.get_tensor(stored_name)
+        if tensor.dtype not in STORED_FLOATS:  # int8, fp8, packed 4-bit: would load as garbage
+            raise NotImplementedError(f"{stored_name} is stored as {tensor.dtype}: quantised checkpoints "
+                                      f"are not supported (floats only: {', '.join(map(str, STORED_FLOATS))})")
+        return tensor
 
 
 def hf_sources(our_name: str, checkpoint) -> list[str]:
@@ -118,10 +126,14 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
         for name, param in model.named_parameters():  # tied weights are listed once
             if ".experts." in name:  # MoE: [experts, ...], however the checkpoint stores them
                 [hf_name] = hf_sources(name, checkpoint)
-                param.copy_(read_experts(checkpoint, hf_name, model.spec.moe.num_experts))
-                continue
-            tensors = [checkpoint.get(src) for src in hf_sources(name, checkpoint)]
-            param.copy_(torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0])
+                stored = read_experts(checkpoint, hf_name, model.spec.moe.num_experts)
+            else:
+                tensors = [checkpoint.get(src) for src in hf_sources(name, checkpoint)]
+                stored = torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]
+            if stored.shape != param.shape:  # copy_ would broadcast a [1, hidden] embedding
+                raise ValueError(f"{model_dir}: {name} is {tuple(stored.shape)} in the checkpoint; "
+                                 f"the config makes it {tuple(param.shape)}")
+            param.copy_(stored)
         if model.spec.norm_offset:  # Gemma's norms scale by 1 + weight: added once, here
             for module in model.modules():
                 if isinstance(module, RMSNorm):

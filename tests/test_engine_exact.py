@@ -3,6 +3,7 @@ tiny models of every supported family, also when prompts are prefilled in chunks
 prefix blocks, or are preempted (suspended to the host tier or evicted and recomputed)."""
 
 import pytest
+import torch
 
 from helpers import (EOS, BatchSpy, CallCounter, assert_idle_and_clean, assert_matches,
                      greedy_requests, make_engine, random_prompts)
@@ -327,7 +328,9 @@ def test_other_block_sizes_with_chunks_prefix_sharing_and_preemption(tiny, block
      "rope_type 'dynamic' is not supported"),
     (dict(model_type="gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention"),
     (dict(sliding_window=8, max_position_embeddings=64), "sliding_window 8 on model_type 'llama'"),
-], ids=["model_type", "hidden_act", "moe-gelu", "rope_type", "bidirectional", "foreign-window"])
+    (dict(quantization_config={"quant_method": "gptq", "bits": 4}), r"quantization_config \(gptq\)"),
+], ids=["model_type", "hidden_act", "moe-gelu", "rope_type", "bidirectional", "foreign-window",
+        "quantised"])
 def test_a_config_we_would_compute_wrong_is_refused(overrides, problem):
     """Load-time refusal, never a model that runs and differs from transformers."""
     from transformers import AutoConfig
@@ -361,6 +364,26 @@ def test_config_keys_the_familys_model_ignores_are_ignored(tiny, family, overrid
     for prompt, completion in zip(PROMPTS, completions):
         tokens, logprobs = tiny.greedy(family, prompt, MAX_TOKENS, **overrides)
         assert_matches(completion, tokens, logprobs, max_tokens=MAX_TOKENS)
+
+
+@pytest.mark.parametrize("tensor,stored,problem", [
+    ("model.layers.0.self_attn.q_proj.weight", lambda t: t.to(torch.int8), NotImplementedError),
+    ("model.embed_tokens.weight", lambda t: t[:1], ValueError),  # would broadcast to every row
+    ("model.norm.weight", lambda t: t[:1], ValueError),
+])
+def test_tensors_the_config_does_not_describe_are_refused_at_load(tiny, tmp_path, tensor, stored, problem):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny.dir("llama"), model)
+    tensors = load_file(model / "model.safetensors")
+    tensors[tensor] = stored(tensors[tensor]).contiguous()
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    match = "stored as torch.int8: quantised" if problem is NotImplementedError else "in the checkpoint; the config makes it"
+    with pytest.raises(problem, match=match):
+        make_engine(model)
 
 
 def test_a_path_that_is_not_a_model_directory_says_so(tmp_path):
