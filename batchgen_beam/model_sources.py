@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import fcntl
 import hashlib
+import json
 import os
 import pathlib
 import tempfile
@@ -41,11 +42,24 @@ def resolve_model(model: str | os.PathLike | None = None) -> pathlib.Path:
 
 
 def _check_model_dir(path: pathlib.Path, source: str) -> None:
+    """ValueError where the directory lacks what loading needs: a config and the weights (every
+    shard its index names; a gs:// copy missing one would otherwise be cached as complete)."""
     if not path.is_dir():
         raise ValueError(f"model {source} is not a directory")
     if not (path / "config.json").is_file():
         raise ValueError(f"model {source} has no config.json")
-    if not any(path.glob("*.safetensors")):
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"model {source}: {index.name} is not a safetensors index "
+                             f"(a JSON object with a weight_map)") from None
+        missing = sorted(shard for shard in shards if not (path / shard).is_file())
+        if missing:
+            raise ValueError(f"model {source}: {index.name} names weights that are not there: "
+                             f"{', '.join(missing[:3])}")
+    elif not any(path.glob("*.safetensors")):
         raise ValueError(f"model {source} has no *.safetensors weights")
 
 

@@ -67,7 +67,11 @@ def merge_lora(model, adapter_dir: str | Path) -> int:
             weight = params.get(f"{ours}.weight")
             if weight is None:
                 raise ValueError(f"{adapter_dir}: the adapter changes {hf_name}, which the model lacks")
-            update = weights.get_tensor(b_name).float() @ weights.get_tensor(a_name).float()
+            a, b = weights.get_tensor(a_name).float(), weights.get_tensor(b_name).float()
+            if a.shape[0] != r or b.shape[-1] != r:  # the scale alpha / r would be wrong
+                raise ValueError(f"{adapter_dir}: {hf_name}'s A and B have rank {a.shape[0]} and "
+                                 f"{b.shape[-1]}; adapter_config.json says r={r}")
+            update = b @ a
             target = weight[rows]
             if update.shape != target.shape:
                 raise ValueError(f"{adapter_dir}: {hf_name}'s update is {tuple(update.shape)}, the "

@@ -58,3 +58,14 @@ def test_adapters_that_change_more_than_the_linears_are_refused(tiny, tmp_path):
         make_engine(base, lora=tmp_path / "dora", weight_budget_bytes=10 ** 6)
     config = json.loads((tmp_path / "dora" / "adapter_config.json").read_text())
     assert config["use_dora"]
+
+
+def test_an_adapter_whose_tensors_disagree_with_its_rank_is_refused(tiny, tmp_path):
+    """r scales the update (alpha / r): tensors of another rank than the config's would merge
+    at the wrong scale, where PEFT refuses to load them."""
+    base = tiny.dir("llama")
+    make_adapter(base, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=["q_proj"])
+    path = tmp_path / "adapter" / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "r": 8}))
+    with pytest.raises(ValueError, match="A and B have rank 4 and 4; adapter_config.json says r=8"):
+        make_engine(base, lora=tmp_path / "adapter")

@@ -124,6 +124,15 @@ def test_gcs_errors(gcs_emulator):
     # Objects without weights are not a model, and are not cached as one.
     with pytest.raises(ValueError, match="gs://near/llama-v2 has no \\*.safetensors"):
         resolve_model("gs://near/llama-v2")
+    # Nor is a sharded model with a shard missing; once it is uploaded, the model resolves.
+    bucket.blob("sharded/config.json").upload_from_string(b"{}")
+    bucket.blob("sharded/model-1.safetensors").upload_from_string(b"x")
+    index = b'{"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}'
+    bucket.blob("sharded/model.safetensors.index.json").upload_from_string(index)
+    with pytest.raises(ValueError, match="names weights that are not there: model-2.safetensors"):
+        resolve_model("gs://near/sharded")
+    bucket.blob("sharded/model-2.safetensors").upload_from_string(b"y")
+    assert (resolve_model("gs://near/sharded") / "model-2.safetensors").read_bytes() == b"y"
 
 
 def test_gcs_concurrent_processes_download_once(model_uri, tmp_path, cache):
