@@ -1,5 +1,6 @@
 """What the engine needs to know about a model, read from its HF `config.json`."""
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,8 +111,16 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
     """The config of the language model in model_dir: the whole model's, or an image-text
     model's text_config."""
     # Checked here: for a path that is not a directory transformers talks of hub repo ids.
-    if not (Path(model_dir) / "config.json").is_file():
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
         raise FileNotFoundError(f"{model_dir}: not a model directory (no config.json there)")
+    try:
+        model_type = json.loads(path.read_text()).get("model_type")
+    except (ValueError, AttributeError) as exc:  # not JSON, or JSON but not an object
+        raise ValueError(f"{path}: not a model config (a JSON object): {exc}") from None
+    if model_type not in _FAMILIES and model_type not in _IMAGE_TEXT:
+        raise NotImplementedError(f"{path}: model_type {model_type!r} is not supported yet "
+                                  f"(supported: {sorted(_FAMILIES)})")
     config = AutoConfig.from_pretrained(str(model_dir))
     if config.model_type not in _IMAGE_TEXT:
         return config

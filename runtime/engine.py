@@ -226,9 +226,16 @@ class Engine:
     def _eos_token_ids(self) -> list[int]:
         gen_config = self.model_dir / "generation_config.json"
         if gen_config.exists():
-            eos = json.loads(gen_config.read_text()).get("eos_token_id")
+            try:
+                eos = json.loads(gen_config.read_text()).get("eos_token_id")
+            except (ValueError, AttributeError) as exc:
+                raise ValueError(f"{gen_config}: not a generation config (a JSON object): {exc}") from None
             if eos is not None:
-                return list(eos) if isinstance(eos, list) else [eos]
+                eos = list(eos) if isinstance(eos, list) else [eos]
+                if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
+                    raise ValueError(f"{gen_config}: eos_token_id must be a token id or a list of them, "
+                                     f"got {eos!r}")
+                return eos
         return list(self.spec.eos_token_ids)
 
     def _detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -37,7 +37,10 @@ def canonical_name(name: str) -> str:
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{index}: not a safetensors index (a JSON object with a weight_map)") from None
         return [model_dir / shard for shard in shards]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -49,7 +52,7 @@ class _Checkpoint:
     """Tensors by HF name across all shards, read lazily (memory-mapped)."""
 
     def __init__(self, model_dir: Path):
-        self._handles = [safe_open(str(f), framework="pt") for f in safetensors_files(model_dir)]
+        self._handles = [_open(f) for f in safetensors_files(model_dir)]
         self._where = {canonical_name(name): (h, name) for h in self._handles for name in h.keys()}
 
     def __contains__(self, name: str) -> bool:
@@ -64,6 +67,15 @@ class _Checkpoint:
             raise NotImplementedError(f"{stored_name} is stored as {tensor.dtype}: quantised checkpoints "
                                       f"are not supported (floats only: {', '.join(map(str, STORED_FLOATS))})")
         return tensor
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # safetensors' own errors name no file (a truncated shard, say)
+        raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
 def hf_sources(our_name: str, checkpoint) -> list[str]:
