@@ -65,7 +65,6 @@ _EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
                ".parquet": "parquet", ".pq": "parquet",
                ".txt": "text", ".text": "text", ".csv": "csv", ".tsv": "tsv"}
 _DELIMITERS = {"csv": ",", "tsv": "\t"}
-DELIMITED_FORMATS = tuple(_DELIMITERS)  # read by delimited_rows
 # CSV columns whose cells are read as JSON where they parse as a value of a type the field
 # takes: the numbers (and the flags: JSON's true is an int here), lists and objects. Any other
 # cell stays text: "5" or "null" as a stop string, a regex, a schema (which is JSON text).
@@ -133,10 +132,7 @@ class ReadRecords(beam.PTransform):
         files = (pbegin
                  | "Match" >> fileio.MatchFiles(self.pattern)
                  | "Open" >> fileio.ReadMatches())
-        if self.format in _DELIMITERS:
-            return files | "Rows" >> beam.FlatMap(_delimited_records, _fixed_dir(self.pattern),
-                                                  self.format)
-        return files | "Lines" >> beam.FlatMap(_text_records, _fixed_dir(self.pattern))
+        return files | "Records" >> beam.FlatMap(_read_file, _fixed_dir(self.pattern), self.format)
 
 
 def _fixed_dir(pattern: str) -> str:
@@ -154,13 +150,23 @@ def _file_name(readable_file, fixed_dir: str) -> str:
     return name or posixpath.basename(path.replace(os.sep, "/"))
 
 
-def _text_records(readable_file, fixed_dir: str):
-    name = _file_name(readable_file, fixed_dir)
+def _read_file(readable_file, fixed_dir: str, fmt: str):
     with readable_file.open() as f:
-        for number, prompt in text_lines(f):
-            # A line that is not UTF-8 stays bytes: `Generate` rejects the record with an error
-            # row that carries the line's id ("prompt: not valid UTF-8 (...)").
-            yield {"id": f"{name}:{number}", "prompt": prompt}
+        yield from file_records(f, _file_name(readable_file, fixed_dir), fmt)
+
+
+def file_records(binary_file, name: str, fmt: str):
+    """The records a text, CSV or TSV file holds, as ReadRecords yields them (ids `<name>:<n>`)."""
+    if fmt in _DELIMITERS:
+        return _delimited_records(binary_file, name, fmt)
+    return _text_records(binary_file, name)
+
+
+def _text_records(binary_file, name: str):
+    for number, prompt in text_lines(binary_file):
+        # A line that is not UTF-8 stays bytes: `Generate` rejects the record with an error
+        # row that carries the line's id ("prompt: not valid UTF-8 (...)").
+        yield {"id": f"{name}:{number}", "prompt": prompt}
 
 
 def text_lines(binary_file):
@@ -256,26 +262,24 @@ def _quoting_error(message: str, line: int) -> str:
     return f"a quote inside a cell must be doubled, and only a whole cell quoted ({message})"
 
 
-def _delimited_records(readable_file, fixed_dir: str, fmt: str):
-    name = _file_name(readable_file, fixed_dir)
-    with readable_file.open() as f:
-        header, rows = delimited_rows(f, fmt)
-        if isinstance(header, MalformedRow):  # its own error row, then one per row under it
-            unread = f"{name}: the header row (line {header.line}) cannot be read: {header.reason}"
-            yield Rejected(f"{name}:0", unread)
-        for number, cells in enumerate(rows, start=1):
-            fallback_id = f"{name}:{number}"
-            if isinstance(header, MalformedRow):
-                yield Rejected(fallback_id, unread)
-            elif isinstance(cells, MalformedRow):
-                yield Rejected(fallback_id, f"{name}: row {number} (line {cells.line}): {cells.reason}")
-            elif len(cells) > len(header):
-                yield Rejected(fallback_id, f"{name}: row {number} has {len(cells)} cells, the header "
-                                            f"{len(header)}")
-            else:
-                record = {column: _cell(column, cell) for column, cell in zip(header, cells) if cell}
-                record.setdefault("id", fallback_id)
-                yield record
+def _delimited_records(binary_file, name: str, fmt: str):
+    header, rows = delimited_rows(binary_file, fmt)
+    if isinstance(header, MalformedRow):  # its own error row, then one per row under it
+        unread = f"{name}: the header row (line {header.line}) cannot be read: {header.reason}"
+        yield Rejected(f"{name}:0", unread)
+    for number, cells in enumerate(rows, start=1):
+        fallback_id = f"{name}:{number}"
+        if isinstance(header, MalformedRow):
+            yield Rejected(fallback_id, unread)
+        elif isinstance(cells, MalformedRow):
+            yield Rejected(fallback_id, f"{name}: row {number} (line {cells.line}): {cells.reason}")
+        elif len(cells) > len(header):
+            yield Rejected(fallback_id, f"{name}: row {number} has {len(cells)} cells, the header "
+                                        f"{len(header)}")
+        else:
+            record = {column: _cell(column, cell) for column, cell in zip(header, cells) if cell}
+            record.setdefault("id", fallback_id)
+            yield record
 
 
 def _text_or_bytes(text: str) -> str | bytes:

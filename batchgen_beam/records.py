@@ -76,8 +76,8 @@ ROLES = ("system", "user", "assistant")
 # OpenAI's newer name for the system role: chat templates know only "system".
 ROLE_ALIASES = {"developer": "system"}
 # Sampling fields that take an integer (a whole float counts, see _whole).
-_INTEGER_FIELDS = ("max_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprobs", "min_tokens",
-                   "truncate_prompt_tokens")
+_INTEGER_FIELDS = {"max_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprobs", "min_tokens",
+                   "truncate_prompt_tokens"}
 _TOKEN_ID = re.compile(r"-?[0-9]+")  # a logit_bias key (JSON keys are text)
 RAW_PREVIEW_CHARS = 200
 MAX_NESTING = 32  # levels of mappings and lists in a record: far past any real one
@@ -295,7 +295,7 @@ def _unwritable(value: Any, where: str) -> str | None:
         try:
             str(value)
         except ValueError:
-            return f"{_writable(where)}: an integer of over {sys.get_int_max_str_digits()} digits"
+            return f"{_writable(where)}: an integer of over {digits} digits"
         return None
     if isinstance(value, str):
         try:
@@ -440,10 +440,8 @@ def _params(fields: Mapping, base: dict) -> SamplingParams:
 def _sampling_fields(fields: Mapping) -> dict:
     """The sampling fields that `fields` sets; None and NaN mean not set."""
     given = {k: fields[k] for k in SAMPLING_FIELDS if not _missing(fields.get(k))}
-    for key in _INTEGER_FIELDS:
-        given[key] = _whole(given[key]) if key in given else None
-        if given[key] is None:
-            del given[key]
+    for key in given.keys() & _INTEGER_FIELDS:
+        given[key] = _whole(given[key])
     if isinstance(given.get("stop_token_ids"), (list, tuple)):
         given["stop_token_ids"] = [_whole(token) for token in given["stop_token_ids"]]
     if isinstance(given.get("choice"), (list, tuple)) and not given["choice"]:

@@ -36,9 +36,8 @@ from apache_beam.options.pipeline_options import PipelineOptions, StandardOption
 import batchgen_beam
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.generate import METRICS_NAMESPACE, Generate
-from batchgen_beam.io import (DELIMITED_FORMATS, INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows,
-                              MalformedRow, check_parquet_input, delimited_rows, infer_format,
-                              text_lines)
+from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, check_parquet_input,
+                              file_records, infer_format)
 from batchgen_beam.records import SAMPLING_FIELDS
 
 BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"
@@ -274,13 +273,10 @@ def count_records(pattern: str, fmt: str, limit_bytes: int = COUNT_LIMIT_BYTES) 
     total = 0
     for meta in files:
         with FileSystems.open(meta.path) as f:
-            if fmt in DELIMITED_FORMATS:
-                header, rows = delimited_rows(f, fmt)
-                total += sum(1 for _ in rows) + isinstance(header, MalformedRow)  # its own error row
-            elif fmt == "text":
-                total += sum(1 for _ in text_lines(f))
-            else:
+            if fmt == "jsonl":
                 total += sum(1 for line in f if line.strip())
+            else:  # read as the pipeline reads them: a malformed row counts as its error row
+                total += sum(1 for _ in file_records(f, meta.path, fmt))
     return total
 
 

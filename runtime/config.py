@@ -118,9 +118,8 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
         model_type = json.loads(path.read_text()).get("model_type")
     except (ValueError, AttributeError) as exc:  # not JSON, or JSON but not an object
         raise ValueError(f"{path}: not a model config (a JSON object): {exc}") from None
-    if model_type not in _FAMILIES and model_type not in _IMAGE_TEXT:
-        raise NotImplementedError(f"{path}: model_type {model_type!r} is not supported yet "
-                                  f"(supported: {sorted(_FAMILIES)})")
+    if model_type not in _IMAGE_TEXT:  # checked before transformers, whose error names no file
+        _check_supported(model_type, f"{path}: ")
     config = AutoConfig.from_pretrained(str(model_dir))
     if config.model_type not in _IMAGE_TEXT:
         return config
@@ -131,9 +130,7 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
 
 def model_spec(config: PretrainedConfig) -> ModelSpec:
     model_type = config.model_type
-    if model_type not in _FAMILIES:
-        raise NotImplementedError(
-            f"model_type {model_type!r} is not supported yet (supported: {sorted(_FAMILIES)})")
+    _check_supported(model_type)
     hidden_act = (_family_key(config, "hidden_activation", _HIDDEN_ACTIVATION)
                   or getattr(config, "hidden_act", "silu"))
     # The expert kernels compute SwiGLU only: another activation would run, silently wrong.
@@ -189,6 +186,12 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
         clip_qkv=_family_key(config, "clip_qkv", _CLIP_QKV),
         moe=_moe_spec(config),
     )
+
+
+def _check_supported(model_type: str | None, where: str = "") -> None:
+    if model_type not in _FAMILIES:
+        raise NotImplementedError(f"{where}model_type {model_type!r} is not supported yet "
+                                  f"(supported: {sorted(_FAMILIES)})")
 
 
 def _family_key(config: PretrainedConfig, key: str, families: tuple[str, ...]):

@@ -24,8 +24,8 @@ _RENAMES = {".block_sparse_moe.": ".mlp.",  # Mixtral
             "model.language_model.": "model."}
 
 
-# Stored types read (converted to the engine's dtype as they are read).
-STORED_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# Stored types read (converted to the engine's dtype as they are read), by safetensors' names.
+STORED_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
 def canonical_name(name: str) -> str:
@@ -63,9 +63,9 @@ class _Checkpoint:
             raise KeyError(f"checkpoint has no tensor {name!r}")
         handle, stored_name = self._where[name]
         tensor = handle.get_tensor(stored_name)
-        if tensor.dtype not in STORED_FLOATS:  # int8, fp8, packed 4-bit: would load as garbage
+        if tensor.dtype not in STORED_FLOATS.values():  # int8, fp8, packed 4-bit: would load as garbage
             raise NotImplementedError(f"{stored_name} is stored as {tensor.dtype}: quantised checkpoints "
-                                      f"are not supported (floats only: {', '.join(map(str, STORED_FLOATS))})")
+                                      f"are not supported (floats only: {', '.join(STORED_FLOATS)})")
         return tensor
 
 

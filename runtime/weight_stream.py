@@ -37,7 +37,7 @@ from torch import nn
 
 from kernels import expert_ffn
 from kernels.moe import combine, sort_by_expert
-from runtime.loader import canonical_name, hf_sources, safetensors_files
+from runtime.loader import STORED_FLOATS, canonical_name, hf_sources, safetensors_files
 from runtime.model import CausalLM
 from runtime.moe import SparseMoeBlock, per_expert_names
 
@@ -46,7 +46,6 @@ READER_THREAD = "batchgen-weights"
 # cut into pieces of _PIECE bytes, dealt out in turn, so each thread gets an equal share.
 READERS = 2
 _PIECE = 8 << 20
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 _ALIGN = 64  # bytes: each tensor in a slot starts on a cache line
 
 
@@ -88,10 +87,10 @@ class _Index:
         if name not in self._tensors:
             raise KeyError(f"checkpoint has no tensor {name!r}")
         fd, offset, nbytes, stored = self._tensors[name]
-        if stored not in _DTYPES:
-            raise NotImplementedError(f"weight streaming reads float checkpoints ({', '.join(_DTYPES)}): "
-                                      f"{name} is stored as {stored}")
-        return Extent(fd, offset, nbytes, _DTYPES[stored])
+        if stored not in STORED_FLOATS:
+            raise NotImplementedError(f"weight streaming reads float checkpoints "
+                                      f"({', '.join(STORED_FLOATS)}): {name} is stored as {stored}")
+        return Extent(fd, offset, nbytes, STORED_FLOATS[stored])
 
     def expert_extents(self, hf_name: str, num_experts: int) -> list[list[Extent]]:
         """Per expert, the extents that make up its slice of the stacked tensor `hf_name`
