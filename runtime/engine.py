@@ -264,7 +264,6 @@ class Engine:
         if outside:
             raise ValueError(f"logit_bias: token ids must be < the vocabulary's {self.spec.vocab_size}, "
                              f"got {outside[0]}")
-        self._reserve_id(request.id)
         timings = Timings(submitted=time.perf_counter())
         error = None
         try:
@@ -274,23 +273,24 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - the tokenizer failed on this request alone
             log.exception("request %r: could not tokenize its prompt", request.id)
             error = f"prompt: could not be tokenized ({type(exc).__name__}: {exc})"
-        except BaseException:
-            with self._ids_lock:
-                del self._requests[request.id]
-            raise
         if error is not None:
+            self._reserve_id(request.id)
             self._complete(Completion.failed(request.id, error, timings))
             return
         state = _RequestState(request.id, len(prompt_ids), request.params.n, timings)
         state.seqs.append(self._new_sequence(request.id, 0, prompt_ids, request.params))
-        self._inbox.put(state)
+        self._reserve_id(request.id, queued=state)
         self._wake.set()
 
-    def _reserve_id(self, request_id: str) -> None:
+    def _reserve_id(self, request_id: str, queued: "_RequestState | None" = None) -> None:
+        """Claim the id; with `queued`, also queue its state for the loop, in the same breath,
+        so a primitive never finds the id claimed but its sequences nowhere."""
         with self._ids_lock:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._requests[request_id] = None
+            if queued is not None:
+                self._inbox.put(queued)
 
     def _prompt_token_ids(self, request: Request) -> list[int]:
         given = [x for x in (request.prompt, request.messages, request.prompt_token_ids) if x is not None]
@@ -675,6 +675,12 @@ class Engine:
         self._drain_inbox()
         state = self._requests.get(request_id)
         if state is None:
+            with self._ids_lock:  # claimed and queued since the drain: take it in now
+                claimed = request_id in self._requests
+            if claimed:
+                self._drain_inbox()
+                state = self._requests.get(request_id)
+        if state is None:
             raise KeyError(f"request {request_id!r} is not in flight in this engine")
         return [s for s in state.seqs if not s.is_finished]
 
@@ -751,8 +757,7 @@ class Engine:
                    for s in migrated["sequences"]]
         state.seqs = [Sequence.from_state(s, self.stop_rule) for s in renamed]
         state.arriving_kv = {s["seq_id"]: s["kv"] for s in renamed if "kv" in s}
-        self._reserve_id(request_id)
-        self._inbox.put(state)
+        self._reserve_id(request_id, queued=state)
         self._wake.set()
 
     def _check_migrated(self, migrated: dict) -> None:

@@ -428,6 +428,29 @@ def test_a_primitive_from_another_thread_waits_at_most_a_step_of_the_running_loo
         assert sorted(collect(engine)) == sorted(r.id for r in requests)
 
 
+
+def test_a_primitive_racing_submit_finds_the_request_once_submit_claims_its_id(tiny):
+    """submit() claims the id and queues the request as one step: a primitive from another
+    thread never finds the id taken but the request nowhere (it raised KeyError)."""
+    engine = make_engine(tiny.dir("qwen2"))
+    claimed, release = threading.Event(), threading.Event()
+
+    class SlowInbox(type(engine._inbox)):
+        def put(self, item):
+            claimed.set()  # the id is claimed by now; hold the queueing back
+            release.wait(5)
+            super().put(item)
+
+    engine._inbox = SlowInbox()
+    [request] = greedy_requests(PROMPTS[:1], MAX_TOKENS)
+    submitter = threading.Thread(target=engine.submit, args=(request,))
+    submitter.start()
+    assert claimed.wait(5)
+    threading.Timer(0.05, release.set).start()
+    assert engine.evict("r0") == 0  # found once queued; nothing computed to evict yet
+    submitter.join(5)
+    assert_matches(collect(engine)["r0"], *reference(tiny, "qwen2", PROMPTS[0]), max_tokens=MAX_TOKENS)
+
 # ---- fork (n > 1) --------------------------------------------------------------------------
 
 def test_sampled_n3_gives_three_seeded_reproducible_samples(tiny):
