@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,8 +43,16 @@ def default_model_dir() -> pathlib.Path:
     with open(root / f"{DEFAULT_MODEL_NAME}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / _COMPLETE_MARKER).is_file():
+            _remove_killed_conversions(target)
             _convert(target)
     return target
+
+
+def _remove_killed_conversions(target: pathlib.Path) -> None:
+    # Only the lock holder converts, so a work folder found now is one a killed process left
+    # (~180 MB each); a finished or failed conversion removes its own.
+    for work in target.parent.glob(f".{target.name}.*"):
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _convert(target: pathlib.Path) -> None:

@@ -92,6 +92,9 @@ def test_conversion_replaces_incomplete_dir_atomically(cache, monkeypatch):
     target = cache / "models" / DEFAULT_MODEL_NAME
     target.mkdir(parents=True)
     (target / "leftover").write_text("from an interrupted copy")
+    killed = cache / "models" / f".{DEFAULT_MODEL_NAME}.k1ll3d" / "model"  # a killed conversion's
+    killed.mkdir(parents=True)
+    (killed / "model.safetensors").write_bytes(b"half written")
 
     def fake_download(dest):
         dest.mkdir()
@@ -109,7 +112,7 @@ def test_conversion_replaces_incomplete_dir_atomically(cache, monkeypatch):
     monkeypatch.setattr(default_model, "_save_as_hf", fake_save)
     assert default_model_dir() == target
     assert sorted(os.listdir(target)) == [".complete", "config.json"]
-    assert os.listdir(cache / "models") == [DEFAULT_MODEL_NAME]  # temporary work dir removed
+    assert os.listdir(cache / "models") == [DEFAULT_MODEL_NAME]  # work dirs removed, old and new
 
 
 @pytest.mark.slow
