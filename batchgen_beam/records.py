@@ -589,14 +589,22 @@ def completion_row(parsed: Parsed, completion: Completion) -> dict:
     samples = None
     if parsed.params.n > 1:
         samples = [{"text": o.text, "token_ids": list(o.token_ids), "finish_reason": o.finish_reason,
+                    **_stop_columns(o.stop_reason),
                     "logprobs": _list_or_none(o.logprobs), "top_logprobs": _ranked(o.top_logprobs)}
                    for o in completion.outputs[1:]]
     return _row(parsed.id, parsed.passthrough, text=first.text, token_ids=first.token_ids,
-                finish_reason=first.finish_reason, prompt_tokens=completion.prompt_tokens,
+                finish_reason=first.finish_reason, stop_reason=first.stop_reason,
+                prompt_tokens=completion.prompt_tokens,
                 completion_tokens=completion.completion_tokens, samples=samples,
                 logprobs=_list_or_none(first.logprobs), top_logprobs=_ranked(first.top_logprobs),
                 prompt_logprobs=completion.prompt_logprobs,
                 prompt_top_logprobs=_ranked(completion.prompt_top_logprobs), timings=completion.timings)
+
+
+def _stop_columns(stop_reason: int | str | None) -> dict:
+    """vLLM's stop_reason (a stop string or a stop token id) as two typed columns."""
+    return {"stop_reason": stop_reason if isinstance(stop_reason, str) else None,
+            "stop_token_id": stop_reason if isinstance(stop_reason, int) else None}
 
 
 def _list_or_none(values) -> list | None:
@@ -626,14 +634,15 @@ def error_row(rejected_or_id: Rejected | str | None, message: str | None = None,
 
 
 def _row(id: str | None, passthrough: Mapping | None, *, text: str | None = None,
-         token_ids: Sequence[int] = (), finish_reason: str = "error", prompt_tokens: int = 0,
+         token_ids: Sequence[int] = (), finish_reason: str = "error",
+         stop_reason: int | str | None = None, prompt_tokens: int = 0,
          completion_tokens: int = 0, error: str | None = None, samples: list[dict] | None = None,
          logprobs: list[float] | None = None, top_logprobs: list[list[dict]] | None = None,
          prompt_logprobs: list[float | None] | None = None,
          prompt_top_logprobs: list[list[dict] | None] | None = None,
          timings: Timings | None = None) -> dict:
     return {"id": id, "text": text, "token_ids": list(token_ids), "finish_reason": finish_reason,
-            "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            **_stop_columns(stop_reason), "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "error": error, "samples": samples, "logprobs": logprobs, "top_logprobs": top_logprobs,
             "prompt_logprobs": _list_or_none(prompt_logprobs), "prompt_top_logprobs": prompt_top_logprobs,
             **_durations(timings), "passthrough": dict(passthrough or {})}
@@ -655,13 +664,16 @@ def _durations(timings: Timings | None) -> dict:
 # Per position: the top logprobs asked for, likeliest first.
 _TOP_LOGPROBS = pa.list_(pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float64())])))
 _SAMPLE = pa.struct([("text", pa.string()), ("token_ids", pa.list_(pa.int32())),
-                     ("finish_reason", pa.string()), ("logprobs", pa.list_(pa.float64())),
+                     ("finish_reason", pa.string()), ("stop_reason", pa.string()),
+                     ("stop_token_id", pa.int64()), ("logprobs", pa.list_(pa.float64())),
                      ("top_logprobs", _TOP_LOGPROBS)])
 OUTPUT_SCHEMA = pa.schema([
     pa.field("id", pa.string()),
     pa.field("text", pa.string()),
     pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
     pa.field("finish_reason", pa.string(), nullable=False),
+    pa.field("stop_reason", pa.string()),  # the stop string that ended it
+    pa.field("stop_token_id", pa.int64()),  # or the stop_token_ids entry (EOS: neither)
     pa.field("prompt_tokens", pa.int64(), nullable=False),
     pa.field("completion_tokens", pa.int64(), nullable=False),
     pa.field("error", pa.string()),

@@ -530,7 +530,7 @@ class Engine:
         logprobs = seq.logprobs if seq.params.logprobs is not None else None
         state.outputs[seq.sample_index] = SampleOutput(
             seq.sample_index, seq.generated_ids, seq.text, seq.finish_reason, logprobs,
-            seq.top_logprobs if seq.params.logprobs else None)
+            seq.top_logprobs if seq.params.logprobs else None, seq.stop_reason)
         if seq.sample_index == 0 and seq.params.prompt_logprobs is not None:
             state.scored_prompt = (seq.prompt_logprobs, seq.prompt_top_logprobs)
         if len(state.outputs) == state.n:

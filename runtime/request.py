@@ -27,6 +27,7 @@ class SampleOutput:
     finish_reason: str  # "stop", "length" or "error"
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
 
 @dataclass

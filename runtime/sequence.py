@@ -84,6 +84,8 @@ class Sequence:
         self.prompt_top_logprobs: list[dict[int, float]] = []
         self.text: str | None = None  # set when a stop string cut it, else at finish
         self.finish_reason: str | None = None
+        # vLLM's stop_reason: the stop string or stop token id that ended it (None for EOS).
+        self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.counters = dict.fromkeys(("preemptions", "suspends", "evictions", "migrations"), 0)
         self.forked = sample_index > 0  # only sample 0 of an n > 1 request forks the others
@@ -150,8 +152,10 @@ class Sequence:
         p, rule = self.params, self.stop_rule
         if self.grammar is not None and self.grammar.is_stopped():  # its grammar is complete
             return "stop"
-        ending = token in p.stop_token_ids or (not p.ignore_eos and token in rule.eos_token_ids)
-        if ending and self.num_generated >= p.min_tokens:  # (the sampler kept them out before)
+        eos = not p.ignore_eos and token in rule.eos_token_ids
+        if (eos or token in p.stop_token_ids) and self.num_generated >= p.min_tokens:
+            # (the sampler kept them out before min_tokens)
+            self.stop_reason = None if eos else token
             # vLLM's text leaves the ending token's out, unless asked to keep the stop.
             if rule.detokenize is not None and not p.include_stop_str_in_output:
                 self.text = rule.detokenize(self.generated_ids[:-1], p.skip_special_tokens)
@@ -178,7 +182,8 @@ class Sequence:
                  if (at := text.find(stop, max(0, floor - len(stop) + 1))) >= 0]
         if not found:
             return False
-        end, _, at = min(found)  # the first to end, the first listed of those (vLLM's choice)
+        end, order, at = min(found)  # the first to end, the first listed of those (vLLM's choice)
+        self.stop_reason = p.stop[order]
         self.text = text[:end] if p.include_stop_str_in_output else text[:at]
         return True
 

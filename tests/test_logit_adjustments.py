@@ -129,6 +129,30 @@ def test_min_tokens_holds_back_stop_strings_and_stop_ids():
     assert run([1, 2, 3, 4], stop=["cd"], include_stop_str_in_output=True) == ([1, 2, 3], "stop", "bcd")
 
 
+def test_stop_reason_names_the_stop_string_or_stop_token_that_ended_it():
+    """vLLM's stop_reason: the stop string or stop_token_ids entry; None for EOS, length and a
+    grammar's end."""
+    letters = "abcdefghij"
+    rule = StopRule(eos_token_ids=frozenset({9}), max_model_len=100,
+                    detokenize=lambda ids, skip_special_tokens: "".join(letters[t] for t in ids))
+
+    def stop_reason(tokens, **params):
+        seq = Sequence("s", "r", 0, [0], 1, SamplingParams(max_tokens=4, **params), None, rule)
+        seq.send(Event.ADMITTED)
+        for token in tokens:
+            seq.send(Event.TOKEN, SampledToken(token))
+        assert seq.is_finished
+        return seq.finish_reason, seq.stop_reason
+
+    assert stop_reason([1, 2], stop=["x", "bc"]) == ("stop", "bc")
+    assert stop_reason([1, 2, 3], stop=["cd", "bcd"]) == ("stop", "cd")  # the first to end
+    assert stop_reason([1, 6], stop_token_ids=[7, 6]) == ("stop", 6)
+    assert stop_reason([1, 9], stop_token_ids=[9]) == ("stop", None)  # EOS, though also listed
+    assert stop_reason([1, 9], stop_token_ids=[9], ignore_eos=True) == ("stop", 9)
+    assert stop_reason([1, 9]) == ("stop", None)
+    assert stop_reason([1, 2, 3, 4], stop=["z"], stop_token_ids=[8]) == ("length", None)
+
+
 def test_adjusted_values_are_validated():
     with pytest.raises(ValueError, match="min_tokens must be <= max_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)

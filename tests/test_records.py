@@ -22,9 +22,9 @@ from batchgen_beam.records import (MAX_NESTING, OUTPUT_SCHEMA, Parsed, Rejected,
 from runtime.request import Completion, Request, SampleOutput, Timings
 from runtime.sampling import SamplingParams
 
-ROW_KEYS = ["id", "text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens",
-            "error", "samples", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs",
-            "queue_s", "first_token_s", "total_s", "passthrough"]
+ROW_KEYS = ["id", "text", "token_ids", "finish_reason", "stop_reason", "stop_token_id",
+            "prompt_tokens", "completion_tokens", "error", "samples", "logprobs", "top_logprobs",
+            "prompt_logprobs", "prompt_top_logprobs", "queue_s", "first_token_s", "total_s", "passthrough"]
 
 
 def rec(**fields):
@@ -605,7 +605,7 @@ def test_completion_row_n1():
     row = completion_row(parsed, completion)
     assert list(row) == ROW_KEYS
     assert row == {"id": "r1", "text": "abc", "token_ids": [5, 6, 7], "finish_reason": "stop",
-                   "prompt_tokens": 4, "completion_tokens": 3, "error": None, "samples": None,
+                   "stop_reason": None, "stop_token_id": None, "prompt_tokens": 4, "completion_tokens": 3, "error": None, "samples": None,
                    "logprobs": [-0.5, -1.25, -0.0], "top_logprobs": None, "prompt_logprobs": None,
                    "prompt_top_logprobs": None, "queue_s": 0.25,
                    "first_token_s": 0.75, "total_s": 3.5, "passthrough": {"meta": {"k": [1]}}}
@@ -623,8 +623,9 @@ def test_a_scored_prompt_keeps_its_logprobs_through_parquet_and_jsonl(tmp_path):
 
 def test_top_logprobs_reach_the_row_likeliest_first_through_parquet_and_jsonl():
     parsed = parse_record(rec(n=2, temperature=1.0, logprobs=2, prompt_logprobs=1))
-    outputs = [SampleOutput(0, [5, 6], "ab", "length", [-0.5, -2.0], [{5: -0.5, 9: -1.5}, {7: -0.25, 6: -2.0}]),
-               SampleOutput(1, [9], "c", "stop", [-1.5], [{5: -0.5, 9: -1.5}])]
+    outputs = [SampleOutput(0, [5, 6], "ab", "stop", [-0.5, -2.0], [{5: -0.5, 9: -1.5}, {7: -0.25, 6: -2.0}],
+                            stop_reason="\n\n"),
+               SampleOutput(1, [9], "c", "stop", [-1.5], [{5: -0.5, 9: -1.5}], stop_reason=9)]
     completion = Completion("r1", outputs, 2, TIMINGS, prompt_logprobs=[None, -3.0],
                             prompt_top_logprobs=[None, {4: -0.75}])
     row = completion_row(parsed, completion)
@@ -633,20 +634,24 @@ def test_top_logprobs_reach_the_row_likeliest_first_through_parquet_and_jsonl():
     assert row["prompt_top_logprobs"] == [None, [{"token_id": 4, "logprob": -0.75}]]
     [sample] = row["samples"]
     assert sample["logprobs"] == [-1.5] and sample["top_logprobs"] == row["top_logprobs"][:1]
+    assert (row["stop_reason"], row["stop_token_id"]) == ("\n\n", None)
+    assert (sample["stop_reason"], sample["stop_token_id"]) == (None, 9)
     assert arrow_to_rows(rows_to_arrow([row]))[0] == row
     assert row_from_json(row_to_json(row)) == row
 
 
 def test_completion_row_n3_lists_the_other_samples():
     parsed = parse_record(rec(n=3, temperature=1.0, seed=1))
-    outputs = [SampleOutput(0, [1, 2], "ab", "length"), SampleOutput(1, [3], "c", "stop"),
+    outputs = [SampleOutput(0, [1, 2], "ab", "length"), SampleOutput(1, [3], "c", "stop", stop_reason=3),
                SampleOutput(2, [4, 5], "de", "length")]
     row = completion_row(parsed, Completion("r1", outputs, 2, TIMINGS))
     assert (row["text"], row["token_ids"], row["finish_reason"]) == ("ab", [1, 2], "length")
     assert row["completion_tokens"] == 5
     assert row["samples"] == [
-        {"text": "c", "token_ids": [3], "finish_reason": "stop", "logprobs": None, "top_logprobs": None},
-        {"text": "de", "token_ids": [4, 5], "finish_reason": "length", "logprobs": None, "top_logprobs": None}]
+        {"text": "c", "token_ids": [3], "finish_reason": "stop", "stop_reason": None, "stop_token_id": 3,
+         "logprobs": None, "top_logprobs": None},
+        {"text": "de", "token_ids": [4, 5], "finish_reason": "length", "stop_reason": None,
+         "stop_token_id": None, "logprobs": None, "top_logprobs": None}]
     assert row["logprobs"] is None
 
 
@@ -657,7 +662,7 @@ def test_engine_error_completion_becomes_an_error_row():
                             error="prompt too long: 9000 tokens")
     row = completion_row(parsed, completion)
     assert row == {"id": "r1", "text": None, "token_ids": [], "finish_reason": "error",
-                   "prompt_tokens": 0, "completion_tokens": 0,
+                   "stop_reason": None, "stop_token_id": None, "prompt_tokens": 0, "completion_tokens": 0,
                    "error": "prompt too long: 9000 tokens", "samples": None, "logprobs": None,
                    "top_logprobs": None, "prompt_logprobs": None, "prompt_top_logprobs": None,
                    "queue_s": None, "first_token_s": None, "total_s": 0.5,

@@ -228,6 +228,7 @@ def test_stop_token_ids_end_generation_on_that_token(tiny):
         assert completion.finish_reason == "stop"
         assert completion.token_ids == tokens[:index + 1]
         assert completion.token_ids[-1] == tokens[index]
+        assert completion.outputs[0].stop_reason == tokens[index]
 
 
 @pytest.mark.parametrize("max_tokens", [1, 7, 30])
