@@ -228,7 +228,7 @@ def _moe_spec(config: PretrainedConfig) -> MoESpec | None:
         top_k=config.num_experts_per_tok,
         intermediate_size=expert_size,
         norm_topk_prob=model_type == "mixtral" or bool(config.norm_topk_prob),  # Mixtral always does
-        shared_expert_size=getattr(config, "shared_expert_intermediate_size", 0),
+        shared_expert_size=_family_key(config, "shared_expert_intermediate_size", ("qwen2_moe",)) or 0,
         sparse_layers=tuple(sparse),
     )
 
@@ -249,6 +249,9 @@ def _sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:  # Mistral: one window (or none) for every layer
         return (window,) * config.num_hidden_layers
+    if "sliding_attention" in layer_types and getattr(config, "sliding_window", None) is None:
+        raise ValueError(f"model_type {config.model_type!r}: layer_types has sliding_attention "
+                         f"layers but sliding_window is not set (transformers refuses it too)")
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
 
@@ -256,10 +259,19 @@ def _rope_context_limit(config: PretrainedConfig) -> int:
     """The longest context we compute as transformers does. LongRoPE (Phi-3's 128k variants)
     turns with its short factors up to original_max_position_embeddings and switches every
     position to its long factors past it, keys already cached included: we run it to there."""
+    limit = config.max_position_embeddings
+    for params in _rope_parameter_sets(config):
+        if params.get("rope_type") == "longrope":
+            limit = min(limit, params["original_max_position_embeddings"])
+    return limit
+
+
+def _rope_parameter_sets(config: PretrainedConfig) -> list[dict]:
+    """The RoPE parameters of each table: one per layer type where the config gives them so."""
     params = getattr(config, "rope_parameters", None) or {}
-    if params.get("rope_type") == "longrope":
-        return min(config.max_position_embeddings, params["original_max_position_embeddings"])
-    return config.max_position_embeddings
+    if _rope_parameters_per_layer_type(config):
+        return [params[kind] for kind in sorted(set(config.layer_types))]
+    return [params]
 
 
 def _rope_parameters_per_layer_type(config: PretrainedConfig) -> bool:
@@ -296,6 +308,11 @@ def _rope_table(config: PretrainedConfig, params: dict, head_dim: int, max_posit
     else:
         extra = {} if layer_type is None else {"layer_type": layer_type}
         inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **extra)
+        if 2 * len(inv_freq) != head_dim and config.model_type not in _PARTIAL_ROTARY:
+            # transformers' init honours partial_rotary_factor, but this family's model
+            # rotates whole heads and fails on the shorter table.
+            raise NotImplementedError(f"partial_rotary_factor with rope_type {rope_type!r} on model_type "
+                                      f"{config.model_type!r} is not supported (transformers cannot run it)")
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq.float()[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)

@@ -329,8 +329,10 @@ def test_other_block_sizes_with_chunks_prefix_sharing_and_preemption(tiny, block
     (dict(model_type="gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention"),
     (dict(sliding_window=8, max_position_embeddings=64), "sliding_window 8 on model_type 'llama'"),
     (dict(quantization_config={"quant_method": "gptq", "bits": 4}), r"quantization_config \(gptq\)"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0,
+                           "partial_rotary_factor": 0.5}), "partial_rotary_factor with rope_type 'linear'"),
 ], ids=["model_type", "hidden_act", "moe-gelu", "rope_type", "bidirectional", "foreign-window",
-        "quantised"])
+        "quantised", "partial-rotary-off-phi3"])
 def test_a_config_we_would_compute_wrong_is_refused(overrides, problem):
     """Load-time refusal, never a model that runs and differs from transformers."""
     from transformers import AutoConfig
@@ -344,6 +346,39 @@ def test_a_config_we_would_compute_wrong_is_refused(overrides, problem):
         rope_cos_sin(config, model_spec(config).head_dim, 16)
 
 
+@pytest.mark.parametrize("model_type", ["gemma3_text", "olmo3", "qwen2"])
+def test_sliding_layers_without_a_window_are_refused(model_type):
+    """transformers' model raises on them; we must not run them as full attention."""
+    from transformers import AutoConfig
+
+    from runtime.config import model_spec
+
+    config = AutoConfig.for_model(model_type, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                                  layer_types=["sliding_attention", "full_attention"])
+    config.sliding_window = None
+    with pytest.raises(ValueError, match="sliding_window is not set"):
+        model_spec(config)
+
+
+def test_longrope_given_per_layer_type_bounds_the_context_too():
+    """Gemma 3 / OLMo 3 give RoPE parameters per layer type: a LongRoPE table among them
+    switches to its long factors past original_max_position_embeddings, as the flat one does."""
+    from transformers import AutoConfig
+
+    from runtime.config import model_spec
+
+    longrope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8, long_factor=[4.0] * 8,
+                    original_max_position_embeddings=64)
+    for model_type in ("gemma3_text", "olmo3"):
+        config = AutoConfig.for_model(model_type, hidden_size=64, num_attention_heads=4, head_dim=16,
+                                      num_hidden_layers=2, max_position_embeddings=512,
+                                      layer_types=["sliding_attention", "full_attention"],
+                                      rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                             "rope_theta": 10000.0},
+                                                       "full_attention": longrope})
+        assert model_spec(config).max_position_embeddings == 64
+
+
 # Keys of another family's config, which this family's transformers model never reads (some
 # checkpoints carry them): each would change our output if we honoured it. Mistral and Mixtral
 # have no use_sliding_window switch, so their window applies whatever it says.
@@ -354,6 +389,7 @@ def test_a_config_we_would_compute_wrong_is_refused(overrides, problem):
     ("gemma", dict(query_pre_attn_scalar=4, hidden_activation="gelu")),
     ("gemma3", dict(attn_logit_softcapping=0.5)),
     ("qwen2_moe", dict(attention_bias=True)),
+    ("mixtral", dict(shared_expert_intermediate_size=32)),  # only Qwen2-MoE has a shared expert
     ("mistral", dict(sliding_window=4, use_sliding_window=False)),
     ("mixtral", dict(sliding_window=4, use_sliding_window=False)),
     ("llama", dict(sliding_window=4096)),  # past the context: transformers' cache keeps it all
