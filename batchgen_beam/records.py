@@ -8,15 +8,17 @@ defaults) raises ValueError instead, since it would reject every record.
 `parse_record` accepts:
 - a mapping in our format: `id`, `prompt` or `messages`, optional sampling fields
   (`SAMPLING_FIELDS`); every other key passes through to the output row untouched;
-- a mapping in the OpenAI Batch API format (`custom_id`, `method`, `url`, `body`);
+- a mapping in the OpenAI Batch API format (`custom_id`, `method`, `url`, `body`), told apart
+  by having no `id` (a record of ours may pass a `custom_id` or `body` field through);
 - a JSON line (str, or bytes in UTF-8; a leading byte-order mark is dropped) holding either;
 - with `fallback_id`: a bare prompt (str or bytes), as from a text file, which has no ids;
 - a `Rejected` that a reader made of a record it could not read (batchgen_beam/io.py's CSV
   rows with more cells than their header), returned as it is.
 
 Choices:
-- An integer id (BigQuery / Parquet keys often are) becomes str(id); bools, floats and empty or
-  blank strings are rejected.
+- An integer id (BigQuery / Parquet keys often are) becomes str(id), a whole float too (pandas'
+  column of int ids with a gap); bools, other floats and empty or blank strings are rejected,
+  and the rejected row's passthrough keeps the id it gave, to trace it back by.
 - A field that is None counts as absent, so a column that is null in some rows means "use the
   default" there. The flip side: a record cannot switch a default seed or logprobs back off.
   NaN in a sampling field counts as absent too: it is pandas' missing value (and pyarrow's
@@ -315,8 +317,8 @@ def _unwritable(value: Any, where: str) -> str | None:
 
 def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
     # A record of ours must have an id, which OpenAI lines never have at the top level; checking
-    # for it lets our records carry a passthrough field named "body".
-    openai = "custom_id" in record or ("body" in record and "id" not in record)
+    # for it lets our records carry passthrough fields named "body" or "custom_id".
+    openai = "id" not in record and ("custom_id" in record or "body" in record)
     id_key, consumed = ("custom_id", _OPENAI_KEYS) if openai else ("id", _NATIVE_KEYS)
     unwritable = {k: p for k, v in record.items()
                   if (p := _unwritable(k, f"key {_show(k)}") or _unwritable(v, str(k)))}
@@ -332,6 +334,8 @@ def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
         prompt, messages = _check_prompt(fields)
         params = _params(fields, base)
     except _Invalid as bad:
+        if record_id is None and record.get(id_key) is not None and id_key not in unwritable:
+            passthrough = {id_key: record[id_key], **passthrough}  # what the row can be traced by
         return Rejected(record_id, str(bad), passthrough)
     return Parsed(record_id, prompt, messages, params, passthrough)
 
@@ -349,8 +353,9 @@ def _utf8(value: Any, where: str) -> Any:
 
 def _check_id(value: Any, key: str) -> str:
     value = _utf8(value, key)
-    if value is None:
+    if _missing(value):
         raise _Invalid(f"{key}: missing (every record needs an id; its row carries it)")
+    value = _whole(value)  # pandas keeps a column of int ids with a gap as floats
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, str):
@@ -492,6 +497,9 @@ def _field_message(exc: Exception) -> str:
 
 def _openai_fields(record: Mapping) -> dict:
     """An OpenAI Batch API line's request, as the fields of one of our records."""
+    if "body" not in record:
+        raise _Invalid("body: missing (an OpenAI Batch line has custom_id, method, url and body; "
+                       "a record of ours has id and prompt or messages)")
     if not _same(record.get("method"), "POST"):
         raise _Invalid(f"method: must be \"POST\", got {_show(record.get('method'))}")
     url = record.get("url")
@@ -501,9 +509,9 @@ def _openai_fields(record: Mapping) -> dict:
     if not isinstance(body, Mapping):
         raise _Invalid(f"body: must be an object, got {_type_name(body)}")
     input_key, endpoint_keys = _OPENAI_URLS[url]
-    if body.get(input_key) is None:
+    if _missing(body.get(input_key)):
         raise _Invalid(f"body.{input_key}: missing (required by {url})")
-    given = {k: v for k, v in body.items() if v is not None and k not in _OPENAI_IGNORED}
+    given = {k: v for k, v in body.items() if not _missing(v) and k not in _OPENAI_IGNORED}
     for key, value in given.items():
         if key in _OPENAI_NO_OP:
             if not _same(value, _OPENAI_NO_OP[key]):
@@ -555,15 +563,15 @@ def _openai_max_tokens(body: dict) -> Any:
 
 def _chat_logprobs(body: dict) -> int | None:
     """Chat's logprobs=true (+ top_logprobs=k) is our logprobs=k (0 without top_logprobs)."""
-    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    wanted, top = body.get("logprobs"), _whole(body.get("top_logprobs"))
     if wanted is not None and not isinstance(wanted, bool):
         raise _Invalid(f"body.logprobs: must be true or false for chat, got {_show(wanted)}")
-    if top is not None and not wanted:
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
+        raise _Invalid(f"body.top_logprobs: must be an integer >= 0, got {_show(top)}")
+    if top and not wanted:  # vLLM's rule: top_logprobs 0 asks for nothing
         raise _Invalid("body.top_logprobs: needs logprobs: true")
     if not wanted:
         return None
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
-        raise _Invalid(f"body.top_logprobs: must be an integer >= 0, got {_show(top)}")
     return 0 if top is None else top
 
 

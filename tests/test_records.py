@@ -152,6 +152,8 @@ BAD_RECORDS = {
     # OpenAI Batch API lines.
     "openai without custom_id": ({"method": "POST", "url": "/v1/completions",
                                   "body": {"prompt": "Hi"}}, None, ["custom_id: missing"]),
+    "openai without body": ({"custom_id": "c9", "prompt": "Hi"}, "c9", ["body: missing",
+                                                                    "a record of ours has id"]),
     "openai GET": (chat_line(method="GET"), "c1", ['method: must be "POST"', "'GET'"]),
     "openai no method": ({k: v for k, v in chat_line().items() if k != "method"}, "c1",
                          ["method: must be"]),
@@ -272,6 +274,17 @@ def test_valid_record_keeps_other_fields_untouched():
 
 def test_integer_ids_become_strings():
     assert parse_record({"id": 17, "prompt": "Hi"}).id == "17"
+    assert parse_record({"id": 17.0, "prompt": "Hi"}).id == "17"  # pandas: int ids with a gap
+    assert parse_record({"id": math.nan, "prompt": "Hi"}).error.startswith("id: missing")
+
+
+def test_a_record_rejected_for_its_id_keeps_the_id_it_gave():
+    """Its row has no id, so the value it gave is what a user traces it back by."""
+    for raw, key in (({"id": ["a"], "prompt": "Hi"}, "id"), ({"id": 1.5, "prompt": "Hi"}, "id"),
+                     (chat_line() | {"custom_id": " "}, "custom_id")):
+        got = parse_record(raw)
+        assert isinstance(got, Rejected) and got.id is None
+        assert got.passthrough[key] == raw[key], raw
 
 
 def test_numpy_values_count_as_the_python_values_they_hold():
@@ -519,7 +532,7 @@ def test_bare_prompts_take_the_fallback_id():
         assert got == Parsed("file.txt:12", '{"looks": "like json"}', None,
                              SamplingParams(max_tokens=4), {})
     assert parse_record({"id": "own", "prompt": "Hi"}, fallback_id="unused").id == "own"
-    assert parse_record("Hi", fallback_id=" ") == Rejected(None, "id: must not be empty", {})
+    assert parse_record("Hi", fallback_id=" ") == Rejected(None, "id: must not be empty", {"id": " "})
     assert parse_record("  ", fallback_id="f1") == Rejected(
         "f1", "prompt: must not be empty or only whitespace", {})
 
@@ -566,6 +579,10 @@ def test_openai_chat_logprobs_mapping():
     assert parse_record(both).params.max_tokens == 9
     negative = parse_record(chat_line({"logprobs": True, "top_logprobs": -1}))
     assert negative.error == "body.top_logprobs: must be an integer >= 0, got -1"
+    assert parse_record(chat_line({"logprobs": True, "top_logprobs": 2.0})).params.logprobs == 2
+    assert parse_record(chat_line({"top_logprobs": 0})).params.logprobs is None  # vLLM allows it
+    # NaN (pandas' missing value) in a body is absent, as in our records.
+    assert parse_record(chat_line({"max_tokens": math.nan, "max_completion_tokens": 50})).params.max_tokens == 50
 
 
 def test_openai_completions_line_with_vllm_extras():
@@ -588,9 +605,10 @@ def test_logit_bias_from_json_objects_and_parquet_maps():
     assert parse_record(rec(logit_bias={"-1": 5})).error.startswith("logit_bias: must be >= 0, got -1")
 
 
-def test_a_record_of_ours_may_carry_a_field_named_body():
-    got = parse_record(rec(body={"text": "an email"}))
-    assert isinstance(got, Parsed) and got.passthrough == {"body": {"text": "an email"}}
+def test_a_record_of_ours_may_carry_fields_named_body_or_custom_id():
+    got = parse_record(rec(body={"text": "an email"}, custom_id="crm-991"))
+    assert isinstance(got, Parsed) and got.id == "r1"
+    assert got.passthrough == {"body": {"text": "an email"}, "custom_id": "crm-991"}
 
 
 # ---- Output rows ----
