@@ -245,6 +245,27 @@ class Engine:
     def submit(self, request: Request) -> None:
         """Queue a request (thread-safe). Invalid sampling values raise ValueError; a bad prompt
         yields an error completion instead."""
+        self._check_request(request)
+        timings = Timings(submitted=time.perf_counter())
+        error = None
+        try:
+            prompt_ids = self._prompt_token_ids(request)
+        except InvalidPrompt as bad:
+            error = str(bad)
+        except Exception as exc:  # noqa: BLE001 - the tokenizer failed on this request alone
+            log.exception("request %r: could not tokenize its prompt", request.id)
+            error = f"prompt: could not be tokenized ({type(exc).__name__}: {exc})"
+        if error is not None:
+            self._reserve_id(request.id)
+            self._complete(Completion.failed(request.id, error, timings))
+            return
+        state = _RequestState(request.id, len(prompt_ids), request.params.n, timings)
+        state.seqs.append(self._new_sequence(request.id, 0, prompt_ids, request.params))
+        self._reserve_id(request.id, queued=state)
+        self._wake.set()
+
+    def _check_request(self, request: Request) -> None:
+        """ValueError (TypeError) for sampling values this engine cannot honour."""
         if not isinstance(request.params, SamplingParams):
             raise TypeError(f"request {request.id!r}: params must be SamplingParams")
         if request.params.stop and self.tokenizer is None:
@@ -264,23 +285,6 @@ class Engine:
         if outside:
             raise ValueError(f"logit_bias: token ids must be < the vocabulary's {self.spec.vocab_size}, "
                              f"got {outside[0]}")
-        timings = Timings(submitted=time.perf_counter())
-        error = None
-        try:
-            prompt_ids = self._prompt_token_ids(request)
-        except InvalidPrompt as bad:
-            error = str(bad)
-        except Exception as exc:  # noqa: BLE001 - the tokenizer failed on this request alone
-            log.exception("request %r: could not tokenize its prompt", request.id)
-            error = f"prompt: could not be tokenized ({type(exc).__name__}: {exc})"
-        if error is not None:
-            self._reserve_id(request.id)
-            self._complete(Completion.failed(request.id, error, timings))
-            return
-        state = _RequestState(request.id, len(prompt_ids), request.params.n, timings)
-        state.seqs.append(self._new_sequence(request.id, 0, prompt_ids, request.params))
-        self._reserve_id(request.id, queued=state)
-        self._wake.set()
 
     def _reserve_id(self, request_id: str, queued: "_RequestState | None" = None) -> None:
         """Claim the id; with `queued`, also queue its state for the loop, in the same breath,
@@ -607,6 +611,8 @@ class Engine:
             clash = [i for i in waiter.pending if i in self._requests or i in self._waiters]
         if clash:
             raise ValueError(f"request ids already in flight: {clash[:5]}")
+        for request in requests:  # all of them before any: none is left in flight by a raise
+            self._check_request(request)
         for request_id in waiter.pending:
             self._waiters[request_id] = waiter
         try:

@@ -317,6 +317,13 @@ def test_engine_argument_checks(tiny):
     with pytest.raises(TypeError, match="SamplingParams"):
         engine.submit(Request("p", prompt_token_ids=[5, 6], params={"max_tokens": 3}))
     assert not engine.has_unfinished()
+    # generate() checks every request before submitting any: a bad one leaves nothing in flight.
+    good = Request("good", prompt_token_ids=[5, 6], params=SamplingParams(max_tokens=2))
+    bad = Request("bad", prompt_token_ids=[5, 6], params=SamplingParams(logit_bias={10 ** 6: 1.0}))
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.generate([good, bad])
+    assert not engine.has_unfinished()
+    assert engine.generate([good])[0].completion_tokens == 2
 
 
 # ---- collecting ----------------------------------------------------------------------------
