@@ -781,6 +781,12 @@ class Engine:
         if longest >= self.max_model_len:
             raise ValueError(f"migrate_in {request_id!r}: {longest} tokens; this engine's context "
                              f"holds {self.max_model_len}")
+        layout, dtype = self.kv.block_layout()
+        for kv in (s["kv"] for s in sequences if s.get("kv") is not None):
+            if (*kv.shape[:2], *kv.shape[3:]) != layout or kv.dtype != dtype:
+                raise ValueError(f"migrate_in {request_id!r}: its KV is laid out {tuple(kv.shape)} "
+                                 f"{kv.dtype}, this engine's blocks {layout} {dtype} (another "
+                                 f"block size or model)")
 
     def workload(self) -> list[RequestLoad]:
         """What each in-flight request still needs: where its sequences are and the tokens they

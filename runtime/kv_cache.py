@@ -23,6 +23,7 @@ class KVCache:
                         torch.zeros(stored, dtype=dtype, device=device).transpose(1, 2))
                        for _ in range(spec.num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.dtype = dtype
 
     @staticmethod
     def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
@@ -44,6 +45,12 @@ class KVCache:
         stacked = torch.stack([torch.stack((k[index], v[index])) for k, v in self.layers])
         host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=pin_memory)
         return host.copy_(stacked)
+
+    def block_layout(self) -> tuple[tuple[int, ...], torch.dtype]:
+        """What read_blocks' tensors hold per block, with the blocks' axis left out:
+        [layers, 2, block_size, kv_heads, head_dim], and their dtype."""
+        k = self.layers[0][0]
+        return (len(self.layers), 2, *k.shape[1:]), self.dtype
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         device = self.layers[0][0].device

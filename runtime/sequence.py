@@ -151,6 +151,8 @@ class Sequence:
     def _stop_reason(self, token: int) -> str | None:
         p, rule = self.params, self.stop_rule
         if self.grammar is not None and self.grammar.is_stopped():  # its grammar is complete
+            if p.stop and self.num_generated > p.min_tokens:
+                self._hit_stop_string()  # one completed by the same token still cuts the text
             return "stop"
         eos = not p.ignore_eos and token in rule.eos_token_ids
         if (eos or token in p.stop_token_ids) and self.num_generated >= p.min_tokens:

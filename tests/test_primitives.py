@@ -284,6 +284,21 @@ def test_migrate_in_refuses_a_state_this_engine_could_never_finish(tiny):
     assert collect(source)["big"].error is None
 
 
+def test_migrate_in_refuses_kv_in_blocks_of_another_size(tiny):
+    model = tiny.dir("qwen2")
+    source, target = make_engine(model), make_engine(model, block_size=8)
+    [request] = greedy_requests(PROMPTS[1:2], 8)
+    source.submit(request)
+    source.step()
+    state = source.migrate_out("r0", with_kv=True)
+    assert state["sequences"][0]["kv"] is not None
+    with pytest.raises(ValueError, match="its KV is laid out"):
+        target.migrate_in(state)
+    assert_idle_and_clean(target)
+    source.migrate_in(state)
+    assert_matches(collect(source)["r0"], *reference(tiny, "qwen2", PROMPTS[1], 8), max_tokens=8)
+
+
 def test_a_generate_call_waiting_on_a_request_migrated_away_returns(tiny):
     engine, other = make_engine(tiny.dir("qwen2")).start(), make_engine(tiny.dir("qwen2"))
     request = Request("g", prompt_token_ids=list(PROMPTS[0]),

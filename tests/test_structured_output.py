@@ -118,6 +118,20 @@ def test_greedy_choice_and_regex_match_transformers_under_the_same_mask(tiny_cha
     assert_idle_and_clean(engine)
 
 
+def test_a_stop_string_completed_by_the_grammars_last_token_still_cuts_the_text(tiny_chat):
+    """The grammar's end and a stop string in the same token: the text ends before the stop,
+    as it would without a grammar."""
+    engine = make_engine(tiny_chat.dir("qwen3"))
+    labels = ["maybe so"]
+    free, stopped = engine.generate([
+        Request("free", prompt=PROMPTS[0], params=SamplingParams(max_tokens=16, choice=labels)),
+        Request("stop", prompt=PROMPTS[0], params=SamplingParams(max_tokens=16, choice=labels,
+                                                                  stop=["so", "xyz"]))])
+    assert free.text == "maybe so"
+    assert stopped.token_ids == free.token_ids and stopped.finish_reason == "stop"
+    assert (stopped.text, stopped.outputs[0].stop_reason) == ("maybe ", "so")
+
+
 @pytest.mark.parametrize("with_kv", [False, True])
 def test_migrating_mid_json_continues_the_same_json(tiny_chat, with_kv):
     """The target engine's matcher replays the tokens generated before the move."""
