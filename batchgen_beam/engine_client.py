@@ -91,7 +91,10 @@ class EngineService:
                 self._replace_failed_engine()
                 continue
             for completion in completions:
-                self._deliver(completion)
+                try:
+                    self._deliver(completion)
+                except Exception:  # noqa: BLE001 - routing must outlive a bug in one delivery
+                    log.exception("batchgen router: could not deliver the completion of %r", completion.id)
 
     def _replace_failed_engine(self) -> None:
         """The engine's loop died (a bug): every request in flight gets an error completion
@@ -142,7 +145,10 @@ class EngineService:
     def submit(self, client_id: str, requests: list[Request]) -> None:
         with self._engine_lock:
             fresh = self._claim(client_id, [r.id for r in requests])
-            for request in [r for r in requests if r.id in fresh]:
+            for request in requests:
+                if request.id not in fresh:
+                    continue
+                fresh.discard(request.id)  # an id given twice runs once
                 try:
                     self.engine.submit(request)
                 except ValueError as bad:  # e.g. stop strings on a model without a tokenizer
@@ -154,8 +160,13 @@ class EngineService:
         with self._engine_lock:
             fresh = self._claim(client_id, [s["request_id"] for s in states])
             for state in states:
-                if state["request_id"] in fresh:
+                if state["request_id"] not in fresh:
+                    continue
+                fresh.discard(state["request_id"])  # an id given twice runs once
+                try:
                     self.engine.migrate_in(state)
+                except ValueError as bad:  # a state this engine could never finish
+                    self._deliver(Completion.failed(state["request_id"], str(bad)))
 
     def migrate_out(self, client_id: str, request_ids: list[str]) -> dict[str, dict]:
         """Take this client's requests that are still running out of the engine: their states
@@ -264,9 +275,11 @@ class EngineClient:
     def submit(self, requests: Iterable[Request]) -> None:
         """Submit requests not already resident (a retried bundle resubmits nothing twice)."""
         with self._lock:
-            fresh = [r for r in requests if r.id not in self._resident]
-            for request in fresh:
-                self._resident[request.id] = request
+            fresh = []
+            for request in requests:
+                if request.id not in self._resident:  # nor given earlier in this call
+                    self._resident[request.id] = request
+                    fresh.append(request)
         if fresh:
             self._acknowledge_before_reuse([r.id for r in fresh])
             self._call("submit", self.client_id, fresh)
@@ -274,9 +287,11 @@ class EngineClient:
     def resume(self, states: Iterable[dict]) -> None:
         """Continue migrated-out requests (`migrate_out` states) not already resident."""
         with self._lock:
-            fresh = [s for s in states if s["request_id"] not in self._resident]
-            for state in fresh:
-                self._resident[state["request_id"]] = state
+            fresh = []
+            for state in states:
+                if state["request_id"] not in self._resident:  # nor given earlier in this call
+                    self._resident[state["request_id"]] = state
+                    fresh.append(state)
         if fresh:
             self._acknowledge_before_reuse([s["request_id"] for s in fresh])
             self._call("resume", self.client_id, fresh)

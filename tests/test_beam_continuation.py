@@ -87,6 +87,26 @@ def test_client_migrates_running_requests_out_and_resumes_them(config, bare_engi
     assert client.take(ids, timeout=0.5) == {}  # each exactly once
 
 
+def test_an_id_given_twice_in_one_call_runs_once_and_routing_goes_on(config, bare_engine):
+    """What a key's pending records hand the client when two identical records are unknown to
+    it (a second window, a restarted worker): one run, one completion, and no error that kills
+    the machine's routing for every later request."""
+    client = EngineClient(config)
+    prompts = bundled_prompts(bare_engine.tokenizer, 3, 30)
+    twice, other, later = engine_requests(prompts, "twice-", max_tokens=150)
+    client.submit([twice, other, twice])
+    start = decoded(client)
+    wait_for(lambda: decoded(client) >= start + 3, "decoding")
+    state = client.migrate_out([twice.id])[twice.id]
+    client.resume([state, state])
+    done = client.wait_all([twice.id, other.id])
+    expected = {c.id: c.token_ids for c in bare_engine.generate([twice, other, later])}
+    assert {rid: c.token_ids for rid, c in done.items()} == {rid: expected[rid] for rid in done}
+    assert client.take([twice.id], timeout=0.5) == {}  # exactly once
+    client.submit([later])
+    assert client.wait_all([later.id])[later.id].token_ids == expected[later.id]
+
+
 def test_flush_hands_stragglers_to_a_second_stage_exactly_once(config, good, bare_engine, monkeypatch):
     """The DoFn itself: the first stage's flush (timeout 0) emits rows for what is done and a
     continuation for the rest; the second stage, keyed by id + CONTINUED, emits their rows."""
