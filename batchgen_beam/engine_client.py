@@ -238,7 +238,20 @@ class EngineClient:
         self._taken: list[str] = []  # taken here since the last poll: acknowledged with the next
         self.restarts = 0
         self.last_info: dict | None = None  # the engine's counters as of the last poll
-        self._service = self._connect()
+        # Connected on first use, not here: Beam's multi-model RunInference constructs the
+        # handler's model under the lock that connecting needs too (a deadlock).
+        self._service = None
+
+    def connect(self) -> "EngineClient":
+        """Start (or find) the machine's engine process now rather than on first use."""
+        self._connected()
+        return self
+
+    def _connected(self):
+        with self._lock:
+            if self._service is None:
+                self._service = self._connect()
+            return self._service
 
     def _connect(self):
         # The constructor travels to a spawned process: it must pickle (no lambdas).
@@ -246,7 +259,7 @@ class EngineClient:
                                   always_proxy=True, spawn_process=True).acquire()
 
     def _call(self, method: str, *args):
-        service = self._service
+        service = self._connected()
         try:
             return getattr(service, method)(*args)
         except _ENGINE_GONE as gone:

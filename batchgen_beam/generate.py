@@ -115,7 +115,7 @@ class _GenerateFn(beam.DoFn):
         self._shard_suffix = shard_suffix  # records are keyed by shard_of(id + this), and named so
 
     def setup(self):
-        self._client = EngineClient.shared(self._config)
+        self._client = EngineClient.shared(self._config).connect()
         self._metrics = EngineMetrics()
         self._recovered: set[int] = set()
 

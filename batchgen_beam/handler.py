@@ -43,6 +43,8 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineClient]):
         self._config = EngineConfig.of(model, **(engine_args or {}))
 
     def load_model(self) -> EngineClient:
+        # Not connected yet: under KeyedModelHandler with several models, Beam calls this while
+        # holding the lock that connecting takes; the first batch connects.
         return EngineClient.shared(self._config)
 
     def share_model_across_processes(self) -> bool:

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import apache_beam as beam
 import pytest
-from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
+from apache_beam.ml.inference.base import KeyedModelHandler, KeyModelMapping, RunInference
 
 from batchgen_beam.handler import BatchGenModelHandler, as_record
 from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, bundled_prompts, chat_model_dir,
@@ -99,6 +99,11 @@ def outputs(model_dir, prompts, tmp_path_factory):
         keyed_examples = [(f"k{i}", p) for i, p in enumerate(prompts[9:12])] + \
             [("k-chat", chats(prompts)[0]), ("k-record", {"id": "kr", "prompt": prompts[0], "max_tokens": 2})]
         keyed = run("keyed", keyed_examples, KeyedModelHandler(handler(model_dir)))
+        # A model per key: Beam loads each under a lock that connecting to the engine takes too
+        # (an engine of its own, so no other branch has connected to it before).
+        per_key = [KeyModelMapping([key], BatchGenModelHandler(str(model_dir), engine_args={
+            **ENGINE_ARGS, "max_num_seqs": 7})) for key in ("ka", "kb")]
+        mapped = run("mapped", [("ka", prompts[9]), ("kb", prompts[10])], KeyedModelHandler(per_key))
         main, dead_letters = (p | "Create handled" >> beam.Create(records(prompts), reshuffle=False)
                               | "RunInference handled" >> RunInference(
                                   handler(model_dir), inference_args=INFERENCE_ARGS).with_exception_handling())
@@ -108,6 +113,8 @@ def outputs(model_dir, prompts, tmp_path_factory):
             "chats": run("chats", chats(prompts), handler(model_dir)) | "chats json" >> as_json,
             "keyed": keyed | "keyed json" >> beam.Map(
                 lambda kv: json.dumps({"key": kv[0], "example": kv[1].example, "row": kv[1].inference})),
+            "mapped": mapped | "mapped json" >> beam.Map(
+                lambda kv: json.dumps({"key": kv[0], "row": kv[1].inference})),
             "handled": main | "handled json" >> as_json,
             "failed": dead_letters.failed_inferences | "failed json" >> beam.Map(lambda x: json.dumps(x, default=str)),
         }
@@ -172,6 +179,13 @@ def test_keyed_model_handler(outputs, prompts, bare_engine):
         bare(bare_engine, "kc", messages=chats(prompts)[0]).token_ids
     assert results["k-record"]["row"]["id"] == "kr"
     assert results["k-record"]["row"]["completion_tokens"] <= 2
+
+
+def test_a_keyed_model_handler_with_a_model_per_key(outputs, prompts, bare_engine):
+    results = {r["key"]: r["row"] for r in outputs["mapped"]}
+    assert sorted(results) == ["ka", "kb"]
+    for key, prompt in (("ka", prompts[9]), ("kb", prompts[10])):
+        assert results[key]["token_ids"] == bare(bare_engine, key, prompt=prompt).token_ids
 
 
 def test_with_exception_handling_bad_records_are_rows_not_failures(outputs, prompts, bare_engine):
