@@ -77,6 +77,7 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
 ROLES = ("system", "user", "assistant")
 # OpenAI's newer name for the system role: chat templates know only "system".
 ROLE_ALIASES = {"developer": "system"}
+_STRUCTURED = {"json_schema", "regex", "choice"}  # structured output: one kind at most
 # Sampling fields that take an integer (a whole float counts, see _whole).
 _INTEGER_FIELDS = {"max_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprobs", "min_tokens",
                    "truncate_prompt_tokens"}
@@ -194,7 +195,7 @@ def _to_mapping(raw: Any, fallback_id: str | None) -> Mapping:
             raise _Invalid(f"record: invalid JSON ({exc})") from None
         except RecursionError:
             raise _Invalid("record: JSON nested too deeply to read") from None
-    if hasattr(raw, "_asdict"):  # a namedtuple, or a beam.Row of a schema'd PCollection
+    if _is_record(raw):
         raw = raw._asdict()
     if not isinstance(raw, Mapping):
         raise _Invalid(f"record: must be an object with an id and a prompt or messages, "
@@ -225,8 +226,10 @@ def _id_of_undecodable(raw: Any) -> str | None:
 
 def _plain(value: Any) -> Any:
     """value with numpy numbers, bools, text and arrays of them as the Python values they hold,
-    in nested mappings and lists too. Other numpy values (datetimes) stay: their item() would
-    lose the type."""
+    and beam.Rows and namedtuples as dicts, in nested mappings and lists too. Other numpy values
+    (datetimes) stay: their item() would lose the type."""
+    if _is_record(value):  # a nested beam.Row (a repeated struct column) or namedtuple
+        value = value._asdict()
     if isinstance(value, np.generic) and value.dtype.kind in "biufcUS":
         return value.item()
     if isinstance(value, np.ndarray) and value.dtype.kind in "biufcUSO":
@@ -246,13 +249,24 @@ def _same(value: Any, expected: Any) -> bool:
 _CONTAINERS = (Mapping, list, tuple, np.ndarray)
 
 
+def _is_record(value: Any) -> bool:
+    """A namedtuple or a beam.Row (of a schema'd PCollection): a record, not a list."""
+    return hasattr(value, "_asdict") and not isinstance(value, type)
+
+
+def _is_container(value: Any) -> bool:
+    return isinstance(value, _CONTAINERS) or _is_record(value)
+
+
 def _nests_deeper(value: Any, limit: int) -> bool:
     """Whether mappings, lists and arrays nest deeper than `limit` in value, found without
     recursion."""
     pending = [(value, 0)]
     while pending:
         item, depth = pending.pop()
-        if isinstance(item, Mapping):
+        if _is_record(item):
+            children = item._asdict().values()
+        elif isinstance(item, Mapping):
             children = item.values()
         elif isinstance(item, (list, tuple)):
             children = item
@@ -266,7 +280,7 @@ def _nests_deeper(value: Any, limit: int) -> bool:
             continue
         if depth == limit:
             return True
-        pending.extend((child, depth + 1) for child in children if isinstance(child, _CONTAINERS))
+        pending.extend((child, depth + 1) for child in children if _is_container(child))
     return False
 
 
@@ -436,8 +450,11 @@ def _check_content(where: str, content: Any) -> str:
 
 
 def _params(fields: Mapping, base: dict) -> SamplingParams:
+    given = _sampling_fields(fields)
+    if given.keys() & _STRUCTURED:  # a record's structure replaces the job's, of whatever kind
+        base = {k: v for k, v in base.items() if k not in _STRUCTURED}
     try:
-        return SamplingParams(**{**base, **_sampling_fields(fields)})
+        return SamplingParams(**{**base, **given})
     except ValueError as exc:
         raise _Invalid(_field_message(exc)) from None
 

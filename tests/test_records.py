@@ -358,6 +358,19 @@ def test_a_namedtuple_or_beam_row_is_a_record():
         assert parse_record(raw) == Parsed("r1", "Hi", None, SamplingParams(max_tokens=4))
 
 
+def test_nested_beam_rows_and_namedtuples_are_records_too():
+    """A schema'd PCollection with a repeated struct column holds messages as beam.Rows."""
+    class Message(NamedTuple):
+        role: str
+        content: str
+
+    for message in (beam.Row(role="user", content="Hi"), Message("user", "Hi")):
+        got = parse_record(beam.Row(id="r1", messages=[message], meta=beam.Row(source="a", line=3)))
+        assert isinstance(got, Parsed), got
+        assert got.messages == [{"role": "user", "content": "Hi"}]
+        assert got.passthrough == {"meta": {"source": "a", "line": 3}}
+
+
 class _Broken(Mapping):
     """A mapping that fails when read: a record no check foresees."""
 
@@ -492,6 +505,15 @@ def test_a_pandas_column_of_ints_with_gaps_reads_as_ints_and_defaults():
     assert got[1].params == SamplingParams(max_tokens=3, temperature=0.5)
     assert parse_record('{"id": "j", "prompt": "Hi", "n": 2.0, "seed": 1e3}').params == \
         SamplingParams(n=2, seed=1000)
+
+
+def test_a_records_structured_output_replaces_the_jobs_of_another_kind():
+    defaults = {"json_schema": {"type": "object"}, "max_tokens": 8}
+    got = parse_record(rec(choice=["yes", "no"]), defaults)
+    assert got.params.choice == ("yes", "no") and got.params.json_schema is None
+    assert got.params.max_tokens == 8
+    assert parse_record(rec(), defaults).params.json_schema is not None
+    assert "one at most" in parse_record(rec(choice=["a"], regex="b+"), defaults).error
 
 
 def test_a_record_bad_field_is_its_own_fault_even_with_defaults():
