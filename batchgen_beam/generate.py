@@ -33,6 +33,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import StandardOptions
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import BagStateSpec, TimerSpec, on_timer
+from apache_beam.transforms.window import TimestampedValue
 
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.records import Parsed, check_defaults, completion_row, error_row, parse_record
@@ -51,6 +52,11 @@ class Continuation:
 
 def _parsed(item: Parsed | Continuation) -> Parsed:
     return item.parsed if isinstance(item, Continuation) else item
+
+
+def _records(pending) -> list[Parsed | Continuation]:
+    """The records held in a stage's state (each is held with its timestamp)."""
+    return [record for record, _ in pending.read()]
 
 
 def engine_request_id(namespace: str, parsed: Parsed, key_suffix: str = "") -> str:
@@ -105,7 +111,9 @@ class EngineMetrics:
 
 class _GenerateFn(beam.DoFn):
     """A stage's logic, over its state (`pending`: the records, Parsed or Continuation, whose
-    rows are not out yet) and its window-end timer (`flush`); `stateful_stage` declares them."""
+    rows are not out yet, each with its event timestamp) and its window-end timer (`flush`);
+    `stateful_stage` declares them. A row leaves with its record's timestamp, whichever
+    record's processing or which timer emits it."""
 
     def __init__(self, config: EngineConfig, num_shards: int, max_in_flight: int, namespace: str,
                  straggler_timeout_s: float | None = None, shard_suffix: str = ""):
@@ -124,7 +132,7 @@ class _GenerateFn(beam.DoFn):
         # ids differ from the first's, so no client mistakes one for the other.
         return engine_request_id(self._namespace, _parsed(item), self._shard_suffix)
 
-    def _process(self, element, window, pending, flush):
+    def _process(self, element, window, timestamp, pending, flush):
         shard, parsed = element
         if not isinstance(parsed, (Parsed, Continuation)):
             yield self._row(error_row(parsed))
@@ -133,9 +141,9 @@ class _GenerateFn(beam.DoFn):
             # First sight of this key in this process: a failed attempt or a dead worker may
             # have left records in state that no engine is running; resubmit them by id.
             self._recovered.add(shard)
-            self._submit(list(pending.read()))
+            self._submit(_records(pending))
         flush.set(window.max_timestamp())
-        pending.add(parsed)
+        pending.add((parsed, timestamp))
         self._client.wait_for_capacity(self._max_in_flight)
         self._submit([parsed])
         done_keys = {_key_of(rid, self._namespace) for rid in self._client.done_ids()}
@@ -146,8 +154,7 @@ class _GenerateFn(beam.DoFn):
             self._metrics.engine(self._client.last_info)
 
     def _flush(self, pending):
-        records = list(pending.read())
-        self._submit(records)
+        self._submit(_records(pending))
         if self._straggler_timeout_s is not None:
             yield from self._emit_done(pending, wait=False, timeout=self._straggler_timeout_s)
             yield from self._hand_off(pending)
@@ -155,21 +162,22 @@ class _GenerateFn(beam.DoFn):
 
     def _hand_off(self, pending):
         """Emit this key's records still running as continuations and drop them from state."""
-        records = list(pending.read())
-        states = self._client.migrate_out([self._request_id(r) for r in records])
+        held = list(pending.read())
+        states = self._client.migrate_out([self._request_id(r) for r, _ in held])
         if not states:
             return
         pending.clear()
-        for record in records:
+        for record, timestamp in held:
             state = states.get(self._request_id(record))
             if state is None:  # finished meanwhile: its row comes out below
-                pending.add(record)
+                pending.add((record, timestamp))
             else:
                 self._metrics.continuations.inc()
                 # The second stage continues it under its own id (the sequences follow it).
                 continued_id = engine_request_id(self._namespace, _parsed(record), CONTINUED)
                 state = {**state, "request_id": continued_id}
-                yield TaggedOutput(CONTINUATIONS, Continuation(_parsed(record), state))
+                yield TaggedOutput(CONTINUATIONS, TimestampedValue(Continuation(_parsed(record), state),
+                                                                   timestamp))
 
     def _submit(self, records: list[Parsed | Continuation]) -> None:
         fresh = [r for r in records if not self._client.knows(self._request_id(r))]
@@ -180,8 +188,8 @@ class _GenerateFn(beam.DoFn):
     def _emit_done(self, pending, wait: bool, timeout: float = 0.0):
         """Emit the rows of this key's finished records and drop them from state: all of them
         (wait), or those done within `timeout`."""
-        records = list(pending.read())
-        ids = [self._request_id(r) for r in records]
+        held = list(pending.read())
+        ids = [self._request_id(r) for r, _ in held]
         if wait:
             done = self._client.wait_all(ids)
         else:
@@ -191,11 +199,12 @@ class _GenerateFn(beam.DoFn):
                 done.update(self._client.take(set(ids) - done.keys(), deadline - time.monotonic()))
         if done:
             pending.clear()
-            for record, request_id in zip(records, ids):
+            for (record, timestamp), request_id in zip(held, ids):
                 if request_id in done:
-                    yield self._row(completion_row(_parsed(record), done[request_id]))
+                    yield TimestampedValue(self._row(completion_row(_parsed(record), done[request_id])),
+                                           timestamp)
                 else:
-                    pending.add(record)
+                    pending.add((record, timestamp))
         self._metrics.engine(self._client.last_info)
 
     def _row(self, row: dict) -> dict:
@@ -213,13 +222,13 @@ class _StreamingGenerateFn(_GenerateFn):
         super().__init__(*args, **kwargs)
         self._poll_interval_s = poll_interval_s
 
-    def _process(self, element, window, pending, flush, poll):
-        yield from super()._process(element, window, pending, flush)
+    def _process(self, element, window, timestamp, pending, flush, poll):
+        yield from super()._process(element, window, timestamp, pending, flush)
         poll.set(self.clock() + self._poll_interval_s)
 
     def _poll(self, pending, poll):
         # The key may have moved here from a failed worker: resubmit what no engine runs.
-        self._submit(list(pending.read()))
+        self._submit(_records(pending))
         yield from self._emit_done(pending, wait=False)
         if next(iter(pending.read()), None) is not None:
             poll.set(self.clock() + self._poll_interval_s)
@@ -234,10 +243,10 @@ def stateful_stage(logic: type[_GenerateFn], names: str) -> type[_GenerateFn]:
     flush_spec = TimerSpec(f"flush_{names}", TimeDomain.WATERMARK)
     if not issubclass(logic, _StreamingGenerateFn):
         class Stage(logic):
-            def process(self, element, window=beam.DoFn.WindowParam,
+            def process(self, element, window=beam.DoFn.WindowParam, timestamp=beam.DoFn.TimestampParam,
                         pending=beam.DoFn.StateParam(pending_spec),
                         flush=beam.DoFn.TimerParam(flush_spec)):
-                return self._process(element, window, pending, flush)
+                return self._process(element, window, timestamp, pending, flush)
 
             @on_timer(flush_spec)
             def flush(self, pending=beam.DoFn.StateParam(pending_spec)):
@@ -246,10 +255,10 @@ def stateful_stage(logic: type[_GenerateFn], names: str) -> type[_GenerateFn]:
     poll_spec = TimerSpec(f"poll_{names}", TimeDomain.REAL_TIME)
 
     class StreamingStage(logic):
-        def process(self, element, window=beam.DoFn.WindowParam,
+        def process(self, element, window=beam.DoFn.WindowParam, timestamp=beam.DoFn.TimestampParam,
                     pending=beam.DoFn.StateParam(pending_spec),
                     flush=beam.DoFn.TimerParam(flush_spec), poll=beam.DoFn.TimerParam(poll_spec)):
-            return self._process(element, window, pending, flush, poll)
+            return self._process(element, window, timestamp, pending, flush, poll)
 
         @on_timer(flush_spec)
         def flush(self, pending=beam.DoFn.StateParam(pending_spec)):

@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 from apache_beam.pvalue import TaggedOutput
 from apache_beam.transforms.window import GlobalWindow
+from apache_beam.utils.timestamp import Timestamp
 
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.generate import CONTINUATIONS, CONTINUED, Continuation, _GenerateFn, shard_of, stateful_stage
@@ -118,29 +119,33 @@ def test_flush_hands_stragglers_to_a_second_stage_exactly_once(config, good, bar
     first.setup()
     bag, outputs = Bag(), []
     start = decoded(first._client)
+    stamps = {parsed.id: Timestamp(10 + i) for i, parsed in enumerate(records)}
     for parsed in records:
-        outputs += first.process((0, parsed), window=GlobalWindow(), pending=bag, flush=Timer())
+        outputs += first.process((0, parsed), window=GlobalWindow(), timestamp=stamps[parsed.id],
+                                 pending=bag, flush=Timer())
     wait_for(lambda: decoded(first._client) >= start + 3, "decoding")
     outputs += first.flush(pending=bag)
     assert bag.items == []
     rows = [o for o in outputs if not isinstance(o, TaggedOutput)]
     handed = [o for o in outputs if isinstance(o, TaggedOutput)]
     assert {o.tag for o in handed} == {CONTINUATIONS} and len(handed) >= 2
-    continued = [o.value for o in handed]
-    assert all(isinstance(c, Continuation) for c in continued)
+    continued = [o.value for o in handed]  # each keeps its record's timestamp
+    assert all(isinstance(c.value, Continuation) and c.timestamp == stamps[c.value.parsed.id] for c in continued)
     # Some left mid-generation: their tokens so far travel with them.
-    assert any(len(c.state["sequences"][0]["token_ids"]) > c.state["prompt_tokens"] for c in continued)
+    assert any(len(c.value.state["sequences"][0]["token_ids"]) > c.value.state["prompt_tokens"] for c in continued)
 
     second = stateful_stage(_GenerateFn, "t_continued")(config, num_shards=4, max_in_flight=1024, namespace="cont", shard_suffix=CONTINUED)
     second.setup()
     bags = {}
     for continuation in continued:
-        shard = shard_of(continuation.parsed.id + CONTINUED, 4)
-        rows += second.process((shard, continuation), window=GlobalWindow(),
+        shard = shard_of(continuation.value.parsed.id + CONTINUED, 4)
+        rows += second.process((shard, continuation.value), window=GlobalWindow(), timestamp=continuation.timestamp,
                                pending=bags.setdefault(shard, Bag()), flush=Timer())
     for bag in bags.values():
         rows += second.flush(pending=bag)
 
+    assert all(row.timestamp == stamps[row.value["id"]] for row in rows)  # whichever stage emitted it
+    rows = [row.value for row in rows]
     assert Counter(row["id"] for row in rows) == Counter(p.id for p in records)
     assert {row["id"]: row["token_ids"] for row in rows} == bare_tokens(bare_engine, long)
 

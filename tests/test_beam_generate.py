@@ -3,6 +3,7 @@ in one run), per-record sampling fields honoured, outputs equal to the bare engi
 model, passthrough fields and Beam metrics; with two SDK worker processes, one engine serves
 both; a record left in state by a dead worker is resubmitted by id and answered once."""
 
+import json
 import logging
 import os
 import signal
@@ -19,6 +20,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing import test_stream
 from apache_beam.testing.util import assert_that
 from apache_beam.transforms.window import GlobalWindow
+from apache_beam.utils.timestamp import Timestamp
 
 from batchgen_beam.engine_client import EngineClient, EngineConfig, EngineService
 from batchgen_beam.generate import Generate, _GenerateFn, _StreamingGenerateFn, stateful_stage
@@ -28,6 +30,7 @@ from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, MULTI_PROCESSING, bun
 from runtime import Engine, Request, SamplingParams
 
 MAX_TOKENS = 8  # the transform-wide default
+STAMP = Timestamp(1_700_000_000)  # a record's event time, in tests that call the DoFn itself
 FIXED_LENGTHS = (1, 3, 5, 11)  # per-record max_tokens, with ignore_eos
 SAMPLED = {"s-7": (7, 0.8), "s-7-again": (7, 0.8), "s-8": (8, 0.8), "s-7-hot": (7, 1.5)}
 SAMPLED_TOKENS = 16
@@ -249,6 +252,28 @@ def test_two_generate_transforms_reading_one_input_each_emit_every_row(model_dir
     for name, limit in (("short", 3), ("longer", 6)):
         assert sorted(row["id"] for row in outputs[name]) == sorted(r["id"] for r in records), name
         assert all(row["error"] is None and row["completion_tokens"] <= limit for row in outputs[name])
+
+
+def test_rows_keep_their_records_event_timestamps(model_dir, good, tmp_path):
+    """Whichever record's processing or which timer emits a row, it carries its record's
+    timestamp: re-windowed downstream, it lands where its record was."""
+    from apache_beam.transforms import window
+
+    stamped = [window.TimestampedValue(record, 2 * i + 1) for i, record in enumerate(good[:6])]
+
+    class WithTimestamp(beam.DoFn):
+        def process(self, row, timestamp=beam.DoFn.TimestampParam):
+            yield json.dumps({"id": row["id"], "timestamp": float(timestamp)})
+
+    def build(pipeline):
+        rows = (pipeline | beam.Create(stamped, reshuffle=False)
+                | beam.WindowInto(window.FixedWindows(20))
+                | Generate(str(model_dir), engine_args=ENGINE_ARGS, num_shards=1, max_tokens=4))
+        return {"rows": rows | beam.ParDo(WithTimestamp())}
+
+    outputs, _ = run_pipeline(build, tmp_path, IN_MEMORY)
+    assert sorted((row["id"], row["timestamp"]) for row in outputs["rows"]) == \
+        sorted((value.value["id"], float(value.timestamp)) for value in stamped)
 
 
 def test_passthrough_fields_come_back(rows_by_key):
@@ -565,7 +590,7 @@ def test_records_left_in_state_are_resubmitted_by_a_restarted_worker(model_dir, 
                           max_in_flight=1024, namespace="job-1")
     worker1.setup()
     for parsed in records[:6]:
-        run(worker1, "process", (0, parsed), window=GlobalWindow(), pending=bag, flush=timer)
+        run(worker1, "process", (0, parsed), window=GlobalWindow(), timestamp=STAMP, pending=bag, flush=timer)
     assert bag.items, "every row came out before the restart: nothing left to recover"
     assert len(rows) + len(bag.items) == 6
     assert timer.set_to and set(timer.set_to) == {GlobalWindow().max_timestamp()}
@@ -575,9 +600,11 @@ def test_records_left_in_state_are_resubmitted_by_a_restarted_worker(model_dir, 
     worker2 = stateful_stage(_GenerateFn, "t")(EngineConfig.of(str(model_dir), **ENGINE_ARGS), num_shards=1,
                           max_in_flight=1024, namespace="job-1")
     worker2.setup()
-    run(worker2, "process", (0, records[6]), window=GlobalWindow(), pending=bag, flush=timer)
+    run(worker2, "process", (0, records[6]), window=GlobalWindow(), timestamp=STAMP, pending=bag, flush=timer)
     run(worker2, "flush", pending=bag)
 
+    assert all(row.timestamp == STAMP for row in rows)
+    rows[:] = [row.value for row in rows]
     assert Counter(row["id"] for row in rows) == Counter(p.id for p in records)
     assert bag.items == []
     expected = {c.id: c.token_ids for c in bare_engine.generate([p.to_request() for p in records])}
@@ -597,7 +624,7 @@ def test_on_an_unbounded_input_finished_rows_leave_before_the_window_ends(model_
     fn.setup()
     for parsed in records:
         before = time.time()
-        rows += fn.process((0, parsed), window=GlobalWindow(), pending=bag, flush=flush, poll=poll)
+        rows += fn.process((0, parsed), window=GlobalWindow(), timestamp=STAMP, pending=bag, flush=flush, poll=poll)
         assert before + 0.5 <= poll.set_to[-1] <= time.time() + 0.5
     deadline = time.monotonic() + 120
     while bag.items and time.monotonic() < deadline:
@@ -607,6 +634,8 @@ def test_on_an_unbounded_input_finished_rows_leave_before_the_window_ends(model_
         time.sleep(0.05)
     assert bag.items == []
     assert list(fn.flush(pending=bag)) == []
+    assert all(row.timestamp == STAMP for row in rows)  # the record's, not the poll's fire time
+    rows = [row.value for row in rows]
     expected = {c.id: c.token_ids for c in bare_engine.generate([p.to_request() for p in records])}
     assert sorted(row["id"] for row in rows) == sorted(expected)  # one row each
     assert {row["id"]: row["token_ids"] for row in rows} == expected
