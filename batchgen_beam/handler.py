@@ -15,6 +15,7 @@ from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.records import Parsed, check_defaults, completion_row, error_row, parse_record
+from runtime.default_model import DEFAULT_MODEL_NAME
 
 
 def as_record(example: Any, fallback_id: str) -> Any:
@@ -47,6 +48,12 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineClient]):
         # holding the lock that connecting takes; the first batch connects.
         return EngineClient.shared(self._config)
 
+    def update_model_path(self, model_path: str | None = None) -> None:
+        """A new model from RunInference's `model_metadata_pcoll` side input: the batches after
+        it run on that model's engine."""
+        if model_path:
+            self._config = dataclasses.replace(self._config, model=model_path)
+
     def share_model_across_processes(self) -> bool:
         return False  # the client already shares one engine process per machine
 
@@ -63,8 +70,9 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineClient]):
         model.submit([dataclasses.replace(p.to_request(), id=rid)
                       for p, rid in zip(parsed, request_ids) if isinstance(p, Parsed)])
         done = model.wait_all([rid for p, rid in zip(parsed, request_ids) if isinstance(p, Parsed)])
+        model_id = model.config.model or DEFAULT_MODEL_NAME
         return [PredictionResult(example, completion_row(p, done[rid]) if isinstance(p, Parsed)
-                                 else error_row(p))
+                                 else error_row(p), model_id)
                 for example, p, rid in zip(batch, parsed, request_ids)]
 
     def get_metrics_namespace(self) -> str:

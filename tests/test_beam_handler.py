@@ -10,6 +10,7 @@ import apache_beam as beam
 import pytest
 from apache_beam.ml.inference.base import KeyedModelHandler, KeyModelMapping, RunInference
 
+from batchgen_beam.engine_client import EngineConfig
 from batchgen_beam.handler import BatchGenModelHandler, as_record
 from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, bundled_prompts, chat_model_dir,
                           run_pipeline)
@@ -205,6 +206,16 @@ def test_bad_inference_args_fail_when_applied(model_dir, inference_args, message
     pipeline = beam.Pipeline()  # applying the transform fails; nothing runs
     with pytest.raises(ValueError, match=message):
         pipeline | beam.Create(["Hi"]) | RunInference(model_handler, inference_args=inference_args)
+
+
+def test_a_model_update_from_the_side_input_moves_later_batches_to_its_engine(model_dir, tmp_path):
+    model_handler = handler(model_dir)
+    [result] = model_handler.run_inference(["Hi"], model_handler.load_model(), INFERENCE_ARGS)
+    assert result.model_id == str(model_dir) and result.inference["error"] is None
+    model_handler.update_model_path(str(tmp_path / "newer"))
+    assert model_handler.load_model().config == EngineConfig.of(str(tmp_path / "newer"), **ENGINE_ARGS)
+    model_handler.update_model_path(None)  # no update: the model stays
+    assert model_handler.load_model().config.model == str(tmp_path / "newer")
 
 
 def test_batching_does_not_start_at_one(model_dir):
