@@ -90,22 +90,27 @@ def test_min_tokens_matches_transformers_min_new_tokens(tiny):
     assert early.token_ids == [EOS]
 
 
+def letter_sequence(tokens, max_tokens=10, **params) -> Sequence:
+    """A sequence over a 10-letter vocabulary (token t is the t-th letter; 9 is EOS), fed
+    `tokens` until it finishes."""
+    rule = StopRule(eos_token_ids=frozenset({9}), max_model_len=100,
+                    detokenize=lambda ids, skip_special_tokens: "".join("abcdefghij"[t] for t in ids))
+    seq = Sequence("s", "r", 0, [0], 1, SamplingParams(max_tokens=max_tokens, **params), None, rule)
+    seq.send(Event.ADMITTED)
+    for token in tokens:
+        seq.send(Event.TOKEN, SampledToken(token))
+        if seq.is_finished:
+            break
+    return seq
+
+
 def test_min_tokens_holds_back_stop_strings_and_stop_ids():
     """vLLM's rules: before min_tokens nothing stops the sequence; after it, a stop string
     ending in the text of a token past the min_tokens-th does, one that ended earlier does not.
     Of stop strings completed by the same token, the first to end wins, then the first listed.
     A stop token's text is left out unless the stop is kept (include_stop_str_in_output)."""
-    letters = "abcdefghij"
-    rule = StopRule(eos_token_ids=frozenset({9}), max_model_len=100,
-                    detokenize=lambda ids, skip_special_tokens: "".join(letters[t] for t in ids))
-
     def run(tokens, **params):
-        seq = Sequence("s", "r", 0, [0], 1, SamplingParams(max_tokens=10, **params), None, rule)
-        seq.send(Event.ADMITTED)
-        for token in tokens:
-            seq.send(Event.TOKEN, SampledToken(token))
-            if seq.is_finished:
-                break
+        seq = letter_sequence(tokens, **params)
         return seq.generated_ids, seq.finish_reason, seq.text
 
     assert run([1, 2, 3, 4], stop=["bc"]) == ([1, 2], "stop", "")
@@ -132,15 +137,8 @@ def test_min_tokens_holds_back_stop_strings_and_stop_ids():
 def test_stop_reason_names_the_stop_string_or_stop_token_that_ended_it():
     """vLLM's stop_reason: the stop string or stop_token_ids entry; None for EOS, length and a
     grammar's end."""
-    letters = "abcdefghij"
-    rule = StopRule(eos_token_ids=frozenset({9}), max_model_len=100,
-                    detokenize=lambda ids, skip_special_tokens: "".join(letters[t] for t in ids))
-
     def stop_reason(tokens, **params):
-        seq = Sequence("s", "r", 0, [0], 1, SamplingParams(max_tokens=4, **params), None, rule)
-        seq.send(Event.ADMITTED)
-        for token in tokens:
-            seq.send(Event.TOKEN, SampledToken(token))
+        seq = letter_sequence(tokens, max_tokens=4, **params)
         assert seq.is_finished
         return seq.finish_reason, seq.stop_reason
 
