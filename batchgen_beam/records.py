@@ -28,7 +28,8 @@ Choices:
   output (`tools`, `echo`, ...) are accepted only at their no-op value; any other key is
   rejected, naming it, rather than silently not honoured. `response_format` (`json_object`: any
   JSON object; `json_schema`: its schema) and vLLM's `guided_json` become our `json_schema`,
-  vLLM's `guided_regex` and `guided_choice` our `regex` and `choice`.
+  vLLM's `guided_regex` and `guided_choice` our `regex` and `choice`, and so does vLLM 0.32's
+  `structured_outputs` (`json`, `regex`, `choice`, `json_object`).
 - Passthrough values that strict JSON cannot hold (dates, decimals from Parquet or BigQuery,
   NaN and infinities, mapping keys that are not strings or numbers) are written as their str()
   in output rows rather than failing the pipeline or writing a bare NaN. Bytes are written in
@@ -94,8 +95,13 @@ _OPENAI_URLS = {
     "/v1/completions": ("prompt", {"prompt", "max_tokens", "logprobs"}),
 }
 # Body keys that ask for structured output: OpenAI's response_format and vLLM's guided_json
-# (our json_schema), vLLM's guided_regex and guided_choice (our regex and choice).
-_OPENAI_FORMATS = {"response_format", "guided_json", "guided_regex", "guided_choice"}
+# (our json_schema), vLLM's guided_regex and guided_choice (our regex and choice), and vLLM
+# 0.32's structured_outputs, which holds one of json, regex, choice or json_object.
+_OPENAI_FORMATS = {"response_format", "guided_json", "guided_regex", "guided_choice", "structured_outputs"}
+_STRUCTURED_OUTPUTS_KINDS = ("json", "regex", "choice", "json_object")
+# Its options: our JSON is compact whichever way disable_any_whitespace asks (both are valid
+# JSON); the others would change what is allowed, so only their defaults pass.
+_STRUCTURED_OUTPUTS_DEFAULTS = {"disable_additional_properties": False}
 # Body keys that map one to one onto ours; top_k, min_p, stop_token_ids, ignore_eos, min_tokens,
 # prompt_logprobs, repetition_penalty, truncate_prompt_tokens, include_stop_str_in_output and
 # skip_special_tokens are vLLM's extensions of the API, so files written for vLLM work too.
@@ -538,19 +544,49 @@ def _openai_fields(record: Mapping) -> dict:
             raise _Invalid(f"body.{key}: not supported for {url}")
     fields = {k: v for k, v in given.items() if k in _OPENAI_SAMPLING}
     fields[input_key] = given[input_key]
-    fields["json_schema"] = _openai_json_schema(given)
-    fields["regex"], fields["choice"] = given.get("guided_regex"), given.get("guided_choice")
+    fields.update(_openai_structure(given))
     fields["max_tokens"] = _openai_max_tokens(given)
     fields["logprobs"] = _chat_logprobs(given) if input_key == "messages" else given.get("logprobs")
     return fields
 
 
-def _openai_json_schema(body: dict) -> Any:
-    """response_format json_object (any JSON object) or json_schema (its schema), or vLLM's
-    guided_json, as our json_schema; None for text."""
+def _openai_structure(body: dict) -> dict:
+    """The body's structured output as our json_schema, regex and choice (None: not asked)."""
     formats = {key: body[key] for key in _OPENAI_FORMATS if key in body}
     if len(formats) > 1:
         raise _Invalid(f"body.{', body.'.join(sorted(formats))}: give one")
+    if "structured_outputs" in formats:
+        return _vllm_structured_outputs(formats["structured_outputs"])
+    return {"json_schema": _openai_json_schema(formats), "regex": formats.get("guided_regex"),
+            "choice": formats.get("guided_choice")}
+
+
+def _vllm_structured_outputs(spec: Any) -> dict:
+    """vLLM's structured_outputs: one of json, regex, choice or json_object, and options."""
+    where = "body.structured_outputs"
+    if not isinstance(spec, Mapping):
+        raise _Invalid(f"{where}: must be an object, got {_type_name(spec)}")
+    given = {k: v for k, v in spec.items() if not _missing(v)}
+    for key, value in given.items():
+        if key in _STRUCTURED_OUTPUTS_KINDS or key == "disable_any_whitespace":
+            continue
+        if key not in _STRUCTURED_OUTPUTS_DEFAULTS or not _same(value, _STRUCTURED_OUTPUTS_DEFAULTS[key]):
+            raise _Invalid(f"{where}.{key}: not supported, got {_show(value)}")
+    kinds = [k for k in _STRUCTURED_OUTPUTS_KINDS if k in given]
+    if len(kinds) != 1:
+        raise _Invalid(f"{where}: give exactly one of {', '.join(_STRUCTURED_OUTPUTS_KINDS)}, "
+                       f"got {', '.join(kinds) or 'none'}")
+    [kind] = kinds
+    if kind == "json_object":
+        if not _same(given[kind], True):
+            raise _Invalid(f"{where}.json_object: must be true, got {_show(given[kind])}")
+        return {"json_schema": {"type": "object"}}
+    return {{"json": "json_schema"}.get(kind, kind): given[kind]}
+
+
+def _openai_json_schema(formats: dict) -> Any:
+    """response_format json_object (any JSON object) or json_schema (its schema), or vLLM's
+    guided_json, as our json_schema; None for text."""
     if "guided_json" in formats:
         return formats["guided_json"]
     response_format = formats.get("response_format", {"type": "text"})

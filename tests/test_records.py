@@ -593,6 +593,29 @@ def test_json_output_from_our_field_openai_response_format_and_vllm_guided_json(
     assert parse_record({"id": "x", "prompt": "Hi", "choice": ["a", "b"]}).params.choice == ("a", "b")
 
 
+def test_vllm_structured_outputs_in_an_openai_body():
+    """vLLM 0.32's structured_outputs (it replaced the guided_* fields)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def params(spec):
+        return parse_record(chat_line({"structured_outputs": spec})).params
+
+    assert params({"json": schema}).json_schema == SamplingParams(json_schema=schema).json_schema
+    assert params({"json": json.dumps(schema), "disable_any_whitespace": True}).json_schema == \
+        SamplingParams(json_schema=schema).json_schema
+    assert parse_record(completions_line(structured_outputs={"regex": "[0-9]+"})).params.regex == "[0-9]+"
+    assert params({"choice": ["yes", "no"], "grammar": None}).choice == ("yes", "no")
+    assert params({"json_object": True}).json_schema == '{"type": "object"}'
+    for spec, fragment in (({"regex": "a", "choice": ["b"]}, "give exactly one of"),
+                           ({}, "got none"), ("[0-9]+", "must be an object"),
+                           ({"grammar": "root ::= 'a'"}, "structured_outputs.grammar: not supported"),
+                           ({"choice": ["a"], "disable_additional_properties": True}, "not supported"),
+                           ({"json_object": False}, "json_object: must be true")):
+        assert fragment in parse_record(chat_line({"structured_outputs": spec})).error, spec
+    both = chat_line({"structured_outputs": {"regex": "a"}, "guided_regex": "b"})
+    assert "give one" in parse_record(both).error
+
+
 def test_openai_chat_logprobs_mapping():
     assert parse_record(chat_line({"logprobs": True})).params.logprobs == 0
     assert parse_record(chat_line({"logprobs": False})).params.logprobs is None
