@@ -15,9 +15,10 @@ opens).
   text files and `<n>` its row number under the header. A row with more cells than the header
   becomes an error row; one with fewer lacks the last fields; a cell that is not UTF-8 rejects
   the record, naming its column. Quoting is CSV's in both formats (pandas writes TSV so): a
-  quoted cell may hold delimiters, line breaks and doubled quotes. A quote anywhere else, or a
-  quoted cell that never closes, makes that row an error row saying where, rather than a guess
-  at what it meant. Each file is read whole by one worker, as text files are (a row may span
+  quoted cell may hold delimiters, line breaks and doubled quotes; a quote inside an unquoted
+  cell (``5'10"``) is that character. Text after a quoted cell's closing quote, or a quoted
+  cell that never closes, makes that row an error row saying where, rather than a guess at
+  what it meant. Each file is read whole by one worker, as text files are (a row may span
   lines, inside quotes).
 - ``text`` (``.txt``, ``.text``): one prompt per non-blank line (ended by ``\n``, ``\r\n`` or a
   lone ``\r``), as
@@ -92,19 +93,29 @@ def infer_format(pattern: str) -> str:
                      f"({', '.join(_EXTENSIONS)}); give format= one of {', '.join(INPUT_FORMATS)}")
 
 
-def check_parquet_input(pattern: str) -> None:
-    """ValueError, naming the file, where the first file the pattern matches is not Parquet:
-    Beam's Parquet reader would fail the whole job on it with pyarrow's "magic bytes" error.
-    (The other formats read any bytes: a wrong guess gives error rows, which say what is wrong.)"""
-    matched = FileSystems.match([pattern])[0].metadata_list
-    if not matched:
-        return
-    path = min(meta.path for meta in matched)
+def check_input(pattern: str, fmt: str) -> None:
+    """ValueError, naming the file, for input that would fail the whole job at run time rather
+    than give error rows: a directory (give a glob of its files), or in Parquet a file without
+    Parquet's magic bytes at both ends (pyarrow's "magic bytes" error; a truncated file too).
+    The other formats read any bytes: what is wrong in them becomes error rows."""
+    for meta in FileSystems.match([pattern])[0].metadata_list:
+        if os.path.isdir(meta.path):
+            raise ValueError(f"{meta.path}: a directory, not a file; give its files, e.g. "
+                             f"{os.path.join(meta.path, '*')!r}")
+        if fmt == "parquet":
+            _check_parquet_file(meta.path, meta.size_in_bytes)
+
+
+def _check_parquet_file(path: str, size: int) -> None:
     with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
-        magic = f.read(4)
-    if magic != b"PAR1":
-        raise ValueError(f"{path}: not a Parquet file (it starts {magic!r}, Parquet with b'PAR1'); "
-                         f"name the input format, or the files by it")
+        head = f.read(4)
+        if size >= 8:
+            f.seek(size - 4)
+        tail = f.read(4)
+    if head != b"PAR1" or tail != b"PAR1":
+        raise ValueError(f"{path}: not a whole Parquet file (it starts {head!r} and ends {tail!r}; "
+                         f"Parquet starts and ends with b'PAR1'); name the input format, or the "
+                         f"files by it")
 
 
 def _check_format(fmt: str, known: tuple[str, ...]) -> str:
@@ -220,13 +231,14 @@ class MalformedRow:
 
 def delimited_rows(binary_file, fmt: str):
     """A CSV or TSV file's header and an iterator over its rows (blank lines skipped): each a
-    list of cells, or a MalformedRow where a quote breaks the format's rules (a stray quote in a
-    cell, or a quoted cell that never closes and so takes in the rest of the file). The header
+    list of cells, or a MalformedRow where a quote breaks the format's rules (text after a
+    quoted cell's closing quote, or a quoted cell that never closes and so takes in the rest of
+    the file). The header
     is a MalformedRow too where its own quoting is broken or it names a column twice."""
     # surrogateescape: a cell that is not UTF-8 goes on (as bytes, see _text_or_bytes) for
     # `Generate` to reject naming its column; the file's other rows still run.
     text = _text_stream(binary_file, newline="")
-    # strict: a stray quote is an error, not a silent guess at what the cell meant. No size
+    # strict: text after a closing quote is an error, not a silent guess at the cell. No size
     # limit on a cell (the csv module's default is 128 KiB): long documents are prompts too.
     csv.field_size_limit(sys.maxsize)
     reader = csv.reader(text, delimiter=_DELIMITERS[fmt], strict=True)
@@ -310,6 +322,8 @@ class WriteRows(beam.PTransform):
         super().__init__()
         self.prefix = prefix
         self.format = _check_format(format, OUTPUT_FORMATS)
+        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 0:
+            raise ValueError(f"num_shards must be an integer >= 0 (0: the runner decides), got {num_shards!r}")
         self.num_shards = num_shards
 
     @property

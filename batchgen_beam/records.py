@@ -181,6 +181,9 @@ def check_defaults(defaults: Mapping[str, Any] | None) -> dict:
     if unknown:
         raise ValueError(f"defaults: unknown sampling fields {unknown}; "
                          f"known: {', '.join(SAMPLING_FIELDS)}")
+    nan = [k for k, v in defaults.items() if isinstance(v, float) and math.isnan(v)]
+    if nan:  # NaN in a record is pandas' missing value; as a job's default it is a mistake
+        raise ValueError(f"defaults: {nan[0]}: must be a finite number, got nan")
     try:
         given = _sampling_fields(defaults)
         SamplingParams(**given)

@@ -36,7 +36,7 @@ from apache_beam.options.pipeline_options import PipelineOptions, StandardOption
 import batchgen_beam
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.generate import METRICS_NAMESPACE, Generate
-from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, check_parquet_input,
+from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, check_input,
                               file_records, infer_format)
 from batchgen_beam.records import SAMPLING_FIELDS
 
@@ -226,7 +226,7 @@ def as_chat(record):
     if isinstance(record, (bytes, str)):
         try:
             record = json.loads(record)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # Generate says what is wrong
             return raw
     if not isinstance(record, dict) or "custom_id" in record or "messages" in record:
         return raw
@@ -373,8 +373,7 @@ def main(argv: list[str] | None = None) -> dict:
     bundled = args.input is None
     input_pattern = str(BUNDLED_PROMPTS) if bundled else args.input
     input_format = args.input_format or infer_format(input_pattern)
-    if input_format == "parquet":
-        check_parquet_input(input_pattern)
+    check_input(input_pattern, input_format)
     chat = bundled if args.chat is None else args.chat
     options = PipelineOptions(beam_args)
     runner = options.view_as(StandardOptions).runner

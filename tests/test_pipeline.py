@@ -312,6 +312,8 @@ def test_formats_from_extensions():
         ReadRecords("x.jsonl", format="xlsx")
     with pytest.raises(ValueError, match="format must be one of"):
         WriteRows("out/x", format="text")
+    with pytest.raises(ValueError, match="num_shards must be an integer >= 0"):  # --output_shards -1
+        WriteRows("out/x", num_shards=-1)
     assert _fixed_dir("gs://b/d/*/p.txt") == "gs://b/d/" and _fixed_dir("d/p.txt") == "d/"
     assert _fixed_dir("p.txt") == "" and _fixed_dir("/a/b[0-9].txt") == "/a/"
 
@@ -322,15 +324,30 @@ def test_as_chat():
     assert cli.as_chat({"id": "a", "prompt": "hi"})["messages"][0]["content"] == "hi"
     # Whatever would not validate, or is not a bare prompt, passes unchanged.
     for raw in (b"not json", b"\xff", {"id": "a", "prompt": ""}, {"id": "a", "prompt": 3},
-                {"id": "a", "messages": []}, {"custom_id": "a", "body": {"prompt": "x"}}, [1]):
+                {"id": "a", "messages": []}, {"custom_id": "a", "body": {"prompt": "x"}}, [1],
+                "[" * 100_000 + "]" * 100_000):  # too deep for json: Generate's error row says so
         assert cli.as_chat(raw) is raw
 
 
-def test_a_file_read_as_parquet_that_is_not_is_refused_before_the_job_runs(tmp_path):
+def test_input_that_would_fail_the_job_is_refused_before_it_runs(tmp_path):
+    """Read as Parquet: a file that is not Parquet, or is cut short, wherever the glob puts it
+    (Beam's reader fails the whole job on it). Any format: a directory."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": ["a"], "prompt": ["hi"]}), tmp_path / "a.parquet")
+    whole = (tmp_path / "a.parquet").read_bytes()
     (tmp_path / "recs.csv").write_text("id,prompt\na,hi\n")
-    with pytest.raises(ValueError, match="recs.csv: not a Parquet file"):
-        cli.main(["--input", str(tmp_path / "*.csv"), "--input_format", "parquet", "--no_progress",
-                  "--output", str(tmp_path / "out/gen")])
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "a.parquet").write_bytes(whole)
+    (tmp_path / "cut" / "b.parquet").write_bytes(whole[:len(whole) // 2])
+    (tmp_path / "dir").mkdir()
+    for pattern, fmt, problem in (("*.csv", "parquet", "recs.csv: not a whole Parquet file"),
+                                  ("cut/*.parquet", "parquet", "b.parquet: not a whole Parquet file"),
+                                  ("dir", "jsonl", "dir: a directory, not a file")):
+        with pytest.raises(ValueError, match=problem):
+            cli.main(["--input", str(tmp_path / pattern), "--input_format", fmt, "--no_progress",
+                      "--output", str(tmp_path / "out/gen")])
     assert not (tmp_path / "out").exists()
 
 

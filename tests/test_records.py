@@ -526,6 +526,7 @@ def test_a_record_bad_field_is_its_own_fault_even_with_defaults():
     ({"temperature": "hot"}, "defaults: temperature: must be a finite number"),
     ({"max_tokens": 0}, "defaults: max_tokens: must be >= 1"),
     ({"stop": 3}, "defaults: stop: must be a string or a list"),
+    ({"top_p": math.nan}, "defaults: top_p: must be a finite number, got nan"),  # --top_p nan
 ])
 def test_bad_defaults_raise_because_they_are_the_callers_mistake(defaults, fragment):
     with pytest.raises(ValueError) as info:
