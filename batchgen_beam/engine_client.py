@@ -143,30 +143,31 @@ class EngineService:
         return fresh
 
     def submit(self, client_id: str, requests: list[Request]) -> None:
-        with self._engine_lock:
-            fresh = self._claim(client_id, [r.id for r in requests])
-            for request in requests:
-                if request.id not in fresh:
-                    continue
-                fresh.discard(request.id)  # an id given twice runs once
-                try:
-                    self.engine.submit(request)
-                except ValueError as bad:  # e.g. stop strings on a model without a tokenizer
-                    self._deliver(Completion.failed(request.id, str(bad)))
+        # self.engine is read at each call: a failed engine may have been replaced meanwhile.
+        self._start(client_id, requests, lambda request: request.id,
+                    lambda request: self.engine.submit(request))
 
     def resume(self, client_id: str, states: list[dict]) -> None:
         """Continue requests another engine (or an earlier attempt) migrated out, from their
         tokens: their KV is recomputed in one prefill."""
+        self._start(client_id, states, lambda state: state["request_id"],
+                    lambda state: self.engine.migrate_in(state))
+
+    def _start(self, client_id: str, items: list, id_of, start) -> None:
+        """Start the items no client has in flight, each id once; one the engine refuses (a
+        ValueError: stop strings without a tokenizer, a state it could never finish) completes
+        as an error."""
         with self._engine_lock:
-            fresh = self._claim(client_id, [s["request_id"] for s in states])
-            for state in states:
-                if state["request_id"] not in fresh:
+            fresh = self._claim(client_id, [id_of(item) for item in items])
+            for item in items:
+                request_id = id_of(item)
+                if request_id not in fresh:
                     continue
-                fresh.discard(state["request_id"])  # an id given twice runs once
+                fresh.discard(request_id)  # an id given twice runs once
                 try:
-                    self.engine.migrate_in(state)
-                except ValueError as bad:  # a state this engine could never finish
-                    self._deliver(Completion.failed(state["request_id"], str(bad)))
+                    start(item)
+                except ValueError as bad:
+                    self._deliver(Completion.failed(request_id, str(bad)))
 
     def migrate_out(self, client_id: str, request_ids: list[str]) -> dict[str, dict]:
         """Take this client's requests that are still running out of the engine: their states
@@ -287,27 +288,22 @@ class EngineClient:
     # ---- the coarse API ------------------------------------------------------------------
     def submit(self, requests: Iterable[Request]) -> None:
         """Submit requests not already resident (a retried bundle resubmits nothing twice)."""
-        with self._lock:
-            fresh = []
-            for request in requests:
-                if request.id not in self._resident:  # nor given earlier in this call
-                    self._resident[request.id] = request
-                    fresh.append(request)
-        if fresh:
-            self._acknowledge_before_reuse([r.id for r in fresh])
-            self._call("submit", self.client_id, fresh)
+        self._start("submit", requests, lambda request: request.id)
 
     def resume(self, states: Iterable[dict]) -> None:
         """Continue migrated-out requests (`migrate_out` states) not already resident."""
+        self._start("resume", states, lambda state: state["request_id"])
+
+    def _start(self, method: str, items: Iterable, id_of) -> None:
         with self._lock:
             fresh = []
-            for state in states:
-                if state["request_id"] not in self._resident:  # nor given earlier in this call
-                    self._resident[state["request_id"]] = state
-                    fresh.append(state)
+            for item in items:
+                if id_of(item) not in self._resident:  # nor given earlier in this call
+                    self._resident[id_of(item)] = item
+                    fresh.append(item)
         if fresh:
-            self._acknowledge_before_reuse([s["request_id"] for s in fresh])
-            self._call("resume", self.client_id, fresh)
+            self._acknowledge_before_reuse([id_of(item) for item in fresh])
+            self._call(method, self.client_id, fresh)
 
     def _acknowledge_before_reuse(self, request_ids: list[str]) -> None:
         """The engine holds an id this client took until the next poll acknowledges it; an id

@@ -109,8 +109,7 @@ def check_input(pattern: str, fmt: str) -> None:
 def _check_parquet_file(path: str, size: int) -> None:
     with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
         head = f.read(4)
-        if size >= 8:
-            f.seek(size - 4)
+        f.seek(max(size - 4, 0))
         tail = f.read(4)
     if head != b"PAR1" or tail != b"PAR1":
         raise ValueError(f"{path}: not a whole Parquet file (it starts {head!r} and ends {tail!r}; "
@@ -233,8 +232,8 @@ def delimited_rows(binary_file, fmt: str):
     """A CSV or TSV file's header and an iterator over its rows (blank lines skipped): each a
     list of cells, or a MalformedRow where a quote breaks the format's rules (text after a
     quoted cell's closing quote, or a quoted cell that never closes and so takes in the rest of
-    the file). The header
-    is a MalformedRow too where its own quoting is broken or it names a column twice."""
+    the file). The header is a MalformedRow too where its own quoting is broken or it names a
+    column twice."""
     # surrogateescape: a cell that is not UTF-8 goes on (as bytes, see _text_or_bytes) for
     # `Generate` to reject naming its column; the file's other rows still run.
     text = _text_stream(binary_file, newline="")

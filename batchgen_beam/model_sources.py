@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import fcntl
 import hashlib
-import json
 import os
 import pathlib
 import tempfile
@@ -48,19 +47,18 @@ def _check_model_dir(path: pathlib.Path, source: str) -> None:
         raise ValueError(f"model {source} is not a directory")
     if not (path / "config.json").is_file():
         raise ValueError(f"model {source} has no config.json")
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise ValueError(f"model {source}: {index.name} is not a safetensors index "
-                             f"(a JSON object with a weight_map)") from None
-        missing = sorted(shard for shard in shards if not (path / shard).is_file())
-        if missing:
-            raise ValueError(f"model {source}: {index.name} names weights that are not there: "
-                             f"{', '.join(missing[:3])}")
-    elif not any(path.glob("*.safetensors")):
-        raise ValueError(f"model {source} has no *.safetensors weights")
+    from runtime.loader import safetensors_files  # the list loading reads
+
+    try:
+        weights = safetensors_files(path)
+    except FileNotFoundError:
+        raise ValueError(f"model {source} has no *.safetensors weights") from None
+    except ValueError as exc:  # an index that is not one
+        raise ValueError(f"model {source}: {exc}") from None
+    missing = [f.name for f in weights if not f.is_file()]
+    if missing:
+        raise ValueError(f"model {source}: its safetensors index names weights that are not "
+                         f"there: {', '.join(missing[:3])}")
 
 
 def _from_gcs(uri: str) -> pathlib.Path:

@@ -98,7 +98,8 @@ _OPENAI_URLS = {
 # (our json_schema), vLLM's guided_regex and guided_choice (our regex and choice), and vLLM
 # 0.32's structured_outputs, which holds one of json, regex, choice or json_object.
 _OPENAI_FORMATS = {"response_format", "guided_json", "guided_regex", "guided_choice", "structured_outputs"}
-_STRUCTURED_OUTPUTS_KINDS = ("json", "regex", "choice", "json_object")
+_STRUCTURED_OUTPUTS_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice",
+                             "json_object": "json_schema"}  # theirs: ours
 # Its options: our JSON is compact whichever way disable_any_whitespace asks (both are valid
 # JSON); the others would change what is allowed, so only their defaults pass.
 _STRUCTURED_OUTPUTS_DEFAULTS = {"disable_additional_properties": False}
@@ -580,11 +581,12 @@ def _vllm_structured_outputs(spec: Any) -> dict:
         raise _Invalid(f"{where}: give exactly one of {', '.join(_STRUCTURED_OUTPUTS_KINDS)}, "
                        f"got {', '.join(kinds) or 'none'}")
     [kind] = kinds
+    value = given[kind]
     if kind == "json_object":
-        if not _same(given[kind], True):
-            raise _Invalid(f"{where}.json_object: must be true, got {_show(given[kind])}")
-        return {"json_schema": {"type": "object"}}
-    return {{"json": "json_schema"}.get(kind, kind): given[kind]}
+        if not _same(value, True):
+            raise _Invalid(f"{where}.json_object: must be true, got {_show(value)}")
+        value = {"type": "object"}
+    return {_STRUCTURED_OUTPUTS_KINDS[kind]: value}
 
 
 def _openai_json_schema(formats: dict) -> Any:

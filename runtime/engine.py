@@ -678,14 +678,10 @@ class Engine:
 
     # ---- primitives ----------------------------------------------------------------------
     def _live_sequences(self, request_id: str) -> list[Sequence]:
-        self._drain_inbox()
-        state = self._requests.get(request_id)
-        if state is None:
-            with self._ids_lock:  # claimed and queued since the drain: take it in now
-                claimed = request_id in self._requests
-            if claimed:
-                self._drain_inbox()
-                state = self._requests.get(request_id)
+        with self._ids_lock:  # submit() claims an id and queues its request in one step
+            claimed = request_id in self._requests
+        self._drain_inbox()  # so a claimed id's request is in the inbox, if not taken in yet
+        state = self._requests.get(request_id) if claimed else None
         if state is None:
             raise KeyError(f"request {request_id!r} is not in flight in this engine")
         return [s for s in state.seqs if not s.is_finished]
