@@ -9,6 +9,7 @@ for a suspended sequence, say) raise at once instead of corrupting state.
     any live state -> FINISHED | MIGRATED                (MIGRATED: continues in another engine)
 """
 
+import os
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Callable
@@ -150,17 +151,21 @@ class Sequence:
 
     def _stop_reason(self, token: int) -> str | None:
         p, rule = self.params, self.stop_rule
+        eos = not p.ignore_eos and token in rule.eos_token_ids
+        if (eos or token in p.stop_token_ids) and self.num_generated >= p.min_tokens:
+            # (the sampler kept them out before min_tokens). vLLM's text leaves the ending
+            # token's out, unless asked to keep the stop: then a stop string its text completes
+            # wins, as vLLM checks stop strings on the text after its stop tokens.
+            if p.include_stop_str_in_output and p.stop and self.num_generated > p.min_tokens \
+                    and self._hit_stop_string():
+                return "stop"
+            self.stop_reason = None if eos else token
+            if rule.detokenize is not None and not p.include_stop_str_in_output:
+                self.text = rule.detokenize(self.generated_ids[:-1], p.skip_special_tokens)
+            return "stop"
         if self.grammar is not None and self.grammar.is_stopped():  # its grammar is complete
             if p.stop and self.num_generated > p.min_tokens:
                 self._hit_stop_string()  # one completed by the same token still cuts the text
-            return "stop"
-        eos = not p.ignore_eos and token in rule.eos_token_ids
-        if (eos or token in p.stop_token_ids) and self.num_generated >= p.min_tokens:
-            # (the sampler kept them out before min_tokens)
-            self.stop_reason = None if eos else token
-            # vLLM's text leaves the ending token's out, unless asked to keep the stop.
-            if rule.detokenize is not None and not p.include_stop_str_in_output:
-                self.text = rule.detokenize(self.generated_ids[:-1], p.skip_special_tokens)
             return "stop"
         if p.stop and self.num_generated > p.min_tokens and self._hit_stop_string():
             return "stop"
@@ -178,8 +183,12 @@ class Sequence:
 
         text = detokenize(self.generated_ids)
         # Under min_tokens a stop string counts only where it ends in the text of a token after
-        # the min_tokens-th (vLLM's rule: its checks start after that token's text).
-        floor = len(detokenize(self.generated_ids[:p.min_tokens])) if p.min_tokens else 0
+        # the min_tokens-th (vLLM's rule: its checks start after that token's text). Only the
+        # part of that prefix's text the whole completion shares counts: a character whose
+        # bytes the boundary splits decodes there to placeholders, and vLLM holds it back.
+        floor = 0
+        if p.min_tokens:
+            floor = len(os.path.commonprefix([detokenize(self.generated_ids[:p.min_tokens]), text]))
         found = [(at + len(stop), order, at) for order, stop in enumerate(p.stop)
                  if (at := text.find(stop, max(0, floor - len(stop) + 1))) >= 0]
         if not found:

@@ -4,6 +4,7 @@ repetition_penalty), frequency and presence penalties (OpenAI's definition, whic
 lacks) against transformers' logits penalised by hand, adjusted rows mixed into batches of
 screened greedy and sampled rows, and min_tokens holding back stop strings."""
 
+import codecs
 from collections import Counter
 
 import pytest
@@ -149,6 +150,88 @@ def test_stop_reason_names_the_stop_string_or_stop_token_that_ended_it():
     assert stop_reason([1, 9], stop_token_ids=[9], ignore_eos=True) == ("stop", 9)
     assert stop_reason([1, 9]) == ("stop", None)
     assert stop_reason([1, 2, 3, 4], stop=["z"], stop_token_ids=[8]) == ("length", None)
+
+
+def test_a_stop_string_completed_by_a_kept_stop_token_wins_as_in_vllm():
+    """With include_stop_str_in_output the ending token's text is kept, so vLLM checks stop
+    strings on it: one it completes is the stop_reason and cuts the text after it."""
+    def ended(tokens, **params):
+        seq = letter_sequence(tokens, **params)
+        return seq.finish_reason, seq.stop_reason, seq.text
+
+    assert ended([1, 6, 2], stop_token_ids=[6], stop=["g"], include_stop_str_in_output=True) \
+        == ("stop", "g", "bg")
+    assert ended([1, 9], stop=["j"], include_stop_str_in_output=True) == ("stop", "j", "bj")
+    assert ended([1, 9], stop=["j"]) == ("stop", None, "b")  # the EOS's text is left out
+    assert ended([1, 9], stop=["j"], min_tokens=1, include_stop_str_in_output=True) \
+        == ("stop", "j", "bj")
+    assert ended([1, 6], stop_token_ids=[6], stop=["x"], include_stop_str_in_output=True) \
+        == ("stop", 6, None)
+
+
+BYTE_PIECES = [b"P", b"a", b"\xc3", b"\xa9", b" hi", b"\xe2", b"\x82", b"\xac", b"x", b""]
+
+
+def per_byte_replace(error: UnicodeDecodeError):
+    return "\ufffd" * (error.end - error.start), error.end
+
+
+codecs.register_error("test_per_byte_replace", per_byte_replace)
+
+
+@pytest.mark.parametrize("errors", ["replace", "test_per_byte_replace"])  # byte-level BPE, byte fallback
+def test_min_tokens_floor_ignores_a_character_split_at_the_boundary(errors):
+    """The min_tokens-th token ends inside a character: its prefix decodes to placeholders,
+    which must not push the start of the stop-string search past the finished character."""
+    rule = StopRule(eos_token_ids=frozenset({9}), max_model_len=100,
+                    detokenize=lambda ids, skip: b"".join(BYTE_PIECES[t] for t in ids).decode("utf-8", errors))
+
+    def run(tokens, **params):
+        seq = Sequence("s", "r", 0, [0], 1, SamplingParams(max_tokens=10, **params), None, rule)
+        seq.send(Event.ADMITTED)
+        for token in tokens:
+            seq.send(Event.TOKEN, SampledToken(token))
+            if seq.is_finished:
+                break
+        return seq.generated_ids, seq.stop_reason, seq.text
+
+    assert run([1, 2, 3, 4], stop=["\u00e9"], min_tokens=2) == ([1, 2, 3], "\u00e9", "a")
+    assert run([5, 6, 7, 1, 8, 1], stop=["a"], min_tokens=2) == ([5, 6, 7, 1], "a", "\u20ac")
+    assert run([1, 2, 3, 1], stop=["a"], min_tokens=2) == ([1, 2, 3, 1], "a", "a\u00e9")  # not the first
+
+
+class OneWordGrammars:
+    """A stand-in for the structured-output matchers: the grammar is complete once it has
+    consumed EOS (token 9), as a regex's is."""
+    def matcher(self, grammar, generated_ids):
+        return OneWordMatcher()
+
+
+class OneWordMatcher:
+    def __init__(self):
+        self.stopped = False
+
+    def consume_token(self, token):
+        self.stopped = token == 9
+        return True
+
+    def is_error(self):
+        return False
+
+    def is_stopped(self):
+        return self.stopped
+
+
+def test_the_eos_that_completes_a_grammar_is_left_out_of_the_text():
+    rule = StopRule(eos_token_ids=frozenset({9}), max_model_len=100,
+                    detokenize=lambda ids, skip: "".join("abcdefghi<"[t] for t in ids if not (skip and t == 9)),
+                    grammars=OneWordGrammars())
+    seq = Sequence("s", "r", 0, [0], 1, SamplingParams(max_tokens=10, regex="a+", skip_special_tokens=False),
+                   None, rule)
+    seq.send(Event.ADMITTED)
+    for token in (0, 0, 9):
+        seq.send(Event.TOKEN, SampledToken(token))
+    assert (seq.finish_reason, seq.stop_reason, seq.text) == ("stop", None, "aa")
 
 
 def test_adjusted_values_are_validated():
