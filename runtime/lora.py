@@ -4,8 +4,11 @@ adapted linear, so a fine-tuned model runs at the base model's speed. One adapte
 
 adapter_config.json gives r, lora_alpha, use_rslora (scale alpha / sqrt(r), else alpha / r)
 and target_modules; adapter_model.safetensors holds `base_model.model.<HF name>.lora_A.weight`
-[r, in] and `lora_B.weight` [out, r] per adapted linear. Options that change more than the
-adapted linears (DoRA, full copies of modules, biases, per-module ranks) are refused.
+[r, in] and `lora_B.weight` [out, r] per adapted linear, named as the model's checkpoint
+names it (the loader's renames apply: an image-text model's language model, older names).
+Options that only choose which linears are adapted (target_modules, layers_to_transform)
+need nothing: the tensors present say it. Options that change more than the adapted linears
+(DoRA, full copies of modules, biases, per-module ranks) and LoRA on MoE experts are refused.
 """
 
 import json
@@ -15,13 +18,16 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from runtime.loader import packed_part
+from runtime.loader import canonical_name, packed_part
 
 _PREFIX = "base_model.model."
+_WEIGHTS = "adapter_model.safetensors"
 # Config values that change the computation beyond W += scale * B @ A, and their neutral value.
 _REFUSED = {"use_dora": False, "modules_to_save": None, "bias": "none", "lora_bias": False,
-            "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
-            "layers_to_transform": None}
+            "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {}}
+# An image-text model's parts that text-only generation never runs: their updates change nothing.
+_NOT_RUN = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
+            "multi_modal_projector.")
 
 
 def read_adapter_config(adapter_dir: str | Path) -> dict:
@@ -29,13 +35,39 @@ def read_adapter_config(adapter_dir: str | Path) -> dict:
     path = adapter_dir / "adapter_config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{adapter_dir}: not a LoRA adapter directory (no adapter_config.json)")
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise NotImplementedError(f"adapter type {config['peft_type']!r} is not supported (LORA only)")
+    experts = [p for p in config.get("target_parameters") or [] if "experts" in p]
+    if experts:  # PEFT's all-linear on a MoE model adds them (with a rank_pattern for them)
+        raise NotImplementedError(f"LoRA on MoE experts is not supported (target_parameters {experts})")
     for key, neutral in _REFUSED.items():
         if config.get(key, neutral) not in (neutral, None, [], {}):
             raise NotImplementedError(f"LoRA adapter option {key}={config[key]!r} is not supported")
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ValueError(f"{path}: r must be a positive integer, got r={r!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise ValueError(f"{path}: lora_alpha must be a number, got lora_alpha={alpha!r}")
     return config
+
+
+def _open_weights(adapter_dir: Path):
+    path = adapter_dir / _WEIGHTS
+    if not path.is_file():
+        if (adapter_dir / "adapter_model.bin").is_file():
+            raise NotImplementedError(f"{adapter_dir}: adapter_model.bin (pickled) adapters are not "
+                                      f"supported; save it with safe_serialization=True")
+        raise FileNotFoundError(f"{adapter_dir}: no {_WEIGHTS}")
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as exc:  # safetensors raises its own error type for a file that is not one
+        raise ValueError(f"{path}: not a safetensors file ({exc})") from None
 
 
 @torch.no_grad()
@@ -47,19 +79,23 @@ def merge_lora(model, adapter_dir: str | Path) -> int:
     r, alpha = config["r"], config["lora_alpha"]
     scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
     params = dict(model.named_parameters())
-    with safe_open(str(adapter_dir / "adapter_model.safetensors"), framework="pt") as weights:
+    with _open_weights(adapter_dir) as weights:
         names = set(weights.keys())
         others = sorted(n for n in names if not n.endswith((".lora_A.weight", ".lora_B.weight")))
         if others:  # biases, DoRA magnitudes, whole modules: more than W += scale * B @ A
             raise NotImplementedError(f"{adapter_dir}: adapter tensors other than LoRA's A and B "
                                       f"are not supported ({others[0]}, ...)")
+        unpaired = sorted(n for n in names if n.replace(".lora_A.", ".lora_B.") not in names
+                          or n.replace(".lora_B.", ".lora_A.") not in names)
+        if unpaired:
+            raise ValueError(f"{adapter_dir}: {unpaired[0]} has no matching lora_A / lora_B")
         merged = 0
         for a_name in sorted(n for n in names if n.endswith(".lora_A.weight")):
-            hf_name = a_name[:-len(".lora_A.weight")].removeprefix(_PREFIX)
             b_name = a_name.replace(".lora_A.", ".lora_B.")
-            if b_name not in names:
-                raise ValueError(f"{adapter_dir}: {a_name} has no {b_name}")
-            if ".experts." in hf_name:
+            hf_name = canonical_name(a_name[:-len(".lora_A.weight")].removeprefix(_PREFIX))
+            if hf_name.startswith(_NOT_RUN):
+                continue
+            if ".experts." in hf_name or hf_name.endswith(".experts"):
                 raise NotImplementedError(f"LoRA on MoE experts is not supported ({hf_name})")
             ours, rows = packed_part(hf_name.removeprefix("model."), model.spec)
             if ours == "lm_head" and model.spec.tie_word_embeddings:
@@ -76,7 +112,8 @@ def merge_lora(model, adapter_dir: str | Path) -> int:
             if update.shape != target.shape:
                 raise ValueError(f"{adapter_dir}: {hf_name}'s update is {tuple(update.shape)}, the "
                                  f"weight {tuple(target.shape)}")
-            target += (scale * update).to(weight.dtype)
+            # Added in fp32 and rounded once, as merging in the adapter's precision would.
+            target.copy_(target.float() + scale * update.to(weight.device))
             merged += 1
     if not merged:
         raise ValueError(f"{adapter_dir}: the adapter holds no LoRA weights")

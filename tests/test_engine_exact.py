@@ -8,7 +8,7 @@ import torch
 from helpers import (EOS, BatchSpy, CallCounter, assert_idle_and_clean, assert_matches,
                      greedy_requests, make_engine, random_prompts)
 from runtime import Request, SamplingParams
-from tiny_models import FAMILIES
+from tiny_models import FAMILIES, image_text_config
 
 MAX_TOKENS = 24
 # Lengths straddle block boundaries (block_size 16) and Mistral's sliding window (24).
@@ -60,26 +60,6 @@ def test_longrope_runs_to_its_original_context_with_the_short_factors(tmp_path):
     assert too_long.finish_reason == "error"
 
 
-def _image_text_config(kind: str):
-    import transformers
-
-    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                initializer_range=0.1, eos_token_id=2)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  image_size=28, patch_size=14)
-    if kind == "gemma3":
-        return transformers.Gemma3Config(
-            text_config=dict(FAMILIES["gemma3"][2], **text), vision_config=vision, mm_tokens_per_image=4,
-            image_token_index=299, boi_token_index=297, eoi_token_index=298)
-    # Mistral Small 3.1: its own LM head, whatever the text config says (transformers ties by
-    # the whole model's flag).
-    return transformers.Mistral3Config(
-        text_config=dict(text, model_type="mistral", sliding_window=24, tie_word_embeddings=True),
-        vision_config=dict(vision, model_type="pixtral", head_dim=16), image_token_index=299,
-        tie_word_embeddings=False)
-
-
 @pytest.mark.parametrize("kind", ["gemma3", "mistral3"])
 def test_an_image_text_model_runs_its_language_model_on_text(tmp_path, kind):
     """Gemma 3 4B-27B and Mistral Small 3.1 are image-text checkpoints: the engine runs their
@@ -91,7 +71,7 @@ def test_an_image_text_model_runs_its_language_model_on_text(tmp_path, kind):
     from tiny_models import hf_greedy
 
     torch.manual_seed(0)
-    oracle = transformers.AutoModelForImageTextToText.from_config(_image_text_config(kind)).eval()
+    oracle = transformers.AutoModelForImageTextToText.from_config(image_text_config(kind)).eval()
     with torch.no_grad():
         for name, param in oracle.named_parameters():
             if "norm" in name:

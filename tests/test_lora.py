@@ -4,22 +4,24 @@ running the adapter unmerged on the same base weights."""
 import json
 
 import pytest
+from safetensors.torch import load_file, save_file
 import torch
 from peft import LoraConfig, get_peft_model
 
 from helpers import assert_matches, greedy_requests, make_engine, random_prompts
-from tiny_models import hf_greedy, hf_model
+from tiny_models import hf_greedy, hf_model, image_text_config
 
 PROMPTS = random_prompts((5, 17, 40), seed=11)
 MAX_TOKENS = 16
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapter(base_dir, adapter_dir, seed=0, **config):
+def make_adapter(base_dir, adapter_dir, seed=0, base_model=None, **config):
     """A PEFT adapter with random A and B (PEFT zeroes B by default, a no-op adapter), saved;
     returns the PEFT model, the oracle."""
     torch.manual_seed(seed)
-    model = get_peft_model(hf_model(base_dir), LoraConfig(init_lora_weights=False, **config)).eval()
+    base_model = hf_model(base_dir) if base_model is None else base_model
+    model = get_peft_model(base_model, LoraConfig(init_lora_weights=False, **config)).eval()
     with torch.no_grad():  # updates large enough to change greedy tokens
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -36,7 +38,11 @@ def make_adapter(base_dir, adapter_dir, seed=0, **config):
 def test_merged_adapter_matches_peft(tiny, tmp_path, family, config):
     base = tiny.dir(family)
     oracle = make_adapter(base, tmp_path / "adapter", **config)
-    engine = make_engine(base, lora=tmp_path / "adapter")
+    assert_adapter_matches(base, tmp_path / "adapter", oracle)
+
+
+def assert_adapter_matches(base, adapter, oracle):
+    engine = make_engine(base, lora=adapter)
     plain = make_engine(base)
     changed = False
     for prompt, ours, without in zip(PROMPTS, engine.generate(greedy_requests(PROMPTS, MAX_TOKENS)),
@@ -69,3 +75,91 @@ def test_an_adapter_whose_tensors_disagree_with_its_rank_is_refused(tiny, tmp_pa
     path.write_text(json.dumps({**json.loads(path.read_text()), "r": 8}))
     with pytest.raises(ValueError, match="A and B have rank 4 and 4; adapter_config.json says r=8"):
         make_engine(base, lora=tmp_path / "adapter")
+
+
+def test_an_adapter_of_some_layers_matches_peft(tiny, tmp_path):
+    """layers_to_transform only chooses which layers' linears are adapted."""
+    base = tiny.dir("llama")
+    oracle = make_adapter(base, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=ALL_LINEARS,
+                          layers_to_transform=[1])
+    assert_adapter_matches(base, tmp_path / "adapter", oracle)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "mistral3"])
+def test_an_image_text_models_adapter_matches_peft(tmp_path, kind):
+    """PEFT names the language model's linears as the image-text checkpoint does; the vision
+    tower's (q_proj and v_proj match there too) change nothing a text prompt runs."""
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.AutoModelForImageTextToText.from_config(image_text_config(kind)).save_pretrained(tmp_path / "base")
+    base_model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "base").eval()
+    oracle = make_adapter(tmp_path / "base", tmp_path / "adapter", base_model=base_model, r=4,
+                          lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    names = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert any("vision_tower" in name for name in names)
+    assert_adapter_matches(tmp_path / "base", tmp_path / "adapter", oracle)
+
+
+def test_an_adapter_under_older_tensor_names_matches_peft(tiny, tmp_path):
+    """Mixtral's router under transformers 4's block_sparse_moe.gate, as its checkpoints name it."""
+    base = tiny.dir("mixtral")
+    oracle = make_adapter(base, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=["q_proj", "gate"])
+    path = tmp_path / "adapter" / "adapter_model.safetensors"
+    save_file({name.replace(".mlp.gate.", ".block_sparse_moe.gate."): tensor
+               for name, tensor in load_file(path).items()}, path)
+    assert any("block_sparse_moe" in name for name in load_file(path))
+    assert_adapter_matches(base, tmp_path / "adapter", oracle)
+
+
+def test_lora_on_moe_experts_is_refused_as_such(tiny, tmp_path):
+    base = tiny.dir("qwen3_moe")
+    make_adapter(base, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=[],
+                 target_parameters=["mlp.experts.gate_up_proj"])
+    with pytest.raises(NotImplementedError, match="LoRA on MoE experts is not supported"):
+        make_engine(base, lora=tmp_path / "adapter")
+    config_path = tmp_path / "adapter" / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "target_parameters": None}))
+    with pytest.raises(NotImplementedError, match=r"LoRA on MoE experts is not supported \(model.layers.0.mlp.experts\)"):
+        make_engine(base, lora=tmp_path / "adapter")
+
+
+def test_broken_adapter_files_are_refused_naming_the_file(tiny, tmp_path):
+    base = tiny.dir("llama")
+    oracle = make_adapter(base, tmp_path / "good", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    oracle.save_pretrained(tmp_path / "bin", safe_serialization=False)
+
+    def broken(name, change):
+        directory = tmp_path / name
+        directory.mkdir()
+        for file in ("adapter_config.json", "adapter_model.safetensors"):
+            (directory / file).write_bytes((tmp_path / "good" / file).read_bytes())
+        change(directory)
+        return directory
+
+    def config_with(**values):
+        def change(directory):
+            path = directory / "adapter_config.json"
+            path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
+        return change
+
+    def without(tensor_name):
+        def change(directory):
+            path = directory / "adapter_model.safetensors"
+            save_file({k: v for k, v in load_file(path).items() if tensor_name not in k}, path)
+        return change
+
+    cases = [
+        (tmp_path / "bin", NotImplementedError, "adapter_model.bin"),
+        (broken("garbage", lambda d: (d / "adapter_model.safetensors").write_bytes(b"x" * 64)),
+         ValueError, "adapter_model.safetensors: not a safetensors file"),
+        (broken("json", lambda d: (d / "adapter_config.json").write_text("{oops")),
+         ValueError, "adapter_config.json: not valid JSON"),
+        (broken("r0", config_with(r=0)), ValueError, "r must be a positive integer, got r=0"),
+        (broken("alpha", config_with(lora_alpha="8")), ValueError, "lora_alpha must be a number"),
+        (broken("lone_b", without("layers.0.self_attn.q_proj.lora_A")), ValueError,
+         "layers.0.self_attn.q_proj.lora_B.weight has no matching lora_A / lora_B"),
+    ]
+    for adapter, error, message in cases:
+        with pytest.raises(error, match=message):
+            make_engine(base, lora=adapter)

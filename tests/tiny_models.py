@@ -121,6 +121,25 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     return tokens, logprobs
 
 
+def image_text_config(kind: str):
+    """A tiny Gemma 3 (4B-27B layout) or Mistral Small 3.1 image-text config."""
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                initializer_range=0.1, eos_token_id=2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=28, patch_size=14)
+    if kind == "gemma3":
+        return transformers.Gemma3Config(
+            text_config=dict(FAMILIES["gemma3"][2], **text), vision_config=vision, mm_tokens_per_image=4,
+            image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    # Mistral Small 3.1: its own LM head, whatever the text config says (transformers ties by
+    # the whole model's flag).
+    return transformers.Mistral3Config(
+        text_config=dict(text, model_type="mistral", sliding_window=24, tie_word_embeddings=True),
+        vision_config=dict(vision, model_type="pixtral", head_dim=16), image_token_index=299,
+        tie_word_embeddings=False)
+
+
 def make_tiny_tokenizer(directory: Path, vocab_size: int = 384):
     """A byte-level BPE trained on the bundled prompts, with a ChatML template like SmolLM2's:
     enough for text prompts, chat messages and stop strings on tiny models, with no download."""
