@@ -61,11 +61,14 @@ class EngineService:
     than the one whose `process` submitted the record."""
 
     def __init__(self, config: EngineConfig):
-        from batchgen_beam.model_sources import resolve_model  # the engine process resolves gs://
+        # The engine process resolves gs:// models and adapters.
+        from batchgen_beam.model_sources import resolve_adapter, resolve_model
         from runtime import Engine
 
         kwargs = dict(config.engine_args)
         kwargs.setdefault("num_threads", os.cpu_count())
+        if kwargs.get("lora") is not None:
+            kwargs["lora"] = resolve_adapter(kwargs["lora"])
         self._new_engine = functools.partial(Engine, resolve_model(config.model), **kwargs)
         self.engine = self._new_engine().start()
         self.engine_failures = 0

@@ -70,10 +70,17 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineClient]):
         model.submit([dataclasses.replace(p.to_request(), id=rid)
                       for p, rid in zip(parsed, request_ids) if isinstance(p, Parsed)])
         done = model.wait_all([rid for p, rid in zip(parsed, request_ids) if isinstance(p, Parsed)])
-        model_id = model.config.model or DEFAULT_MODEL_NAME
+        model_id = _model_id(model.config)
         return [PredictionResult(example, completion_row(p, done[rid]) if isinstance(p, Parsed)
                                  else error_row(p), model_id)
                 for example, p, rid in zip(batch, parsed, request_ids)]
 
     def get_metrics_namespace(self) -> str:
         return "batchgen"
+
+
+def _model_id(config: EngineConfig) -> str:
+    """What each PredictionResult names as its model: the model, and the adapter merged in."""
+    model = config.model or DEFAULT_MODEL_NAME
+    lora = dict(config.engine_args).get("lora")
+    return model if lora is None else f"{model} + LoRA {lora}"

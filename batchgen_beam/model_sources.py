@@ -40,6 +40,23 @@ def resolve_model(model: str | os.PathLike | None = None) -> pathlib.Path:
     return path
 
 
+def resolve_adapter(adapter: str | os.PathLike) -> pathlib.Path:
+    """Return a local directory holding a PEFT LoRA adapter; ``gs://bucket/prefix`` is
+    downloaded on first use, as a model is."""
+    adapter = os.fspath(adapter)
+    if adapter.startswith("gs://"):
+        return _from_gcs(adapter, _check_adapter_dir)
+    path = pathlib.Path(adapter).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"LoRA adapter directory {path} does not exist")
+    return path  # what else it must hold, the engine checks as it merges it
+
+
+def _check_adapter_dir(path: pathlib.Path, source: str) -> None:
+    if not (path / "adapter_config.json").is_file():
+        raise ValueError(f"LoRA adapter {source} has no adapter_config.json")
+
+
 def _check_model_dir(path: pathlib.Path, source: str) -> None:
     """ValueError where the directory lacks what loading needs: a config and the weights (every
     shard its index names; a gs:// copy missing one would otherwise be cached as complete)."""
@@ -61,13 +78,15 @@ def _check_model_dir(path: pathlib.Path, source: str) -> None:
                          f"there: {', '.join(missing[:3])}")
 
 
-def _from_gcs(uri: str) -> pathlib.Path:
+def _from_gcs(uri: str, check=_check_model_dir) -> pathlib.Path:
+    """The local copy of the folder at `uri`; `check(folder, uri)` vets a download before it is
+    cached."""
     from runtime.default_model import cache_dir
 
     bucket, _, prefix = uri[len("gs://"):].partition("/")
     prefix = prefix.strip("/")
     if not bucket or not prefix:
-        raise ValueError(f"expected gs://bucket/prefix (the folder holding the model), got {uri!r}")
+        raise ValueError(f"expected gs://bucket/prefix (the folder holding it), got {uri!r}")
     uri = f"gs://{bucket}/{prefix}"
     # The suffix keeps the copy of gs://b/models/x out of the copy of gs://b/models (which would
     # otherwise be its parent directory).
@@ -80,7 +99,7 @@ def _from_gcs(uri: str) -> pathlib.Path:
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / _COMPLETE_MARKER).is_file():
-            _download(uri, bucket, prefix, target)
+            _download(uri, bucket, prefix, target, check)
     return target
 
 
@@ -94,7 +113,7 @@ def _storage_client():
     return storage.Client()
 
 
-def _download(uri: str, bucket: str, prefix: str, target: pathlib.Path) -> None:
+def _download(uri: str, bucket: str, prefix: str, target: pathlib.Path, check) -> None:
     # The trailing "/" keeps gs://b/model from also matching gs://b/model-v2/...; names ending in
     # "/" are folder placeholders that some tools create.
     blobs = [b for b in _storage_client().list_blobs(bucket, prefix=prefix + "/")
@@ -107,13 +126,13 @@ def _download(uri: str, bucket: str, prefix: str, target: pathlib.Path) -> None:
         for blob in blobs:
             relative = pathlib.PurePosixPath(blob.name[len(prefix) + 1:])
             if ".." in relative.parts:
-                raise ValueError(f"refusing object name {blob.name!r}: it leaves the model directory")
+                raise ValueError(f"refusing object name {blob.name!r}: it leaves the folder")
             dest = staging / relative
             dest.parent.mkdir(parents=True, exist_ok=True)
             # A listed blob carries its generation, so each file is the version that was listed.
             blob.download_to_filename(dest)
             _verify(blob, dest)
-        _check_model_dir(staging, uri)
+        check(staging, uri)
         (staging / _COMPLETE_MARKER).touch()
         if target.exists():
             # Only a directory without the marker gets here: a leftover that cannot be trusted.

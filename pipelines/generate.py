@@ -149,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                                            "the vocabulary verified in fp32 (same tokens; saves a bf16 "
                                            "copy of the lm_head)")
     engine.add_argument("--lora", default=None, metavar="DIR",
-                        help="a PEFT LoRA adapter directory (local, on every worker), merged into "
-                             "the model's weights at load")
+                        help="a PEFT LoRA adapter directory (local, on every worker, or gs://), "
+                             "merged into the model's weights at load")
     engine.add_argument("--num_key_shards", type=int, default=16,
                         help="keys that records are spread over in the Generate transform")
     engine.add_argument("--max_in_flight", type=int, default=1024,
@@ -197,7 +197,7 @@ def engine_args_of(args: argparse.Namespace) -> dict:
              "num_threads": args.num_threads, "device": args.device,
              "weight_budget_bytes": None if args.weight_budget_mb is None else args.weight_budget_mb << 20,
              "weights_in_host_memory": args.weights_in_host_memory, "greedy_screen": args.greedy_screen,
-             "lora": None if args.lora is None else _absolute(args.lora)}
+             "lora": _local_or_gcs(args.lora)}
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -208,9 +208,13 @@ def sampling_defaults_of(args: argparse.Namespace) -> dict:
 
 
 def model_of(args: argparse.Namespace) -> str | None:
-    if args.model is None or args.model.startswith("gs://"):
-        return args.model
-    return _absolute(args.model)
+    return _local_or_gcs(args.model)
+
+
+def _local_or_gcs(path: str | None) -> str | None:
+    if path is None or path.startswith("gs://"):
+        return path
+    return _absolute(path)
 
 
 def _absolute(path: str) -> str:

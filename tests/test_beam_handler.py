@@ -208,6 +208,20 @@ def test_bad_inference_args_fail_when_applied(model_dir, inference_args, message
         pipeline | beam.Create(["Hi"]) | RunInference(model_handler, inference_args=inference_args)
 
 
+def test_a_gcs_lora_adapter_is_merged_and_named_in_model_id(model_dir, gcs_emulator, tmp_path):
+    from tiny_models import make_lora_adapter
+
+    make_lora_adapter(model_dir, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+    uri = gcs_emulator.upload_dir(tmp_path / "adapter", "gs://adapters/handler")
+    model_handler = BatchGenModelHandler(str(model_dir), engine_args={**ENGINE_ARGS, "lora": uri})
+    [result] = model_handler.run_inference(["Hi"], model_handler.load_model(), INFERENCE_ARGS)
+    assert result.model_id == f"{model_dir} + LoRA {uri}"
+    request = Request("r", prompt="Hi", params=SamplingParams(max_tokens=MAX_TOKENS))
+    [merged] = Engine(model_dir, **ENGINE_ARGS, lora=tmp_path / "adapter").generate([request])
+    [plain] = Engine(model_dir, **ENGINE_ARGS).generate([request])
+    assert result.inference["token_ids"] == merged.token_ids != plain.token_ids
+
+
 def test_a_model_update_from_the_side_input_moves_later_batches_to_its_engine(model_dir, tmp_path):
     model_handler = handler(model_dir)
     [result] = model_handler.run_inference(["Hi"], model_handler.load_model(), INFERENCE_ARGS)

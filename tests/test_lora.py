@@ -6,28 +6,13 @@ import json
 import pytest
 from safetensors.torch import load_file, save_file
 import torch
-from peft import LoraConfig, get_peft_model
 
 from helpers import assert_matches, greedy_requests, make_engine, random_prompts
-from tiny_models import hf_greedy, hf_model, image_text_config
+from tiny_models import hf_greedy, image_text_config, make_lora_adapter
 
 PROMPTS = random_prompts((5, 17, 40), seed=11)
 MAX_TOKENS = 16
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def make_adapter(base_dir, adapter_dir, seed=0, base_model=None, **config):
-    """A PEFT adapter with random A and B (PEFT zeroes B by default, a no-op adapter), saved;
-    returns the PEFT model, the oracle."""
-    torch.manual_seed(seed)
-    base_model = hf_model(base_dir) if base_model is None else base_model
-    model = get_peft_model(base_model, LoraConfig(init_lora_weights=False, **config)).eval()
-    with torch.no_grad():  # updates large enough to change greedy tokens
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.2)
-    model.save_pretrained(adapter_dir)
-    return model
 
 
 @pytest.mark.parametrize("family,config", [
@@ -37,7 +22,7 @@ def make_adapter(base_dir, adapter_dir, seed=0, base_model=None, **config):
 ], ids=["llama-every-linear", "qwen2-some-rslora", "phi3-packed"])
 def test_merged_adapter_matches_peft(tiny, tmp_path, family, config):
     base = tiny.dir(family)
-    oracle = make_adapter(base, tmp_path / "adapter", **config)
+    oracle = make_lora_adapter(base, tmp_path / "adapter", **config)
     assert_adapter_matches(base, tmp_path / "adapter", oracle)
 
 
@@ -55,7 +40,7 @@ def assert_adapter_matches(base, adapter, oracle):
 
 def test_adapters_that_change_more_than_the_linears_are_refused(tiny, tmp_path):
     base = tiny.dir("llama")
-    make_adapter(base, tmp_path / "dora", r=2, lora_alpha=2, target_modules=["q_proj"], use_dora=True)
+    make_lora_adapter(base, tmp_path / "dora", r=2, lora_alpha=2, target_modules=["q_proj"], use_dora=True)
     with pytest.raises(NotImplementedError, match="use_dora=True"):
         make_engine(base, lora=tmp_path / "dora")
     with pytest.raises(FileNotFoundError, match="not a LoRA adapter directory"):
@@ -70,7 +55,7 @@ def test_an_adapter_whose_tensors_disagree_with_its_rank_is_refused(tiny, tmp_pa
     """r scales the update (alpha / r): tensors of another rank than the config's would merge
     at the wrong scale, where PEFT refuses to load them."""
     base = tiny.dir("llama")
-    make_adapter(base, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=["q_proj"])
+    make_lora_adapter(base, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=["q_proj"])
     path = tmp_path / "adapter" / "adapter_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "r": 8}))
     with pytest.raises(ValueError, match="A and B have rank 4 and 4; adapter_config.json says r=8"):
@@ -80,7 +65,7 @@ def test_an_adapter_whose_tensors_disagree_with_its_rank_is_refused(tiny, tmp_pa
 def test_an_adapter_of_some_layers_matches_peft(tiny, tmp_path):
     """layers_to_transform only chooses which layers' linears are adapted."""
     base = tiny.dir("llama")
-    oracle = make_adapter(base, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=ALL_LINEARS,
+    oracle = make_lora_adapter(base, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=ALL_LINEARS,
                           layers_to_transform=[1])
     assert_adapter_matches(base, tmp_path / "adapter", oracle)
 
@@ -94,7 +79,7 @@ def test_an_image_text_models_adapter_matches_peft(tmp_path, kind):
     torch.manual_seed(0)
     transformers.AutoModelForImageTextToText.from_config(image_text_config(kind)).save_pretrained(tmp_path / "base")
     base_model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "base").eval()
-    oracle = make_adapter(tmp_path / "base", tmp_path / "adapter", base_model=base_model, r=4,
+    oracle = make_lora_adapter(tmp_path / "base", tmp_path / "adapter", base_model=base_model, r=4,
                           lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
     names = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     assert any("vision_tower" in name for name in names)
@@ -104,7 +89,7 @@ def test_an_image_text_models_adapter_matches_peft(tmp_path, kind):
 def test_an_adapter_under_older_tensor_names_matches_peft(tiny, tmp_path):
     """Mixtral's router under transformers 4's block_sparse_moe.gate, as its checkpoints name it."""
     base = tiny.dir("mixtral")
-    oracle = make_adapter(base, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=["q_proj", "gate"])
+    oracle = make_lora_adapter(base, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=["q_proj", "gate"])
     path = tmp_path / "adapter" / "adapter_model.safetensors"
     save_file({name.replace(".mlp.gate.", ".block_sparse_moe.gate."): tensor
                for name, tensor in load_file(path).items()}, path)
@@ -114,7 +99,7 @@ def test_an_adapter_under_older_tensor_names_matches_peft(tiny, tmp_path):
 
 def test_lora_on_moe_experts_is_refused_as_such(tiny, tmp_path):
     base = tiny.dir("qwen3_moe")
-    make_adapter(base, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=[],
+    make_lora_adapter(base, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=[],
                  target_parameters=["mlp.experts.gate_up_proj"])
     with pytest.raises(NotImplementedError, match="LoRA on MoE experts is not supported"):
         make_engine(base, lora=tmp_path / "adapter")
@@ -126,7 +111,7 @@ def test_lora_on_moe_experts_is_refused_as_such(tiny, tmp_path):
 
 def test_broken_adapter_files_are_refused_naming_the_file(tiny, tmp_path):
     base = tiny.dir("llama")
-    oracle = make_adapter(base, tmp_path / "good", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    oracle = make_lora_adapter(base, tmp_path / "good", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     oracle.save_pretrained(tmp_path / "bin", safe_serialization=False)
 
     def broken(name, change):

@@ -1,4 +1,5 @@
-"""resolve_model: local directories, and gs:// prefixes downloaded through the GCS emulator."""
+"""resolve_model and resolve_adapter: local directories, and gs:// prefixes downloaded through
+the GCS emulator."""
 
 import os
 import pathlib
@@ -9,7 +10,7 @@ import textwrap
 import pytest
 
 from batchgen_beam import model_sources
-from batchgen_beam.model_sources import ModelDownloadError, resolve_model
+from batchgen_beam.model_sources import ModelDownloadError, resolve_adapter, resolve_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -181,3 +182,19 @@ def test_beam_gcs_filesystem_reads_and_writes_through_the_emulator(gcs_emulator)
     final = gcs_emulator.client().bucket("beam-io").blob("dir/final.txt")
     assert final.download_as_bytes() == b"hello\nworld\n"
     assert not FileSystems.exists("gs://beam-io/dir/hello.txt")
+
+
+def test_a_lora_adapter_resolves_locally_or_from_gcs(gcs_emulator, tiny, tmp_path, cache):
+    from tiny_models import make_lora_adapter
+
+    local = tmp_path / "adapter"
+    make_lora_adapter(tiny.dir("llama"), local, r=2, lora_alpha=4, target_modules=["q_proj"])
+    assert resolve_adapter(str(local)) == local
+    with pytest.raises(FileNotFoundError, match="LoRA adapter directory .* does not exist"):
+        resolve_adapter(tmp_path / "missing")
+    uri = gcs_emulator.upload_dir(local, "gs://adapters/tiny/q")
+    copy = resolve_adapter(uri)
+    assert copy.is_relative_to(cache / "gcs" / "adapters") and _files(copy) == _files(local)
+    gcs_emulator.upload_dir(tiny.dir("llama"), "gs://adapters/not-one")
+    with pytest.raises(ValueError, match="LoRA adapter gs://adapters/not-one has no adapter_config.json"):
+        resolve_adapter("gs://adapters/not-one")

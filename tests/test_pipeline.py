@@ -380,6 +380,7 @@ def test_argument_handling():
                                         "weights_in_host_memory": True}
     assert cli.engine_args_of(cli.parse_args(["--no_greedy_screen"])[0]) == {"greedy_screen": False}
     assert cli.engine_args_of(cli.parse_args(["--lora", "/a/adapter"])[0]) == {"lora": "/a/adapter"}
+    assert cli.engine_args_of(cli.parse_args(["--lora", "gs://b/adapter"])[0]) == {"lora": "gs://b/adapter"}
     for flags in (["--weight_budget_mb", "300"], ["--device", "cuda"]):  # one of the two missing
         with pytest.raises(SystemExit):
             cli.parse_args([*flags, "--weights_in_host_memory"])

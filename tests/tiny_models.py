@@ -121,6 +121,22 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     return tokens, logprobs
 
 
+def make_lora_adapter(base_dir, adapter_dir, seed=0, base_model=None, **config):
+    """A PEFT adapter with random A and B (PEFT zeroes B by default, a no-op adapter), saved;
+    returns the PEFT model, the oracle."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base_model = hf_model(base_dir) if base_model is None else base_model
+    model = get_peft_model(base_model, LoraConfig(init_lora_weights=False, **config)).eval()
+    with torch.no_grad():  # updates large enough to change greedy tokens
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(adapter_dir)
+    return model
+
+
 def image_text_config(kind: str):
     """A tiny Gemma 3 (4B-27B layout) or Mistral Small 3.1 image-text config."""
     text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
