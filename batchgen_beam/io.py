@@ -5,7 +5,10 @@ opens).
 - ``jsonl`` (``.jsonl``, ``.json``, ``.ndjson``): each non-blank line as raw bytes. Decoding and
   JSON parsing happen in `Generate`, so a line that is not UTF-8 or not JSON becomes an error
   row instead of failing the pipeline. Files are split across workers as `ReadFromText` does.
-- ``parquet`` (``.parquet``, ``.pq``): each row as a dict of its columns.
+- ``parquet`` (``.parquet``, ``.pq``): each row as a dict of its columns. A column of
+  nanosecond times (pandas writes ``datetime64[ns]`` so) that Python's datetime cannot hold
+  whole is read as Arrow's text of them; a file that names a column twice makes each of its
+  rows an error row (which of the two would the record take?).
 - ``csv`` (``.csv``) and ``tsv`` (``.tsv``): each row under a header row as a dict of its
   non-empty cells (an empty cell is an absent field, so the default applies). Cells are text,
   except in the `messages` and sampling columns, where a cell that parses as JSON of a type the
@@ -53,9 +56,12 @@ import apache_beam as beam
 from apache_beam import coders
 from apache_beam.io import fileio
 from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.fileio import EmptyMatchTreatment
 from apache_beam.io.filesystems import FileSystems
-from apache_beam.io.parquetio import ReadFromParquet, WriteToParquet
+from apache_beam.io.parquetio import ReadFromParquetBatched, WriteToParquet
 from apache_beam.io.textio import ReadFromText, WriteToText
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from batchgen_beam.records import SAMPLING_FIELDS, OUTPUT_SCHEMA, Rejected, row_to_arrow_dict, row_to_json
 
@@ -94,11 +100,15 @@ def infer_format(pattern: str) -> str:
 
 
 def check_input(pattern: str, fmt: str) -> None:
-    """ValueError, naming the file, for input that would fail the whole job at run time rather
-    than give error rows: a directory (give a glob of its files), or in Parquet a file without
+    """FileNotFoundError where the pattern matches nothing; ValueError, naming the file, for
+    input that would fail the whole job at run time rather than give error rows: a directory
+    (give a glob of its files), or in Parquet a file without
     Parquet's magic bytes at both ends (pyarrow's "magic bytes" error; a truncated file too).
     The other formats read any bytes: what is wrong in them becomes error rows."""
-    for meta in FileSystems.match([pattern])[0].metadata_list:
+    matched = FileSystems.match([pattern])[0].metadata_list
+    if not matched:
+        raise FileNotFoundError(f"no input files match {pattern!r}")
+    for meta in matched:
         if os.path.isdir(meta.path):
             raise ValueError(f"{meta.path}: a directory, not a file; give its files, e.g. "
                              f"{os.path.join(meta.path, '*')!r}")
@@ -138,11 +148,40 @@ class ReadRecords(beam.PTransform):
                     | "ReadLines" >> ReadFromText(self.pattern, coder=coders.BytesCoder())
                     | "SkipBlank" >> beam.Filter(lambda line: bool(line.strip())))
         if self.format == "parquet":
-            return pbegin | "ReadParquet" >> ReadFromParquet(self.pattern)
+            return (pbegin
+                    | "ReadParquet" >> ReadFromParquetBatched(self.pattern)
+                    | "Rows" >> beam.FlatMap(parquet_records))
         files = (pbegin
-                 | "Match" >> fileio.MatchFiles(self.pattern)
+                 # Every format fails alike on a pattern matching nothing (ReadFromText and
+                 # ReadFromParquet do; MatchFiles would run on with no records).
+                 | "Match" >> fileio.MatchFiles(self.pattern, EmptyMatchTreatment.DISALLOW)
                  | "Open" >> fileio.ReadMatches())
         return files | "Records" >> beam.FlatMap(_read_file, _fixed_dir(self.pattern), self.format)
+
+
+def parquet_records(table: pa.Table):
+    """A Parquet table's rows as records (see the module docstring)."""
+    names = table.column_names
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        for _ in range(table.num_rows):
+            yield Rejected(None, f"record: its Parquet file names the column(s) {', '.join(twice)} twice")
+        return
+    columns = [(name, _python_values(table.column(name))) for name in names]
+    for n in range(table.num_rows):
+        yield {name: values[n] for name, values in columns}
+
+
+_NANOSECOND_TYPES = (pa.types.is_timestamp, pa.types.is_duration, pa.types.is_time64)
+
+
+def _python_values(column: pa.ChunkedArray) -> list:
+    if any(is_type(column.type) for is_type in _NANOSECOND_TYPES) and column.type.unit == "ns":
+        try:
+            return column.to_pylist()
+        except (pa.ArrowInvalid, ValueError):  # a time with nanoseconds: no Python type holds it
+            return pc.cast(column, pa.string()).to_pylist()
+    return column.to_pylist()
 
 
 def _fixed_dir(pattern: str) -> str:

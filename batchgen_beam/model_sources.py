@@ -114,21 +114,23 @@ def _storage_client():
 
 
 def _download(uri: str, bucket: str, prefix: str, target: pathlib.Path, check) -> None:
-    # The trailing "/" keeps gs://b/model from also matching gs://b/model-v2/...; names ending in
-    # "/" are folder placeholders that some tools create.
-    blobs = [b for b in _storage_client().list_blobs(bucket, prefix=prefix + "/")
+    # The trailing "/" keeps gs://b/model from also matching gs://b/model-v2/...; the delimiter
+    # keeps to the folder's own files, all that loading reads (a mirrored repository's
+    # original/ weights or a checkpoints/ folder are not fetched); names ending in "/" are
+    # folder placeholders that some tools create.
+    blobs = [b for b in _storage_client().list_blobs(bucket, prefix=prefix + "/", delimiter="/")
              if not b.name.endswith("/")]
     if not blobs:
         raise FileNotFoundError(f"no objects under {uri}/")
     # Work next to the target so that the final os.replace is an atomic rename on one filesystem.
     with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as work:
         staging = pathlib.Path(work) / "model"
+        staging.mkdir()
         for blob in blobs:
-            relative = pathlib.PurePosixPath(blob.name[len(prefix) + 1:])
-            if ".." in relative.parts:
-                raise ValueError(f"refusing object name {blob.name!r}: it leaves the folder")
-            dest = staging / relative
-            dest.parent.mkdir(parents=True, exist_ok=True)
+            name = blob.name[len(prefix) + 1:]
+            if name in ("", ".", "..") or "/" in name:  # the delimiter keeps out the others
+                raise ValueError(f"refusing object name {blob.name!r}: it is not a file of the folder")
+            dest = staging / name
             # A listed blob carries its generation, so each file is the version that was listed.
             blob.download_to_filename(dest)
             _verify(blob, dest)

@@ -2,6 +2,7 @@
 threads with the background loop, poll / completions() / generate, timings, admission orders,
 engine-level argument checks, and a failing loop surfacing to callers."""
 
+import json
 import random
 import shutil
 import threading
@@ -207,6 +208,21 @@ def test_a_prompt_the_tokenizer_gives_ids_past_the_vocabulary_is_an_error_comple
                                 f"model's {len(tokenizer) - 1}-token vocabulary")
     assert good.error is None and good.completion_tokens >= 1
     assert_idle_and_clean(engine)
+
+
+def test_a_tokenizer_whose_vocabulary_file_is_missing_is_refused_at_load(tmp_path):
+    """From a tokenizer_config.json alone, transformers builds a GPT-2-style tokenizer (SmolLM2
+    names that class) of only the special tokens: every text would encode to nothing."""
+    from tiny_models import make_tiny_model, make_tiny_tokenizer
+
+    tokenizer = make_tiny_tokenizer(tmp_path)
+    make_tiny_model("llama", tmp_path, vocab_size=len(tokenizer))
+    (tmp_path / "tokenizer.json").unlink()
+    config_path = tmp_path / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
+    with pytest.raises(ValueError, match=r"the tokenizer has no tokens but its \d+ special ones; its "
+                                         r"vocabulary file .* is missing or empty \(found tokenizer_config.json\)"):
+        make_engine(tmp_path)
 
 
 def test_more_samples_than_the_kv_cache_has_blocks_are_refused(tiny):

@@ -198,3 +198,17 @@ def test_a_lora_adapter_resolves_locally_or_from_gcs(gcs_emulator, tiny, tmp_pat
     gcs_emulator.upload_dir(tiny.dir("llama"), "gs://adapters/not-one")
     with pytest.raises(ValueError, match="LoRA adapter gs://adapters/not-one has no adapter_config.json"):
         resolve_adapter("gs://adapters/not-one")
+
+
+def test_gcs_fetches_only_the_folders_own_files(gcs_emulator, tiny, tmp_path):
+    """Loading reads the folder's own files: a subfolder (a mirrored repository's original/
+    weights) is not fetched, and an object under a doubled slash, which would name an absolute
+    path, is neither fetched nor written anywhere."""
+    uri = gcs_emulator.upload_dir(tiny.dir("llama"), "gs://models/mirror")
+    bucket = gcs_emulator.bucket("models")
+    bucket.blob("mirror/original/consolidated.pth").upload_from_string(b"x" * 1000)
+    escape = tmp_path / "escaped.txt"
+    bucket.blob(f"mirror/{escape}").upload_from_string(b"outside")  # "mirror//tmp/..."
+    copy = resolve_model(uri)
+    assert _files(copy) == _files(tiny.dir("llama"))
+    assert not escape.exists()

@@ -8,6 +8,7 @@ import codecs
 import gzip
 import io
 import json
+import re
 import time
 
 import pyarrow as pa
@@ -229,6 +230,31 @@ def test_a_header_naming_a_column_twice_is_not_read():
     assert header == MalformedRow(2, "it names 'tag' twice") and list(rows) == [["a", "1", "hi", "2"]]
 
 
+def test_parquet_columns_named_twice_reject_each_row(tmp_path):
+    table = pa.Table.from_arrays([pa.array(["a", "b"]), pa.array(["hi", "yo"]), pa.array(["x", "y"])],
+                                 names=["id", "prompt", "prompt"])
+    pq.write_table(table, tmp_path / "in.parquet")
+    with beam.Pipeline() as p:
+        records = p | ReadRecords(str(tmp_path / "in.parquet")) | beam.Map(lambda r: (r.id, r.error))
+        assert_that(records, equal_to([(None, "record: its Parquet file names the column(s) prompt twice")] * 2))
+
+
+def test_parquet_nanosecond_times_python_cannot_hold_are_read_as_text(tmp_path):
+    """pandas writes datetime64[ns]: whole microseconds are datetimes, anything finer text."""
+    import datetime
+
+    times = pa.array([1_700_000_000_000_000_000, 1_700_000_000_123_456_789, None], pa.timestamp("ns"))
+    whole = pa.array([1_700_000_000_000_001_000, None, None], pa.timestamp("ns"))
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "prompt": ["hi"] * 3, "at": times, "whole": whole}),
+                   tmp_path / "in.parquet")
+    with beam.Pipeline() as p:
+        assert_that(p | ReadRecords(str(tmp_path / "in.parquet")), equal_to([
+            {"id": "a", "prompt": "hi", "at": "2023-11-14 22:13:20.000000000",
+             "whole": datetime.datetime(2023, 11, 14, 22, 13, 20, 1)},
+            {"id": "b", "prompt": "hi", "at": "2023-11-14 22:13:20.123456789", "whole": None},
+            {"id": "c", "prompt": "hi", "at": None, "whole": None}]))
+
+
 def test_text_lines_end_at_lone_carriage_returns_too():
     lines = list(text_lines(io.BytesIO(b"\xef\xbb\xbfone\rtwo\r\n\rthree\n\xff\r")))
     assert lines == [(1, "one"), (2, "two"), (4, "three"), (5, b"\xff")]
@@ -346,6 +372,10 @@ def test_input_that_would_fail_the_job_is_refused_before_it_runs(tmp_path):
                                   ("cut/*.parquet", "parquet", "b.parquet: not a whole Parquet file"),
                                   ("dir", "jsonl", "dir: a directory, not a file")):
         with pytest.raises(ValueError, match=problem):
+            cli.main(["--input", str(tmp_path / pattern), "--input_format", fmt, "--no_progress",
+                      "--output", str(tmp_path / "out/gen")])
+    for pattern in ("typo.txt", "none*.csv", "typo?.tsv", "none*.jsonl", "none*.parquet"):
+        with pytest.raises(FileNotFoundError, match="no input files match .*" + re.escape(pattern)):
             cli.main(["--input", str(tmp_path / pattern), "--input_format", fmt, "--no_progress",
                       "--output", str(tmp_path / "out/gen")])
     assert not (tmp_path / "out").exists()
