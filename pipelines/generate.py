@@ -377,7 +377,6 @@ def main(argv: list[str] | None = None) -> dict:
     bundled = args.input is None
     input_pattern = str(BUNDLED_PROMPTS) if bundled else args.input
     input_format = args.input_format or infer_format(input_pattern)
-    check_input(input_pattern, input_format)
     chat = bundled if args.chat is None else args.chat
     options = PipelineOptions(beam_args)
     runner = options.view_as(StandardOptions).runner
@@ -390,6 +389,7 @@ def main(argv: list[str] | None = None) -> dict:
     # The launcher's progress client must talk to the engine the workers use.
     assert generate._config == config, (generate._config, config)
     write = WriteRows(args.output, args.format, num_shards=args.output_shards)
+    check_input(input_pattern, input_format)  # after the flags: their mistakes are named first
 
     pipeline = beam.Pipeline(options=options)
     records = pipeline | "Read" >> ReadRecords(input_pattern, input_format)
