@@ -46,6 +46,7 @@ class EngineConfig:
         unknown = sorted(set(engine_args) - set(known))
         if unknown:
             raise TypeError(f"engine_args: unknown {unknown}; runtime.Engine takes {', '.join(known)}")
+        Engine.check_sizes(**engine_args)
         return cls(model, tuple(sorted(engine_args.items())))
 
     @property

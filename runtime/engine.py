@@ -130,6 +130,23 @@ class RequestLoad:
 
 
 class Engine:
+    # The least each size argument takes (None, where allowed, means its default).
+    _SIZE_FLOORS = {"kv_cache_bytes": 0, "host_kv_bytes": 0, "weight_budget_bytes": 0,
+                    "block_size": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1,
+                    "max_model_len": 1, "num_threads": 1}
+
+    @classmethod
+    def check_sizes(cls, **sizes) -> None:
+        """ValueError for a size argument that is not a whole number at least its floor (a NaN
+        budget would compare false everywhere, i.e. no budget). Beam glue calls it at pipeline
+        construction, so a bad value fails there rather than on a worker."""
+        for name, value in sizes.items():
+            if value is None or name not in cls._SIZE_FLOORS:
+                continue
+            floor = cls._SIZE_FLOORS[name]
+            if isinstance(value, bool) or not hasattr(value, "__index__") or value < floor:
+                raise ValueError(f"{name} must be a whole number >= {floor}, got {value!r}")
+
     def __init__(self, model: str | Path | None = None, *, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  kv_cache_bytes: int = 2 << 30, host_kv_bytes: int = 2 << 30,
@@ -156,6 +173,10 @@ class Engine:
         (kernels.bf16_matmul_is_fast), for fp32 weights held whole.
 
         lora: a PEFT LoRA adapter directory, merged into the weights at load (runtime/lora.py)."""
+        self.check_sizes(kv_cache_bytes=kv_cache_bytes, host_kv_bytes=host_kv_bytes,
+                         weight_budget_bytes=weight_budget_bytes, block_size=block_size,
+                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                         max_model_len=max_model_len, num_threads=num_threads)
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_dir = Path(model) if model is not None else default_model_dir()

@@ -138,14 +138,18 @@ class EnginePool:
         self._thread.start()
 
     def _await_ready(self, timeout: float) -> None:
-        deadline, ready = time.monotonic() + timeout, 0
-        while ready < len(self._engines):
+        deadline, ready = time.monotonic() + timeout, set()
+        while len(ready) < len(self._engines):
             try:
-                message = self._outbox.get(timeout=max(deadline - time.monotonic(), 0.01))
+                message = self._outbox.get(timeout=min(max(deadline - time.monotonic(), 0.01), 0.5))
             except queue.Empty:
+                message = self._silent_exit(ready)
+                if message is None and time.monotonic() < deadline:
+                    continue
+            if message is None:
                 self.close()
-                raise RuntimeError(f"engine pool: only {ready} of {len(self._engines)} engines "
-                                   f"started within {timeout} s") from None
+                raise RuntimeError(f"engine pool: only {len(ready)} of {len(self._engines)} "
+                                   f"engines started within {timeout} s")
             if message[0] == "failed":
                 self.close()
                 raise RuntimeError(f"engine {message[1]} failed to start:\n{message[2]}")
@@ -153,7 +157,21 @@ class EnginePool:
                 _, index, report = message
                 self._engines[index].capacity = report["capacity"]
                 self._record(index, report)
-                ready += 1
+                ready.add(index)
+
+    def _silent_exit(self, ready: set[int]):
+        """A process killed while loading (the OOM killer, most often) sends nothing: raise
+        when one has exited, unless its last words ("failed", with why) were still on the way."""
+        exited = [(i, e.process.exitcode) for i, e in enumerate(self._engines)
+                  if i not in ready and e.process.exitcode is not None]
+        if not exited:
+            return None
+        try:
+            return self._outbox.get(timeout=0.5)
+        except queue.Empty:
+            self.close()
+            raise RuntimeError(f"engine pool: engine process(es) exited while starting "
+                               f"(index, exit code): {exited}") from None
 
     # ---- submitting and collecting --------------------------------------------------------
     def submit(self, request: Request, engine: int | None = None) -> None:
@@ -387,6 +405,9 @@ class EnginePool:
 
     # ---- shutting down --------------------------------------------------------------------
     def close(self) -> None:
+        with self._lock:  # callers still waiting in generate() or poll() get it, not a hang
+            if self._failure is None:
+                self._failure = "it was closed"
         self._closing.set()
         for engine in self._engines:
             if engine.process.is_alive():

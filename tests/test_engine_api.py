@@ -4,6 +4,7 @@ engine-level argument checks, and a failing loop surfacing to callers."""
 
 import json
 import random
+import re
 import shutil
 import threading
 import time
@@ -223,6 +224,22 @@ def test_a_tokenizer_whose_vocabulary_file_is_missing_is_refused_at_load(tmp_pat
     with pytest.raises(ValueError, match=r"the tokenizer has no tokens but its \d+ special ones; its "
                                          r"vocabulary file .* is missing or empty \(found tokenizer_config.json\)"):
         make_engine(tmp_path)
+
+
+@pytest.mark.parametrize("size, value", [
+    ("weight_budget_bytes", float("nan")), ("weight_budget_bytes", "300"), ("weight_budget_bytes", 1.5e8),
+    ("kv_cache_bytes", 1e6), ("host_kv_bytes", -1), ("host_kv_bytes", float("nan")),
+    ("max_num_seqs", 0), ("block_size", True), ("num_threads", 0)])
+def test_size_arguments_that_are_not_whole_numbers_at_least_their_floor_are_refused(tiny, size, value):
+    """A NaN budget compared false everywhere: no budget at all; others failed deep in torch.
+    The Beam glue checks them when the pipeline is built."""
+    from batchgen_beam.engine_client import EngineConfig
+
+    message = rf"{size} must be a whole number >= \d, got {re.escape(repr(value))}"
+    with pytest.raises(ValueError, match=message):
+        make_engine(tiny.dir(FAMILY), **{size: value})
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.of(None, **{size: value})
 
 
 def test_more_samples_than_the_kv_cache_has_blocks_are_refused(tiny):

@@ -3,6 +3,8 @@
 moved mid-generation — KV and RNG state along — from a busy engine to an idle one; per-engine
 load, migrations and idle time are reported; a dead engine process fails callers, not hangs them."""
 
+import multiprocessing
+import threading
 import time
 
 import pytest
@@ -52,6 +54,49 @@ def test_idle_seconds_within_a_window_and_its_tail():
 
 
 # ---- pools -------------------------------------------------------------------------------------
+
+def test_an_engine_process_killed_while_loading_fails_the_pool_at_once(tiny):
+    """The OOM killer sends no "failed" message: the pool notices the exit instead of waiting
+    out start_timeout."""
+    def kill_the_first_engine():
+        while not stop.is_set():
+            engines = [p for p in multiprocessing.active_children()
+                       if p.name.startswith("batchgen-pool-engine-")]
+            if engines:
+                engines[0].kill()
+                return
+            time.sleep(0.01)
+
+    stop = threading.Event()
+    killer = threading.Thread(target=kill_the_first_engine, daemon=True)
+    killer.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"exited while starting \(index, exit code\): \[\(0, -9\)\]"):
+            EnginePool(tiny.dir(FAMILY), num_engines=2, kv_cache_bytes=KV_BYTES, start_timeout=300)
+    finally:
+        stop.set()
+
+
+def test_closing_the_pool_releases_callers_still_waiting(tiny):
+    pool = EnginePool(tiny.dir(FAMILY), num_engines=1, kv_cache_bytes=KV_BYTES, max_num_seqs=1)
+    requests = [Request(f"r{i}", prompt_token_ids=[5, 6, 7 + i],
+                        params=SamplingParams(max_tokens=400, ignore_eos=True)) for i in range(8)]
+    failures = []
+
+    def wait_for_all():
+        try:
+            pool.generate(requests)
+        except RuntimeError as exc:
+            failures.append(str(exc))
+
+    waiter = threading.Thread(target=wait_for_all)
+    waiter.start()
+    while not pool.has_unfinished():
+        time.sleep(0.01)
+    pool.close()
+    waiter.join(30)
+    assert not waiter.is_alive() and failures == ["engine pool failed: it was closed"]
+
 
 PROMPTS = random_prompts([5, 9, 13, 20, 7, 11, 30, 8, 16, 6], seed=31)
 LENGTHS = [150, 10, 12, 120, 8, 9, 140, 11, 60, 7]  # skewed: three long, one medium
