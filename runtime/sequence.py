@@ -9,7 +9,6 @@ for a suspended sequence, say) raise at once instead of corrupting state.
     any live state -> FINISHED | MIGRATED                (MIGRATED: continues in another engine)
 """
 
-import os
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Callable
@@ -62,6 +61,23 @@ class StopRule:
     max_model_len: int
     detokenize: Callable[[list[int], bool], str] | None  # (token ids, skip_special_tokens)
     grammars: Grammars | None = None  # for sequences with structured output (needs a tokenizer)
+    # (skip_special_tokens) -> a text stream (runtime/tokenizer.py's TextStream); None: one that
+    # decodes the whole completion again each token (RedecodedText).
+    text_stream: Callable[[bool], object] | None = None
+
+
+class RedecodedText:
+    """TextStream's contract over a decode function, for tokenizers without the tokenizers
+    library's backend: each token decodes the whole completion again (O(n)). A trailing
+    U+FFFD, a character still incomplete, is held back as TextStream holds its bytes."""
+
+    def __init__(self, detokenize: Callable[[list[int], bool], str], skip_special_tokens: bool):
+        self.text = ""
+        self._detokenize, self._skip, self._ids = detokenize, skip_special_tokens, []
+
+    def add(self, token: int) -> None:
+        self._ids.append(token)
+        self.text = self._detokenize(self._ids, self._skip).rstrip("\ufffd")
 
 
 class Sequence:
@@ -84,6 +100,10 @@ class Sequence:
         self.prompt_logprobs: list[float] = []
         self.prompt_top_logprobs: list[dict[int, float]] = []
         self.text: str | None = None  # set when a stop string cut it, else at finish
+        # The completion's text as stop strings see it, built as tokens arrive, and how many
+        # generated tokens it holds (made at the first check: a migrated sequence rebuilds it).
+        self._stop_text = None
+        self._stop_text_tokens = 0
         self.finish_reason: str | None = None
         # vLLM's stop_reason: the stop string or stop token id that ended it (None for EOS).
         self.stop_reason: int | str | None = None
@@ -174,23 +194,24 @@ class Sequence:
         return None
 
     def _hit_stop_string(self) -> bool:
-        # Decode the whole completion: tokenizers merge bytes across token boundaries, so a
-        # tail window could miss a stop string; cost is paid only by sequences with stops.
-        p = self.params
-
-        def detokenize(ids):
-            return self.stop_rule.detokenize(ids, p.skip_special_tokens)
-
-        text = detokenize(self.generated_ids)
-        # Under min_tokens a stop string counts only where it ends in the text of a token after
-        # the min_tokens-th (vLLM's rule: its checks start after that token's text). Only the
-        # part of that prefix's text the whole completion shares counts: a character whose
-        # bytes the boundary splits decodes there to placeholders, and vLLM holds it back.
-        floor = 0
-        if p.min_tokens:
-            floor = len(os.path.commonprefix([detokenize(self.generated_ids[:p.min_tokens]), text]))
+        """Whether a stop string ends in the text of the tokens generated since the last call;
+        if one does, it cuts the text."""
+        p, rule = self.params, self.stop_rule
+        if self._stop_text is None:
+            self._stop_text = (rule.text_stream(p.skip_special_tokens) if rule.text_stream is not None
+                               else RedecodedText(rule.detokenize, p.skip_special_tokens))
+        stream = self._stop_text
+        new_from = len(stream.text)
+        for token in self.generated_ids[self._stop_text_tokens:]:
+            stream.add(token)
+            self._stop_text_tokens += 1
+            if self._stop_text_tokens <= p.min_tokens:
+                # vLLM's rule: under min_tokens a stop string counts only where it ends in the
+                # text of a token after the min_tokens-th.
+                new_from = len(stream.text)
+        text = stream.text
         found = [(at + len(stop), order, at) for order, stop in enumerate(p.stop)
-                 if (at := text.find(stop, max(0, floor - len(stop) + 1))) >= 0]
+                 if (at := text.find(stop, max(0, new_from - len(stop) + 1))) >= 0]
         if not found:
             return False
         end, order, at = min(found)  # the first to end, the first listed of those (vLLM's choice)

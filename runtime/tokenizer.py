@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -20,3 +21,23 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
                          f"ones; its vocabulary file (tokenizer.json, or tokenizer.model / vocab.json) "
                          f"is missing or empty (found {', '.join(present)})")
     return tokenizer
+
+
+class TextStream:
+    """A completion's text as its tokens arrive (what stop strings are searched in), through the
+    tokenizers library's incremental decoder: O(1) a token, where decoding the whole completion
+    again each token costs O(n) (milliseconds a token for long completions, on the engine's
+    thread). The bytes of a character split across tokens wait for the rest of it, as vLLM's
+    detokenizer (the same decoder) holds them back."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool):
+        self.text = ""
+        self._backend = tokenizer.backend_tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def add(self, token: int) -> None:
+        self.text += self._stream.step(self._backend, token) or ""
+
+
+def has_text_stream(tokenizer: PreTrainedTokenizerBase) -> bool:
+    return getattr(tokenizer, "backend_tokenizer", None) is not None

@@ -5,6 +5,7 @@ lacks) against transformers' logits penalised by hand, adjusted rows mixed into 
 screened greedy and sampled rows, and min_tokens holding back stop strings."""
 
 import codecs
+import functools
 from collections import Counter
 
 import pytest
@@ -198,6 +199,40 @@ def test_min_tokens_floor_ignores_a_character_split_at_the_boundary(errors):
     assert run([1, 2, 3, 4], stop=["\u00e9"], min_tokens=2) == ([1, 2, 3], "\u00e9", "a")
     assert run([5, 6, 7, 1, 8, 1], stop=["a"], min_tokens=2) == ([5, 6, 7, 1], "a", "\u20ac")
     assert run([1, 2, 3, 1], stop=["a"], min_tokens=2) == ([1, 2, 3, 1], "a", "a\u00e9")  # not the first
+
+
+def test_stop_strings_are_searched_in_text_decoded_as_tokens_arrive(tiny_chat):
+    """The tokenizers library's incremental decoder gives the text decoding the whole
+    completion gives, special tokens kept or skipped, without decoding it again each token."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from runtime.tokenizer import TextStream
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat.dir("qwen3"))
+    rng = random.Random(0)
+    for skip in (True, False):
+        for _ in range(20):
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 60))]
+            stream = TextStream(tokenizer, skip)
+            for token in ids:
+                stream.add(token)
+            assert stream.text == tokenizer.decode(ids, skip_special_tokens=skip).rstrip("\ufffd")
+
+    decodes = []
+
+    def detokenize(ids, skip):
+        decodes.append(len(ids))
+        return tokenizer.decode(ids, skip_special_tokens=skip)
+
+    rule = StopRule(frozenset(), 100, detokenize, text_stream=functools.partial(TextStream, tokenizer))
+    ids = tokenizer.encode(" one two three four five six", add_special_tokens=False)
+    seq = Sequence("s", "r", 0, [0], 1, SamplingParams(max_tokens=50, stop=["six"]), None, rule)
+    seq.send(Event.ADMITTED)
+    for token in ids:
+        seq.send(Event.TOKEN, SampledToken(token))
+    assert (seq.finish_reason, seq.text, decodes) == ("stop", " one two three four five ", [])
 
 
 class OneWordGrammars:
