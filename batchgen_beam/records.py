@@ -87,6 +87,12 @@ RAW_PREVIEW_CHARS = 200
 MAX_NESTING = 32  # levels of mappings and lists in a record: far past any real one
 
 _NATIVE_KEYS = {"id", "prompt", "messages", *SAMPLING_FIELDS}
+# vLLM's request fields we cannot honour, accepted only at the value that makes them a no-op:
+# a record written for vLLM must not silently get something else than it asked for.
+_NATIVE_NO_OP = {"best_of": 1, "use_beam_search": False, "length_penalty": 1.0, "bad_words": [],
+                 "allowed_token_ids": [], "spaces_between_special_tokens": True,
+                 "add_generation_prompt": True, "continue_final_message": False,
+                 "chat_template": "", "chat_template_kwargs": {}}
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
 # Per endpoint: the body key holding the input, and the endpoint-specific keys we understand.
 _OPENAI_URLS = {
@@ -339,6 +345,23 @@ def _unwritable(value: Any, where: str) -> str | None:
     return next((p for v, w in items if (p := _unwritable(v, w)) is not None), None)
 
 
+def _check_no_ops(record: Mapping) -> None:
+    """Fields of vLLM's requests and OpenAI's bodies that a record of ours does not take."""
+    for key in _OPENAI_FORMATS:
+        if not _missing(record.get(key)):
+            raise _Invalid(f"{key}: a field of OpenAI Batch bodies; a record of ours gives "
+                           f"json_schema, regex or choice")
+    for key, no_op in _NATIVE_NO_OP.items():
+        value = record.get(key)
+        if not _missing(value) and not _same(value, no_op) and not (no_op in ([], {}, "") and
+                                                                   _is_empty(value)):
+            raise _Invalid(f"{key}: not supported (only {no_op!r} is), got {_show(value)}")
+
+
+def _is_empty(value: Any) -> bool:
+    return isinstance(value, _CONTAINERS + (str,)) and len(value) == 0
+
+
 def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
     # A record of ours must have an id, which OpenAI lines never have at the top level; checking
     # for it lets our records carry passthrough fields named "body" or "custom_id".
@@ -354,6 +377,8 @@ def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
         record_id = _check_id(record.get(id_key), id_key)
         if unwritable:
             raise _Invalid(next(iter(unwritable.values())))
+        if not openai:
+            _check_no_ops(record)
         fields = _openai_fields(record) if openai else record
         prompt, messages = _check_prompt(fields)
         params = _params(fields, base)

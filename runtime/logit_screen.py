@@ -43,20 +43,22 @@ class LogitScreen:
 
 
 def screened_argmax(hidden: torch.Tensor, weight: torch.Tensor, screen: LogitScreen,
-                    fp32_logits) -> tuple[torch.Tensor, int]:
-    """argmax(hidden @ weight^T) per row (first index on ties) and how many rows needed their
-    full logits, which `fp32_logits(rows)` computes (the caller's fp32 linear)."""
+                    fp32_logits, finish) -> tuple[torch.Tensor, int]:
+    """argmax(finish(hidden @ weight^T)) per row (first index on ties) and how many rows needed
+    their full logits, which `fp32_logits(rows)` computes (the caller's fp32 linear, finished).
+    `finish` (the model's scaling and soft cap) is monotone but may make fp32 logits equal; the
+    bound is then checked after it, so a token outside the candidates cannot tie the winner."""
     vocab, size = weight.shape
     k = min(CANDIDATES, vocab)
     top = bf16_weight_linear(hidden, screen.weight_bf16, screen.packed).topk(k, dim=1)
     # Sorted by token id, so the first of tied fp32 logits is the lowest id, as argmax has it.
     ids, _ = top.indices.sort(dim=1)
-    exact = torch.einsum("rkh,rh->rk", weight[ids], hidden)
+    exact = finish(torch.einsum("rkh,rh->rk", weight[ids], hidden))
     best, where = exact.max(dim=1)
     tokens = ids.gather(1, where[:, None])[:, 0]
     kth = top.values[:, -1].float()
     slack = 2.0 ** -8 + 2 * size * 2.0 ** -23
-    bound = kth + 2.0 ** -8 * kth.abs() + slack * hidden.norm(dim=1) * screen.max_row_norm
+    bound = finish(kth + 2.0 ** -8 * kth.abs() + slack * hidden.norm(dim=1) * screen.max_row_norm)
     # NaN anywhere fails the comparison: such rows take the full path, argmax's NaN rule.
     cleared = best > bound if k < vocab else ~exact.isnan().any(dim=1)
     missed = (~cleared).nonzero()[:, 0]

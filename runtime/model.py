@@ -283,10 +283,13 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+        return self.finish_logits(self.lm_head(hidden).float())
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The lm_head's output as the model's logits: scaled (Granite), soft-capped (Gemma 2)."""
         if self.spec.logits_scaling != 1.0:
             logits = logits / self.spec.logits_scaling
-        if self.spec.final_softcap is not None:  # monotone: the greedy screen's argmax holds
+        if self.spec.final_softcap is not None:
             logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
         return logits
 
@@ -300,4 +303,5 @@ class CausalLM(nn.Module):
         screen, if on, could not clear and gave their full logits."""
         if self.logit_screen is None:
             return argmax(self.compute_logits(hidden)), 0
-        return screened_argmax(hidden, self.lm_head.weight, self.logit_screen, self.compute_logits)
+        return screened_argmax(hidden, self.lm_head.weight, self.logit_screen, self.compute_logits,
+                               self.finish_logits)

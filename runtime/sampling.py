@@ -10,10 +10,14 @@ import kernels
 from runtime.structured import canonical_json_schema, check_regex, choice_regex, grammar_of, keep_allowed
 
 
+# Temperatures below this sample greedily (vLLM's rule): at 1e-6 a draw would only split ties.
+SAMPLING_EPS = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # below SAMPLING_EPS = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1, as vLLM has it) = off
     min_p: float = 0.0  # drop tokens less likely than this times the likeliest one; 0 = off
@@ -100,7 +104,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def adjusts_logits(self) -> bool:
@@ -234,7 +238,11 @@ def adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
     if row.allowed is not None:
         keep_allowed(logits, row.allowed)
     if row.banned_ids:
-        logits[ids(row.banned_ids)] = float("-inf")
+        banned = ids(row.banned_ids)
+        before = logits[banned]
+        logits[banned] = float("-inf")
+        if torch.isneginf(logits).all():  # the grammar allows only tokens that end it: as vLLM,
+            logits[banned] = before       # let them end it before min_tokens
     if p.logit_bias:
         tokens, biases = zip(*p.logit_bias)
         logits[ids(tokens)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)

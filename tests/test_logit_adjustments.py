@@ -13,7 +13,7 @@ import torch
 
 from helpers import EOS, assert_matches, make_engine, random_prompts
 from runtime import Request, SamplingParams
-from runtime.sampling import SampledToken, SampleRow, sample
+from runtime.sampling import SampledToken, SampleRow, adjust_logits, sample
 from runtime.sequence import Event, Sequence, StopRule
 
 PROMPTS = random_prompts((3, 12, 30, 57), seed=11)
@@ -267,6 +267,30 @@ def test_the_eos_that_completes_a_grammar_is_left_out_of_the_text():
     for token in (0, 0, 9):
         seq.send(Event.TOKEN, SampledToken(token))
     assert (seq.finish_reason, seq.stop_reason, seq.text) == ("stop", None, "aa")
+
+
+def test_min_tokens_lets_through_the_only_tokens_a_grammar_allows():
+    """vLLM's rule: where banning the tokens that would end it leaves nothing allowed, they are
+    allowed after all (the grammar ends the output before min_tokens)."""
+    allowed = torch.zeros(1, dtype=torch.int32)
+    allowed[0] = 1 << 3  # the grammar allows token 3 only ...
+    logits = torch.arange(10, dtype=torch.float32)
+    row = SampleRow(SamplingParams(min_tokens=2, regex="x"), banned_ids=[3, 9], allowed=allowed)
+    adjust_logits(logits, row)  # ... which min_tokens bans
+    assert logits[3] == 3 and torch.isneginf(logits[torch.arange(10) != 3]).all()
+    [token] = sample(torch.arange(10, dtype=torch.float32)[None], [row])
+    assert (token.token_id, token.error) == (3, None)
+
+
+def test_temperatures_below_1e_5_sample_greedily_as_in_vllm():
+    """At 1e-6 a draw would only split exact ties at random; greedy takes the lowest id."""
+    logits = torch.tensor([[3.0, 3.0, 1.0, 0.5]])
+    for seed in range(20):
+        params = SamplingParams(temperature=1e-6, seed=seed)
+        assert params.greedy
+        [token] = sample(logits, [SampleRow(params, torch.Generator().manual_seed(seed))])
+        assert token.token_id == 0
+    assert not SamplingParams(temperature=1e-5).greedy
 
 
 def test_adjusted_values_are_validated():

@@ -27,16 +27,16 @@ def backend(request, monkeypatch):
     return request.param
 
 
-def screen_and_reference(hidden, weight):
+def screen_and_reference(hidden, weight, finish=lambda logits: logits):
     calls = []
 
     def full(rows):
         calls.append(len(rows))
-        return F.linear(rows, weight)
+        return finish(F.linear(rows, weight))
 
-    tokens, misses = screened_argmax(hidden, weight, LogitScreen.of(weight), full)
+    tokens, misses = screened_argmax(hidden, weight, LogitScreen.of(weight), full, finish)
     assert misses == sum(calls)
-    return tokens, misses, F.linear(hidden, weight).argmax(dim=1)
+    return tokens, misses, finish(F.linear(hidden, weight)).argmax(dim=1)
 
 
 @pytest.mark.parametrize("rows", [1, 5, cpu_kernels.BF16_PANEL_ROWS, cpu_kernels.BF16_PANEL_ROWS + 1, 40])
@@ -159,3 +159,20 @@ def test_the_screen_is_made_off_the_calling_thread(tiny):
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           cwd=Path(__file__).parent.parent, check=True)
     assert done.stdout.split()[-1] == "0", done.stdout + done.stderr
+
+
+def test_a_soft_cap_that_makes_logits_equal_gives_the_lowest_id_as_argmax_does(backend):
+    """Gemma 2's final soft cap: tanh rounds every logit far past the cap to the cap itself,
+    so the greedy token is the lowest id of them all, which may be none of the candidates."""
+    def soft_cap(logits, cap=1.0):
+        return torch.tanh(logits / cap) * cap
+
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(3000, 64, generator=g) * 0.05
+    hidden = torch.randn(6, 64, generator=g) * 400
+    tokens, misses, reference = screen_and_reference(hidden, weight, soft_cap)
+    assert (soft_cap(F.linear(hidden, weight)) == 1.0).sum(dim=1).min() > CANDIDATES  # saturated
+    assert torch.equal(tokens, reference)
+    mild = hidden / 400  # no saturation: the screen still answers
+    tokens, misses, reference = screen_and_reference(mild, weight, soft_cap)
+    assert torch.equal(tokens, reference) and misses < len(mild)

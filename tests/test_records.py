@@ -249,6 +249,23 @@ def test_unparseable_lines_keep_a_preview_of_the_raw_input():
     assert parse_record(10 ** 5000).passthrough == {"raw": "<a int too long to show>"}
 
 
+def test_vllm_request_fields_we_cannot_honour_are_refused_unless_no_ops():
+    """A record written for vLLM must not silently get something else than it asked for."""
+    for field, value in [("best_of", 3), ("use_beam_search", True), ("bad_words", ["no"]),
+                         ("allowed_token_ids", [1, 2]), ("length_penalty", 0.5),
+                         ("continue_final_message", True), ("chat_template_kwargs", {"x": 1})]:
+        parsed = parse_record({"id": "a", "prompt": "Hi", field: value})
+        assert isinstance(parsed, Rejected) and parsed.error.startswith(f"{field}: not supported (only ")
+    for field, value in [("guided_json", {"type": "object"}), ("structured_outputs", {"regex": "a+"}),
+                         ("response_format", {"type": "json_object"})]:
+        assert parse_record({"id": "a", "prompt": "Hi", field: value}).error == \
+            f"{field}: a field of OpenAI Batch bodies; a record of ours gives json_schema, regex or choice"
+    no_ops = {"best_of": 1, "use_beam_search": False, "bad_words": np.array([]), "allowed_token_ids": None,
+              "chat_template_kwargs": {}, "spaces_between_special_tokens": True}
+    parsed = parse_record({"id": "a", "prompt": "Hi", **no_ops})
+    assert isinstance(parsed, Parsed) and set(parsed.passthrough) == set(no_ops)
+
+
 def test_a_rejected_record_keeps_its_passthrough():
     got = parse_record(rec(temperature="hot", source={"file": "a.jsonl", "line": 3}))
     assert got == Rejected("r1", "temperature: must be a finite number, got 'hot'",
