@@ -243,6 +243,9 @@ def _sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
             f"sliding_window {foreign} on model_type {config.model_type!r} is not supported "
             f"(transformers windows only its decode steps' cache for it)")
     window = _family_key(config, "sliding_window", _WINDOWED)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding_window must be a whole number of tokens >= 1 (or null for "
+                         f"none), got {window!r}")
     # SmolLM3 keeps the window and the layer types when use_sliding_window switches it off.
     if config.model_type in _USE_SLIDING_WINDOW and not getattr(config, "use_sliding_window", True):
         window = None

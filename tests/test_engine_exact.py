@@ -340,6 +340,20 @@ def test_sliding_layers_without_a_window_are_refused(model_type):
         model_spec(config)
 
 
+@pytest.mark.parametrize("model_type,window", [("mistral", 0), ("mistral", -4), ("qwen3", 0), ("gemma2", 0)])
+def test_a_window_of_no_tokens_is_refused(model_type, window):
+    """A window of 0 masked every key on one path and failed mid-run on another."""
+    from transformers import AutoConfig
+
+    from runtime.config import model_spec
+
+    config = AutoConfig.for_model(model_type, hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
+    config.sliding_window = window
+    config.use_sliding_window = True
+    with pytest.raises(ValueError, match=rf"sliding_window must be a whole number of tokens >= 1 .*got {window}"):
+        model_spec(config)
+
+
 def test_longrope_given_per_layer_type_bounds_the_context_too():
     """Gemma 3 / OLMo 3 give RoPE parameters per layer type: a LongRoPE table among them
     switches to its long factors past original_max_position_embeddings, as the flat one does."""
