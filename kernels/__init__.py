@@ -23,6 +23,8 @@ pack_linear_weight = dispatch(matmul.pack_linear_weight, cpp.pack_linear_weight,
 paged_decode_attention = dispatch(attention.paged_decode_attention, cpp.paged_decode_attention)
 paged_prefill_attention = dispatch(attention.paged_prefill_attention)
 rms_norm = dispatch(norm.rms_norm, cpp.rms_norm)
+# Gemma's norms in bf16 / fp16 (in fp32 they are rms_norm): torch's kernels on every device.
+rms_norm_fp32_scale = dispatch(norm.rms_norm_fp32_scale, triton=False)
 silu_and_mul = dispatch(activation.silu_and_mul, cpp.silu_and_mul)
 write_kv = dispatch(attention.write_kv, cpp.write_kv)
 
@@ -46,6 +48,7 @@ __all__ = [
     "paged_prefill_attention",
     "prepare",
     "rms_norm",
+    "rms_norm_fp32_scale",
     "route",
     "silu_and_mul",
     "write_kv",

@@ -14,3 +14,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     """rms_norm(x + residual) and the sum itself, the next residual (one pass on a GPU)."""
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
+
+
+def rms_norm_fp32_scale(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm whose fp32 scale multiplies the fp32 normalised x, rounded once to x's dtype:
+    transformers' Gemma norms (x * (1 + weight.float())), where Llama's round x first."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)

@@ -128,6 +128,20 @@ def build_model(model_dir: str | Path, device: torch.device | str = "cpu",
     return model.eval()
 
 
+def _offset_norms(model: CausalLM, offset: float) -> None:
+    """Gemma's norms scale by offset + weight, added once, here: in fp32 as transformers adds
+    it; in bf16 / fp16 the sum stays fp32, applied before rounding (RMSNorm.fp32_scale)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                scale = module.weight.float() + offset
+                if module.weight.dtype == torch.float32:
+                    module.weight.copy_(scale)
+                else:
+                    module.weight = torch.nn.Parameter(scale, requires_grad=False)
+                    module.fp32_scale = True
+
+
 def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32, lora: str | Path | None = None) -> CausalLM:
     """The model, its weights read; with `lora` (a PEFT adapter directory) merged into them."""
@@ -146,14 +160,12 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
                 raise ValueError(f"{model_dir}: {name} is {tuple(stored.shape)} in the checkpoint; "
                                  f"the config makes it {tuple(param.shape)}")
             param.copy_(stored)
-        if model.spec.norm_offset:  # Gemma's norms scale by 1 + weight: added once, here
-            for module in model.modules():
-                if isinstance(module, RMSNorm):
-                    module.weight += model.spec.norm_offset
     if lora is not None:
         from runtime.lora import merge_lora  # imported here: runtime.lora builds on this module
         merge_lora(model, lora)
     model.to(dtype)  # the RoPE tables too
+    if model.spec.norm_offset:
+        _offset_norms(model, model.spec.norm_offset)
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack()

@@ -16,7 +16,7 @@ from torch import nn
 
 from kernels import (add_rms_norm, apply_rope, argmax, decode_stack, decode_stack_runs, gelu_and_mul,
                      gelu_tanh_and_mul, linear, pack_linear_weight, paged_decode_attention,
-                     paged_prefill_attention, rms_norm, silu_and_mul, write_kv)
+                     paged_prefill_attention, rms_norm, rms_norm_fp32_scale, silu_and_mul, write_kv)
 from runtime.config import ModelSpec
 from runtime.logit_screen import LogitScreen, screened_argmax
 
@@ -67,12 +67,20 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        # Gemma's norms in bf16 / fp16 hold their scale (1 + weight) in fp32 and apply it before
+        # rounding, as transformers does (runtime/loader.py sets it).
+        self.fp32_scale = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp32_scale:
+            return rms_norm_fp32_scale(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add fused into the norm."""
+        if self.fp32_scale:
+            residual = x + residual
+            return self(residual), residual
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
@@ -214,6 +222,8 @@ def decode_stack_layer(layer: DecoderLayer, rope_names: list[str]) -> dict | Non
                        down=mlp.down_proj)
     if any(linear.packed is None for linear in projections.values()):
         return None
+    if any(isinstance(m, RMSNorm) and m.fp32_scale for m in layer.modules()):
+        return None  # its norms take weights of the activations' dtype
     input_norm, post_norm, attention_out_norm, mlp_out_norm = (
         None if name is None else getattr(layer, name).weight for name in _STACK_NORMS[layer.norms])
     q_norm, k_norm = attention.q_norm, attention.k_norm

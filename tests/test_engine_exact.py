@@ -340,6 +340,33 @@ def test_sliding_layers_without_a_window_are_refused(model_type):
         model_spec(config)
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemma_norms_in_half_precision_round_once_as_transformers_does(tiny, family, dtype):
+    """transformers scales the fp32 normalised x by 1 + weight in fp32, then rounds (Llama's
+    norm rounds x first): every Gemma norm, q/k norms too, gives its output bit for bit."""
+    import transformers
+
+    from runtime.loader import load_model
+    from runtime.model import RMSNorm
+
+    ours = load_model(tiny.dir(family), dtype=dtype)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny.dir(family), dtype=dtype).eval()
+    theirs = dict(hf.model.named_modules())
+    checked = 0
+    x = torch.randn(8, 5, ours.spec.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype) * 3
+    for name, module in ours.named_modules():
+        if isinstance(module, RMSNorm):
+            rows = x[..., :module.weight.shape[0]]
+            with torch.no_grad():
+                assert torch.equal(module(rows), theirs[name](rows)), name
+            checked += 1
+    assert checked > 2 * ours.spec.num_layers
+    engine = make_engine(tiny.dir(family), dtype=dtype)
+    [completion] = engine.generate(greedy_requests(PROMPTS[:1], 4))
+    assert completion.error is None and len(completion.token_ids) == 4
+
+
 @pytest.mark.parametrize("model_type,window", [("mistral", 0), ("mistral", -4), ("qwen3", 0), ("gemma2", 0)])
 def test_a_window_of_no_tokens_is_refused(model_type, window):
     """A window of 0 masked every key on one path and failed mid-run on another."""
