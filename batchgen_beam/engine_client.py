@@ -9,6 +9,7 @@ engine process dies it starts a new one and resubmits what was resident.
 
 import dataclasses
 import functools
+import gc
 import hashlib
 import inspect
 import logging
@@ -16,7 +17,7 @@ import os
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any, Iterable
 
 from apache_beam.utils.multi_process_shared import MultiProcessShared
@@ -28,6 +29,9 @@ log = logging.getLogger(__name__)
 
 # Errors a proxy call raises when the engine process is gone.
 _ENGINE_GONE = (EOFError, ConnectionError, BrokenPipeError, OSError)
+# A request in flight through this many deaths of the engine process (a request that crashes
+# it, most likely) ends as an error completion instead of being resubmitted once more.
+MAX_ENGINE_DEATHS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,15 +106,14 @@ class EngineService:
 
     def _replace_failed_engine(self) -> None:
         """The engine's loop died (a bug): every request in flight gets an error completion
-        saying so, rather than waiting forever, and a fresh engine takes the requests after."""
+        saying so, rather than waiting forever, and a fresh engine takes the requests after.
+        The failed one is dropped first, so its memory (the KV cache) is free for the fresh one;
+        if even so none can be built, this process exits, and clients start another."""
         with self._engine_lock:
-            failure = self.engine.failure
+            failed, failure = self.engine, self.engine.failure
             log.error("batchgen engine loop failed; failing the requests in flight and starting a "
                       "new engine", exc_info=failure)
-            leftover = self.engine.finished()  # finished before it failed: delivered as they are
-            self.engine = self._new_engine().start()
-            self.engine_failures += 1
-            for completion in leftover:
+            for completion in failed.finished():  # finished before it failed: delivered as they are
                 self._deliver(completion)
             with self._ready:
                 done = set(self._delivered).union(*(box.keys() for box in self._outboxes.values()))
@@ -119,6 +122,15 @@ class EngineService:
                 self._deliver(Completion.failed(request_id, f"the engine failed while this request was "
                                                             f"in flight ({type(failure).__name__}: {failure}); "
                                                             f"it was restarted"))
+            self.engine = failed = None
+            gc.collect()
+            try:
+                self.engine = self._new_engine().start()
+            except BaseException:  # noqa: BLE001 - clients restart a process that is gone
+                log.exception("batchgen: no new engine could be started; exiting the engine process, "
+                              "so that clients start a fresh one and resubmit their requests")
+                os._exit(1)
+            self.engine_failures += 1
 
     def _deliver(self, completion: Completion) -> None:
         with self._ready:
@@ -204,9 +216,15 @@ class EngineService:
             self._ready.wait_for(lambda: self._outboxes[client_id] or self._taken[client_id], timeout)
             finished = self._outboxes.pop(client_id, {})
             self._delivered.update(finished)
-            return list(finished.values()), self._taken.pop(client_id, []), self.info()
+            taken_over = self._taken.pop(client_id, [])
+        # info() takes the engine lock: never inside _ready, which a replacement takes inside it.
+        return list(finished.values()), taken_over, self.info()
 
     def info(self) -> dict:
+        with self._engine_lock:  # a failed engine may be being replaced
+            return self._info()
+
+    def _info(self) -> dict:
         scheduler = self.engine.scheduler
         return {"pid": os.getpid(), "steps": self.engine.stats.steps,
                 "decode_tokens": self.engine.stats.decode_tokens,
@@ -242,6 +260,7 @@ class EngineClient:
         self._done: dict[str, Completion] = {}
         self._taken: list[str] = []  # taken here since the last poll: acknowledged with the next
         self.restarts = 0
+        self._deaths: Counter[str] = Counter()  # engine deaths each resident request was in flight for
         self.last_info: dict | None = None  # the engine's counters as of the last poll
         # Connected on first use, not here: Beam's multi-model RunInference constructs the
         # handler's model under the lock that connecting needs too (a deadlock).
@@ -268,26 +287,47 @@ class EngineClient:
         try:
             return getattr(service, method)(*args)
         except _ENGINE_GONE as gone:
-            self._restart(service, gone)
-            if method in ("submit", "resume"):  # the restart resubmitted every resident one, these too
-                return None
-            return getattr(self._service, method)(*args)
+            cause = gone
+        # The engine process died; a new one may die again (a request that crashes it is
+        # resubmitted with the others until it has been in flight through MAX_ENGINE_DEATHS).
+        for _ in range(MAX_ENGINE_DEATHS + 1):
+            try:
+                service = self._restart(service, cause)
+                if method in ("submit", "resume"):  # the restart resubmitted every resident one, these too
+                    return None
+                return getattr(service, method)(*args)
+            except _ENGINE_GONE as gone:
+                cause = gone
+        raise RuntimeError(f"the engine process died {MAX_ENGINE_DEATHS + 2} times in a row "
+                           f"(calling {method}): {cause!r}") from cause
 
-    def _restart(self, failed_service, cause: BaseException) -> None:
+    def _restart(self, failed_service, cause: BaseException):
+        """A new engine process, every resident request resubmitted to it but those in flight
+        through MAX_ENGINE_DEATHS deaths, which end as error completions; returns its service."""
         with self._lock:
             if self._service is not failed_service:  # another thread already restarted it
-                return
-            pending = [r for rid, r in self._resident.items() if rid not in self._done]
+                return self._service
+            pending = [(rid, r) for rid, r in self._resident.items() if rid not in self._done]
             log.warning("batchgen engine process is gone (%r); starting a new one and resubmitting "
                         "%d resident request(s)", cause, len(pending))
             self._service = self._connect()
             self.restarts += 1
-            requests = [r for r in pending if isinstance(r, Request)]
-            states = [r for r in pending if not isinstance(r, Request)]
+            resubmitted = []
+            for request_id, item in pending:
+                self._deaths[request_id] += 1
+                if self._deaths[request_id] < MAX_ENGINE_DEATHS:
+                    resubmitted.append(item)
+                else:
+                    self._done[request_id] = Completion.failed(
+                        request_id, f"the engine process died {MAX_ENGINE_DEATHS} times while this "
+                                    f"request was in it (last: {cause!r}); not resubmitted again")
+            requests = [r for r in resubmitted if isinstance(r, Request)]
+            states = [r for r in resubmitted if not isinstance(r, Request)]
             if requests:
                 self._service.submit(self.client_id, requests)
             if states:
                 self._service.resume(self.client_id, states)
+            return self._service
 
     # ---- the coarse API ------------------------------------------------------------------
     def submit(self, requests: Iterable[Request]) -> None:
@@ -324,8 +364,13 @@ class EngineClient:
         states = self._call("migrate_out", self.client_id, list(request_ids))
         with self._lock:
             for request_id in states:
-                self._resident.pop(request_id, None)
+                self._forget(request_id)
         return states
+
+    def _forget(self, request_id: str) -> None:
+        """No longer this client's to resubmit (call with the lock held)."""
+        self._resident.pop(request_id, None)
+        self._deaths.pop(request_id, None)
 
     def knows(self, request_id: str) -> bool:
         """Submitted by this process and its result not yet taken."""
@@ -356,7 +401,7 @@ class EngineClient:
             with self._lock:
                 found = {rid: self._done.pop(rid) for rid in wanted & self._done.keys()}
                 for rid in found:
-                    self._resident.pop(rid, None)
+                    self._forget(rid)
                 self._taken.extend(found)
             remaining = deadline - time.monotonic()
             if found or remaining <= 0 or not wanted:
@@ -378,7 +423,7 @@ class EngineClient:
         completions, taken, self.last_info = self._call("poll", self.client_id, timeout, acknowledged)
         with self._lock:
             for request_id in taken:  # another process collects these now
-                self._resident.pop(request_id, None)
+                self._forget(request_id)
                 self._done.pop(request_id, None)
         for completion in completions:
             with self._lock:

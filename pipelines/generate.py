@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
     engine_start_s = None
     if local:
         load_started = time.perf_counter()
-        client = EngineClient.shared(config)  # starts (or finds) this machine's engine
+        client = EngineClient.shared(config).connect()  # starts (or finds) this machine's engine
         engine_start_s = time.perf_counter() - load_started
     run_started = time.perf_counter()
     if local:

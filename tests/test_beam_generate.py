@@ -28,6 +28,7 @@ from batchgen_beam.records import parse_record, row_to_json
 from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, MULTI_PROCESSING, bundled_prompts,
                           chat_model_dir, counter, distribution, run_pipeline, worker_pythonpath)
 from runtime import Engine, Request, SamplingParams
+from runtime.request import Completion, SampleOutput, Timings
 
 MAX_TOKENS = 8  # the transform-wide default
 STAMP = Timestamp(1_700_000_000)  # a record's event time, in tests that call the DoFn itself
@@ -465,6 +466,37 @@ def test_an_engine_whose_loop_fails_fails_its_requests_in_flight_and_is_replaced
     # (a stopped engine would turn that poll into a busy loop).
 
 
+def test_an_engine_that_cannot_be_replaced_fails_its_requests_then_exits_the_process(
+        model_dir, bare_engine, monkeypatch):
+    """Building the replacement failed (out of memory, say): the requests in flight still get
+    their error completions, and the process exits, so that clients start a fresh one (the
+    router thread died instead, and every request waited forever)."""
+    from batchgen_beam import engine_client
+
+    service = EngineService(EngineConfig.of(str(model_dir), **ENGINE_ARGS))
+    exited = threading.Event()
+
+    def exit_process(code):
+        exited.set()
+        threading.Event().wait()  # nothing after it runs, as after the exit (a daemon thread)
+
+    def no_memory():
+        raise MemoryError("cannot allocate the new engine")
+
+    monkeypatch.setattr(engine_client.os, "_exit", exit_process)
+    service._new_engine = no_memory
+
+    def broken_step():
+        raise IndexError("index out of range in self")
+    service.engine.step = broken_step
+    service.submit("client", engine_requests(bundled_prompts(bare_engine.tokenizer, 2, 20), "doomed-"))
+    assert exited.wait(60)
+    with service._ready:
+        failed = service._outboxes["client"]
+        assert sorted(failed) == ["doomed-0", "doomed-1"]
+        assert all("the engine failed while this request was in flight" in c.error for c in failed.values())
+
+
 def collect(service, client_id, count, acknowledge=()):
     done, deadline = {}, time.monotonic() + 120
     while len(done) < count and time.monotonic() < deadline:
@@ -491,6 +523,44 @@ def test_submit_right_after_an_engine_death(model_dir, bare_engine, caplog):
     [warning] = restart_warnings(caplog)
     assert "resubmitting 6 resident request(s)" in warning
     assert client.take(ids, timeout=1.0) == {}
+
+
+class ServiceDyingOn:
+    """A stand-in engine process that dies at any poll while `poison` is in it, and otherwise
+    completes every request it holds."""
+
+    def __init__(self, poison: str):
+        self.poison, self.held = poison, []
+
+    def submit(self, client_id, requests):
+        self.held += [r.id for r in requests]
+
+    def poll(self, client_id, timeout, acknowledged):
+        if self.poison in self.held:
+            raise EOFError("the engine process died")
+        done, self.held = self.held, []
+        return [Completion(rid, [SampleOutput(0, [1], "x", "length")], 1, Timings(submitted=0.0))
+                for rid in done], [], {}
+
+
+def test_requests_in_flight_through_repeated_engine_deaths_end_as_errors(monkeypatch):
+    """A request that kills the engine process each time it runs is resubmitted (with those in
+    flight beside it) until it has been through MAX_ENGINE_DEATHS; then they end as error
+    completions instead of failing the bundle, and later requests run."""
+    from batchgen_beam.engine_client import MAX_ENGINE_DEATHS
+
+    started = []
+    monkeypatch.setattr(EngineClient, "_connect", lambda self: started.append(ServiceDyingOn("poison"))
+                        or started[-1])
+    client = EngineClient(EngineConfig.of(None))
+    client.submit([Request(rid, prompt="Hi") for rid in ("a", "poison")])
+    done = client.wait_all(["a", "poison"])
+    assert len(started) == MAX_ENGINE_DEATHS + 1 and client.restarts == MAX_ENGINE_DEATHS
+    for completion in done.values():
+        assert completion.finish_reason == "error" and completion.error.startswith(
+            f"the engine process died {MAX_ENGINE_DEATHS} times while this request was in it")
+    client.submit([Request("later", prompt="Hi")])
+    assert client.wait_all(["later"])["later"].error is None
 
 
 def test_an_id_submitted_again_right_after_it_was_taken_runs_again(model_dir, bare_engine):
