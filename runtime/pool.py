@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime import pool_worker
+from runtime.engine import Engine
 from runtime.estimate import LengthEstimator, exact_length
 from runtime.rebalance import QUEUE_ORDERS
 from runtime.request import Completion, CompletionWaiter, Request
@@ -110,6 +111,14 @@ class EnginePool:
             raise ValueError(f"policy must be one of {sorted(QUEUE_ORDERS)}, got {policy!r}")
         if num_engines < 1 or threads_per_engine < 1:
             raise ValueError("num_engines and threads_per_engine must be >= 1")
+        if not isinstance(reallocate, bool):
+            raise ValueError(f"reallocate must be True or False, got {reallocate!r}")
+        for name, value, floor in (("report_interval", report_interval, 1e-3),
+                                   ("start_timeout", start_timeout, 1e-3),
+                                   ("min_steal_tokens", min_steal_tokens, 0)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= floor:
+                raise ValueError(f"{name} must be a number >= {floor}, got {value!r}")
+        Engine.check_sizes(**engine_args)  # here, not in each engine process
         self.split, self.reallocate, self.policy = split, reallocate, policy
         self.min_steal_tokens = min_steal_tokens
         self.estimator = LengthEstimator()  # learned from every engine's completions

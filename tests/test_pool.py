@@ -4,6 +4,7 @@ moved mid-generation — KV and RNG state along — from a busy engine to an idl
 load, migrations and idle time are reported; a dead engine process fails callers, not hangs them."""
 
 import multiprocessing
+import re
 import threading
 import time
 
@@ -54,6 +55,20 @@ def test_idle_seconds_within_a_window_and_its_tail():
 
 
 # ---- pools -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("option, message", [
+    (dict(reallocate="no"), "reallocate must be True or False, got 'no'"),
+    (dict(report_interval=-1), "report_interval must be a number >= 0.001, got -1"),
+    (dict(start_timeout=float("nan")), "start_timeout must be a number >= 0.001, got nan"),
+    (dict(min_steal_tokens=-5), "min_steal_tokens must be a number >= 0, got -5"),
+    (dict(kv_cache_bytes=1.5e6), "kv_cache_bytes must be a whole number >= 0, got 1500000.0"),
+])
+def test_bad_pool_options_are_refused_before_any_engine_starts(tiny, option, message):
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EnginePool(tiny.dir(FAMILY), **option)
+    assert set(multiprocessing.active_children()) <= before
+
 
 def test_an_engine_process_killed_while_loading_fails_the_pool_at_once(tiny):
     """The OOM killer sends no "failed" message: the pool notices the exit instead of waiting
