@@ -185,6 +185,10 @@ class EngineService:
                 except ValueError as bad:
                     self._deliver(Completion.failed(request_id, str(bad)))
 
+    def reset_prefix_cache(self) -> int:
+        with self._engine_lock:
+            return self.engine.reset_prefix_cache()
+
     def migrate_out(self, client_id: str, request_ids: list[str]) -> dict[str, dict]:
         """Take this client's requests that are still running out of the engine: their states
         (tokens so far and RNG, no KV), by id. A request that already finished is not among
@@ -432,3 +436,7 @@ class EngineClient:
 
     def info(self) -> dict:
         return self._call("info")
+
+    def reset_prefix_cache(self) -> int:
+        """The engine's Engine.reset_prefix_cache (shared by every client of this machine)."""
+        return self._call("reset_prefix_cache")

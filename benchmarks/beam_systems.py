@@ -42,17 +42,22 @@ def _run_pipeline(records: list[dict], transform, to_pair) -> tuple[float, dict]
         seconds = time.perf_counter() - start
         pairs = [json.loads(line) for path in glob.glob(os.path.join(out, "rows*"))
                  for line in open(path, encoding="utf-8")]
-    return seconds, dict(pairs)
+    rows = dict(pairs)
+    if len(rows) != len(pairs) or len(rows) != len(records):  # exactly one row per record
+        raise RuntimeError(f"{len(pairs)} rows for {len(records)} records ({len(rows)} distinct ids)")
+    return seconds, rows
 
 
 def generate(records: list[dict], engine_args: dict) -> dict:
     config = EngineConfig.of(None, **engine_args)
     start = time.perf_counter()
-    EngineClient.shared(config).info()  # start the engine process before the clock runs
+    client = EngineClient.shared(config)  # one engine process for the harness's whole run
+    client.info()  # start the engine process before the clock runs
     engine_start = time.perf_counter() - start
+    client.reset_prefix_cache()  # an earlier round's prompts must not be cached: every system starts cold
     seconds, tokens = _run_pipeline(records, Generate(engine_args=engine_args),
                                     lambda row: (row["id"], row["token_ids"]))
-    plan = EngineClient.shared(config).info()["linear_plan"]  # measured in the engine's process
+    plan = client.info()["linear_plan"]  # measured in the engine's process
     return {"system": "Generate (Beam DirectRunner)", "load_s": engine_start,
             "batch_completion_s": seconds, "output_tokens": sum(map(len, tokens.values())),
             "linear_plan": plan, "tokens": tokens}
@@ -86,7 +91,7 @@ class TransformersGenerateHandler(ModelHandler):
         longest = max(r["max_tokens"] for r in batch)
         with torch.inference_mode():
             out = model.generate(**inputs, do_sample=False, max_new_tokens=longest,
-                                 min_new_tokens=longest, pad_token_id=tokenizer.pad_token_id)
+                                 eos_token_id=-1, pad_token_id=tokenizer.pad_token_id)
         width = inputs["input_ids"].shape[1]
         return [PredictionResult(r, out[i, width:width + r["max_tokens"]].tolist())
                 for i, r in enumerate(batch)]

@@ -85,9 +85,14 @@ def exactness(result: dict, reference: dict, items: list[WorkItem]) -> dict:
     for it in items:
         mine, theirs = result["tokens"][it.id], reference["tokens"][it.id]
         if mine != theirs:
-            at = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
-            top = sorted(reference["top_logprobs"][it.id][at].values(), reverse=True)
-            diverged.append({"id": it.id, "first_diff": at, "reference_top2_margin": top[0] - top[1]})
+            # (one may be a prefix of the other: a request cut short differs where it ends)
+            at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            margin = None
+            if at < len(theirs):
+                top = sorted(reference["top_logprobs"][it.id][at].values(), reverse=True)
+                margin = top[0] - top[1]
+            diverged.append({"id": it.id, "first_diff": at, "lengths": [len(mine), len(theirs)],
+                             "reference_top2_margin": margin})
     return {"identical": f"{len(items) - len(diverged)}/{len(items)}", "diverged": diverged}
 
 

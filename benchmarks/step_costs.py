@@ -21,6 +21,7 @@ from runtime.tokenizer import load_tokenizer
 
 DECODE_STEPS = 8  # timed decode steps per batch size, after one untimed warm-up step
 PREFILL_TOKENS = 512  # one chunk: W1's prompt set concatenated, cut to this length
+RESIDENT_TOKENS = 512  # decode sequences' max_tokens: more than prefill and timed steps take
 
 
 def start_decoding(engine: Engine, requests: list[Request]) -> None:
@@ -37,18 +38,21 @@ def start_decoding(engine: Engine, requests: list[Request]) -> None:
 
 def _decode_step_seconds(engine: Engine, prompts: list[list[int]], batch: int) -> float:
     """Median decode step time with `batch` sequences resident, all past their prefill."""
+    # Long enough that none finishes while the later ones prefill or during the timed steps
+    # (taken out after them, not run to their end).
     requests = [Request(f"d{batch}-{i}", prompt_token_ids=prompts[i % len(prompts)],
-                        params=SamplingParams(max_tokens=DECODE_STEPS + 2, ignore_eos=True))
+                        params=SamplingParams(max_tokens=RESIDENT_TOKENS, ignore_eos=True))
                 for i in range(batch)]
     start_decoding(engine, requests)
     times = []
     for _ in range(DECODE_STEPS):
+        assert len(engine.scheduler.running) == batch, "a sequence left during the timed steps"
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    while engine.has_unfinished():
-        engine.step()
-    engine.poll()
+    for request in requests:
+        engine.migrate_out(request.id)
+    assert not engine.has_unfinished()
     return sorted(times)[len(times) // 2]
 
 

@@ -106,7 +106,7 @@ def padded_generate(model, items: list[WorkItem], batch_size: int, device: str =
         mask = torch.tensor([[0] * (width - len(it.prompt_ids)) + [1] * len(it.prompt_ids) for it in batch])
         longest = max(it.max_tokens for it in batch)
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                             max_new_tokens=longest, min_new_tokens=longest, pad_token_id=pad)
+                             max_new_tokens=longest, eos_token_id=-1, pad_token_id=pad)
         for row, it in enumerate(batch):
             tokens[it.id] = out[row, width:width + it.max_tokens].tolist()
         generated += len(batch) * longest

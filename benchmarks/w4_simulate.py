@@ -1,7 +1,7 @@
 """Projects W4 to many workers: batch completion time of a static split vs reallocation for 8 to
 128 workers (one engine each), from measured step costs.
 
-    python -m benchmarks.w4_simulate [--costs benchmarks/results/multi_engine_W4-quick.json | --measure]
+    python -m benchmarks.w4_simulate [--measure | --costs a W4 JSON holding step_costs]
                                      [--workers 8 16 32 64 128] [--requests-per-worker 32]
 
 Inputs are measurements: one engine's decode step time by batch size, prefill time per token and
@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.report import RESULTS_DIR
-from benchmarks.workloads import w1
+from benchmarks.multi_engine import grouped_by_task, static_engines
+from benchmarks.workloads import WorkItem, w1
 from runtime.default_model import default_model_dir
 from runtime.engine import RequestLoad
 from runtime.pool import STEAL_BELOW
@@ -120,14 +121,16 @@ MODES = {"static": "static split (i % W)", "static_steal": "static split + reall
 
 
 def simulate(costs: Costs, prompt_tokens: list[int], lengths: list[int], workers: int,
-             mode: str, max_num_seqs: int = 64, budget: int = 512) -> dict:
+             mode: str, max_num_seqs: int = 64, budget: int = 512,
+             engines: list[int] | None = None) -> dict:
+    """engines: each request's worker under a static split (default: request i on i % workers)."""
     pool = [Worker(costs, max_num_seqs, budget) for _ in range(workers)]
     seqs = [Seq(i, p, n) for i, (p, n) in enumerate(zip(prompt_tokens, lengths))]
     reallocate = mode != "static"
     shared = sorted(seqs, key=lambda s: -s.left) if mode == "shared" else []
     if mode != "shared":
         for seq in seqs:
-            pool[seq.id % workers].take([seq], 0.0)
+            pool[seq.id % workers if engines is None else engines[seq.id]].take([seq], 0.0)
     migrations = 0
 
     def dispatch(now: float) -> None:
@@ -192,6 +195,9 @@ def main(argv=None) -> dict:
 
     w4 = json.loads(args.costs.read_text()) if args.costs else None
     if w4 is not None:
+        if "step_costs" not in w4:
+            raise SystemExit(f"{args.costs} holds no step_costs (a W4 run with --skip-step-costs); "
+                             f"give a run's that has them, or --measure")
         measured = w4["step_costs"]
     else:
         from benchmarks import step_costs
@@ -202,14 +208,21 @@ def main(argv=None) -> dict:
            "requests_per_worker": args.requests_per_worker, "projection": []}
 
     if w4 is not None and "results" in w4:  # a W4 run: its measured configuration itself
-        prompts, lengths = job(tokenizer, w4["requests"])
-        lengths = [max(1, round(n * w4["scale"])) for n in lengths]
+        items = [WorkItem(it.id, it.prompt_ids, max(1, round(it.max_tokens * w4["scale"])))
+                 for it in w1(tokenizer, w4["requests"])]
+        split = w4.get("static_split", "interleaved")
+        if split == "grouped":
+            items = grouped_by_task(items)
+        prompts, lengths = [len(it.prompt_ids) for it in items], [it.max_tokens for it in items]
+        sizes = dict(max_num_seqs=w4.get("engine_args", {}).get("max_num_seqs", 64),
+                     budget=w4.get("engine_args", {}).get("max_num_batched_tokens", 512),
+                     engines=static_engines(items, split))
         measured_s = {r["system"]: r["batch_completion_s"] for r in w4["results"]}
         systems = {"static": next(s for s in measured_s if s.endswith("split")),
                    "static_steal": next(s for s in measured_s if s.endswith("split + reallocation")),
                    "shared": "shared queue + reallocation"}
         out["w4_check"] = {mode: {"measured_s": measured_s[system], "simulated_s": simulate(
-            costs, prompts, lengths, 2, mode)["batch_completion_s"]} for mode, system in systems.items()}
+            costs, prompts, lengths, 2, mode, **sizes)["batch_completion_s"]} for mode, system in systems.items()}
         print("W4 itself, measured vs simulated:", json.dumps(out["w4_check"], indent=1), flush=True)
 
     for workers in args.workers:

@@ -731,6 +731,12 @@ class Engine:
             self._wake.set()
             return len(held)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prefixes of finished requests, so that a rerun of the same prompts
+        computes them again (a benchmark's next round); returns how many blocks it forgot."""
+        with self._lock.held():
+            return self.scheduler.blocks.reset_prefix_cache()
+
     def evict(self, request_id: str) -> int:
         """Drop the request's KV; its sequences recompute it when re-admitted."""
         with self._lock.held():

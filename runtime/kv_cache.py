@@ -134,6 +134,13 @@ class BlockManager:
             self.hashes[block] = digest
             self.by_hash[digest] = block
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefixes of free blocks (those in use keep theirs); returns how many."""
+        cached = [block for block in self.free if self.hashes[block] is not None]
+        for block in cached:
+            self._forget(block)
+        return len(cached)
+
     def _take(self, block: int) -> None:
         if self.ref_counts[block] == 0:
             del self.free[block]

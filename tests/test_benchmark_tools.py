@@ -102,3 +102,26 @@ def test_onednn_is_unavailable_where_torch_lacks_it_or_its_ops_fail(broken, monk
         assert onednn.available() is False
     finally:
         onednn.available.cache_clear()
+
+
+def test_the_beam_harness_refuses_anything_but_one_row_per_record():
+    """A duplicated (or lost) row would pass the same-work check once rows became a dict."""
+    import apache_beam as beam
+
+    from benchmarks.beam_systems import _run_pipeline
+
+    records = [{"id": f"r{i}"} for i in range(3)]
+    _, rows = _run_pipeline(records, beam.Map(lambda r: r), lambda r: (r["id"], [1]))
+    assert rows == {f"r{i}": [1] for i in range(3)}
+    with pytest.raises(RuntimeError, match="6 rows for 3 records"):
+        _run_pipeline(records, beam.FlatMap(lambda r: [r, r]), lambda r: (r["id"], [1]))
+
+
+def test_exactness_of_an_output_cut_short_says_where():
+    from benchmarks.multi_engine import exactness
+
+    items = [WorkItem("a", [1], 3)]
+    reference = {"tokens": {"a": [4, 5, 6]}, "top_logprobs": {"a": [{4: -0.1, 7: -2.0}] * 3}}
+    report_ = exactness({"tokens": {"a": [4, 5]}}, reference, items)
+    assert report_["diverged"] == [{"id": "a", "first_diff": 2, "lengths": [2, 3],
+                                    "reference_top2_margin": pytest.approx(1.9)}]

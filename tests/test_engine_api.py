@@ -242,6 +242,23 @@ def test_size_arguments_that_are_not_whole_numbers_at_least_their_floor_are_refu
         EngineConfig.of(None, **{size: value})
 
 
+def test_reset_prefix_cache_makes_a_rerun_compute_its_prompt_again(tiny):
+    engine = make_engine(tiny.dir(FAMILY))
+    prompt = random_prompts([40], seed=9)[0]
+
+    def prefill_tokens_of_a_run():
+        before = engine.stats.prefill_tokens
+        [done] = engine.generate([Request("r", prompt_token_ids=prompt, params=SamplingParams(max_tokens=2))])
+        assert done.error is None
+        return engine.stats.prefill_tokens - before
+
+    assert prefill_tokens_of_a_run() == 40
+    assert prefill_tokens_of_a_run() == 40 - 32  # two full 16-token blocks were cached
+    assert engine.reset_prefix_cache() >= 2
+    assert prefill_tokens_of_a_run() == 40
+    assert_idle_and_clean(engine)
+
+
 def test_more_samples_than_the_kv_cache_has_blocks_are_refused(tiny):
     engine = make_engine(tiny.dir(FAMILY), num_blocks=8, max_num_seqs=2)
     prompt = random_prompts([6], seed=2)[0]
