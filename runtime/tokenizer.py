@@ -32,11 +32,23 @@ class TextStream:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool):
         self.text = ""
-        self._backend = tokenizer.backend_tokenizer
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._tokenizer, self._skip, self._ids = tokenizer, skip_special_tokens, []
+        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def add(self, token: int) -> None:
-        self.text += self._stream.step(self._backend, token) or ""
+        self._ids.append(token)
+        if self._stream is not None:
+            try:
+                self.text += self._stream.step(self._tokenizer.backend_tokenizer, token) or ""
+                return
+            except Exception as exc:  # tokenizers raises a bare Exception for it
+                if "Invalid prefix" not in str(exc):
+                    raise
+                # A byte-fallback tokenizer's text need not only grow: a stray byte after a
+                # character's bytes turns them all into U+FFFD, which the incremental decoder
+                # cannot follow (vLLM issue 17448). This completion decodes whole from here on.
+                self._stream = None
+        self.text = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip).rstrip("\ufffd")
 
 
 def has_text_stream(tokenizer: PreTrainedTokenizerBase) -> bool:

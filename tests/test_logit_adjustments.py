@@ -235,6 +235,26 @@ def test_stop_strings_are_searched_in_text_decoded_as_tokens_arrive(tiny_chat):
     assert (seq.finish_reason, seq.text, decodes) == ("stop", " one two three four five ", [])
 
 
+def test_text_that_a_stray_byte_rewrites_is_followed_by_decoding_it_whole():
+    """Byte fallback (Llama, Mistral, Gemma): a lone continuation byte after the bytes of a
+    character turns them all into U+FFFD; the incremental decoder raises on it, and the
+    completion's text stream decodes it whole from there on instead of failing the step."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from runtime.tokenizer import TextStream
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}, "b": 259, "c": 260}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+    ids = [259, 3 + 0xE2, 3 + 0x82, 3 + 0xAC, 3 + 0x80, 260]  # b, the bytes of the euro sign, 0x80, c
+    stream = TextStream(tokenizer, True)
+    for token in ids:
+        stream.add(token)
+    assert stream.text == tokenizer.decode(ids) == "b\ufffd\ufffd\ufffd\ufffdc"
+
+
 class OneWordGrammars:
     """A stand-in for the structured-output matchers: the grammar is complete once it has
     consumed EOS (token 9), as a regex's is."""

@@ -245,14 +245,17 @@ def test_parquet_nanosecond_times_python_cannot_hold_are_read_as_text(tmp_path):
 
     times = pa.array([1_700_000_000_000_000_000, 1_700_000_000_123_456_789, None], pa.timestamp("ns"))
     whole = pa.array([1_700_000_000_000_001_000, None, None], pa.timestamp("ns"))
-    pq.write_table(pa.table({"id": ["a", "b", "c"], "prompt": ["hi"] * 3, "at": times, "whole": whole}),
-                   tmp_path / "in.parquet")
+    nested = pa.array([[{"t": 1_700_000_000_123_456_789}], [], None],
+                      pa.list_(pa.struct([("t", pa.timestamp("ns"))])))
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "prompt": ["hi"] * 3, "at": times, "whole": whole,
+                             "nested": nested}), tmp_path / "in.parquet")
     with beam.Pipeline() as p:
         assert_that(p | ReadRecords(str(tmp_path / "in.parquet")), equal_to([
             {"id": "a", "prompt": "hi", "at": "2023-11-14 22:13:20.000000000",
-             "whole": datetime.datetime(2023, 11, 14, 22, 13, 20, 1)},
-            {"id": "b", "prompt": "hi", "at": "2023-11-14 22:13:20.123456789", "whole": None},
-            {"id": "c", "prompt": "hi", "at": None, "whole": None}]))
+             "whole": datetime.datetime(2023, 11, 14, 22, 13, 20, 1),
+             "nested": [{"t": "2023-11-14 22:13:20.123456789"}]},
+            {"id": "b", "prompt": "hi", "at": "2023-11-14 22:13:20.123456789", "whole": None, "nested": []},
+            {"id": "c", "prompt": "hi", "at": None, "whole": None, "nested": None}]))
 
 
 def test_text_lines_end_at_lone_carriage_returns_too():
