@@ -7,8 +7,9 @@ opens).
   row instead of failing the pipeline. Files are split across workers as `ReadFromText` does.
 - ``parquet`` (``.parquet``, ``.pq``): each row as a dict of its columns. A column of
   nanosecond times (pandas writes ``datetime64[ns]`` so), or of lists or structs holding them,
-  that Python's datetime cannot hold whole has those times read as Arrow's text of them; a file that names a column twice makes each of its
-  rows an error row (which of the two would the record take?).
+  that Python's datetime cannot hold whole has those times read as Arrow's text of them; a
+  file that names a column twice makes each of its rows an error row (which of the two would
+  the record take?).
 - ``csv`` (``.csv``) and ``tsv`` (``.tsv``): each row under a header row as a dict of its
   non-empty cells (an empty cell is an absent field, so the default applies). Cells are text,
   except in the `messages` and sampling columns, where a cell that parses as JSON of a type the
@@ -173,13 +174,13 @@ def parquet_records(table: pa.Table):
 
 
 def _python_values(column: pa.ChunkedArray) -> list:
-    text_type = _nanoseconds_as_text(column.type)
-    if text_type == column.type:
-        return column.to_pylist()
     try:
         return column.to_pylist()
-    except (pa.ArrowInvalid, ValueError):  # a time with nanoseconds: no Python type holds it
-        return pc.cast(column, text_type).to_pylist()
+    except (pa.ArrowInvalid, ValueError):
+        text_type = _nanoseconds_as_text(column.type)
+        if text_type == column.type:
+            raise
+        return pc.cast(column, text_type).to_pylist()  # a time with nanoseconds no Python type holds
 
 
 def _nanoseconds_as_text(arrow_type: pa.DataType) -> pa.DataType:

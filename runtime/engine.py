@@ -2,7 +2,6 @@
 over sequence coroutines. Callers submit from any thread and collect completions as they finish;
 the sequence primitives (suspend, resume, evict, migrate; fork happens for n > 1) are public."""
 
-import functools
 import json
 import logging
 import operator
@@ -30,7 +29,7 @@ from runtime.scheduler import Scheduler
 from runtime.sequence import Event, Sequence, Status, StopRule
 from runtime.step_lock import StepLock
 from runtime.structured import Grammars, allowed_tokens
-from runtime.tokenizer import TextStream, has_text_stream, load_tokenizer
+from runtime.tokenizer import load_tokenizer
 from runtime.weight_stream import WeightStreamer
 
 log = logging.getLogger(__name__)
@@ -232,8 +231,7 @@ class Engine:
         self.stop_rule = StopRule(frozenset(self._eos_token_ids()), self.max_model_len,
                                   self._detokenize if has_tokenizer else None,
                                   Grammars(self.tokenizer, self.spec.vocab_size) if has_tokenizer else None,
-                                  functools.partial(TextStream, self.tokenizer)
-                                  if has_tokenizer and has_text_stream(self.tokenizer) else None)
+                                  getattr(self.tokenizer, "backend_tokenizer", None))
         self.stats = EngineStats()
 
         self._lock = StepLock()  # engine state: scheduler, sequences; held for a step

@@ -150,12 +150,12 @@ class EnginePool:
         deadline, ready = time.monotonic() + timeout, set()
         while len(ready) < len(self._engines):
             try:
-                message = self._outbox.get(timeout=min(max(deadline - time.monotonic(), 0.01), 0.5))
+                message = self._outbox.get(timeout=0.5)
             except queue.Empty:
                 message = self._silent_exit(ready)
-                if message is None and time.monotonic() < deadline:
-                    continue
             if message is None:
+                if time.monotonic() < deadline:
+                    continue
                 self.close()
                 raise RuntimeError(f"engine pool: only {len(ready)} of {len(self._engines)} "
                                    f"engines started within {timeout} s")

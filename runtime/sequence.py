@@ -14,9 +14,11 @@ from enum import Enum, auto
 from typing import Callable
 
 import torch
+from tokenizers import Tokenizer
 
 from runtime.sampling import SampledToken, SamplingParams
 from runtime.structured import Grammars, consume
+from runtime.tokenizer import TextStream
 
 
 class Status(Enum):
@@ -61,23 +63,9 @@ class StopRule:
     max_model_len: int
     detokenize: Callable[[list[int], bool], str] | None  # (token ids, skip_special_tokens)
     grammars: Grammars | None = None  # for sequences with structured output (needs a tokenizer)
-    # (skip_special_tokens) -> a text stream (runtime/tokenizer.py's TextStream); None: one that
-    # decodes the whole completion again each token (RedecodedText).
-    text_stream: Callable[[bool], object] | None = None
-
-
-class RedecodedText:
-    """TextStream's contract over a decode function, for tokenizers without the tokenizers
-    library's backend: each token decodes the whole completion again (O(n)). A trailing
-    U+FFFD, a character still incomplete, is held back as TextStream holds its bytes."""
-
-    def __init__(self, detokenize: Callable[[list[int], bool], str], skip_special_tokens: bool):
-        self.text = ""
-        self._detokenize, self._skip, self._ids = detokenize, skip_special_tokens, []
-
-    def add(self, token: int) -> None:
-        self._ids.append(token)
-        self.text = self._detokenize(self._ids, self._skip).rstrip("\ufffd")
+    # The tokenizers library's tokenizer, for decoding text as tokens arrive (TextStream);
+    # None: `detokenize` decodes the whole completion each token.
+    decoder: Tokenizer | None = None
 
 
 class Sequence:
@@ -198,8 +186,7 @@ class Sequence:
         if one does, it cuts the text."""
         p, rule = self.params, self.stop_rule
         if self._stop_text is None:
-            self._stop_text = (rule.text_stream(p.skip_special_tokens) if rule.text_stream is not None
-                               else RedecodedText(rule.detokenize, p.skip_special_tokens))
+            self._stop_text = TextStream(rule.detokenize, p.skip_special_tokens, rule.decoder)
         stream = self._stop_text
         new_from = len(stream.text)
         for token in self.generated_ids[self._stop_text_tokens:]:

@@ -1,7 +1,9 @@
 """The model directory's tokenizer, if it has one (tiny test models may not)."""
 
 from pathlib import Path
+from typing import Callable
 
+from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -24,22 +26,25 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
 
 
 class TextStream:
-    """A completion's text as its tokens arrive (what stop strings are searched in), through the
-    tokenizers library's incremental decoder: O(1) a token, where decoding the whole completion
-    again each token costs O(n) (milliseconds a token for long completions, on the engine's
-    thread). The bytes of a character split across tokens wait for the rest of it, as vLLM's
-    detokenizer (the same decoder) holds them back."""
+    """A completion's text as its tokens arrive (what stop strings are searched in). With the
+    tokenizers library's `backend` (a fast tokenizer's), through its incremental decoder: O(1) a
+    token, where decoding the whole completion each token costs O(n) (milliseconds a token for
+    long completions, on the engine's thread); the bytes of a character split across tokens
+    wait for the rest of it, as vLLM's detokenizer (the same decoder) holds them back. Without
+    it, `detokenize(ids, skip_special_tokens)` decodes the whole completion each token, a
+    trailing U+FFFD (a character still incomplete) held back likewise."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool):
+    def __init__(self, detokenize: Callable[[list[int], bool], str], skip_special_tokens: bool,
+                 backend: Tokenizer | None = None):
         self.text = ""
-        self._tokenizer, self._skip, self._ids = tokenizer, skip_special_tokens, []
-        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._detokenize, self._skip, self._ids, self._backend = detokenize, skip_special_tokens, [], backend
+        self._stream = None if backend is None else DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def add(self, token: int) -> None:
         self._ids.append(token)
         if self._stream is not None:
             try:
-                self.text += self._stream.step(self._tokenizer.backend_tokenizer, token) or ""
+                self.text += self._stream.step(self._backend, token) or ""
                 return
             except Exception as exc:  # tokenizers raises a bare Exception for it
                 if "Invalid prefix" not in str(exc):
@@ -48,8 +53,4 @@ class TextStream:
                 # character's bytes turns them all into U+FFFD, which the incremental decoder
                 # cannot follow (vLLM issue 17448). This completion decodes whole from here on.
                 self._stream = None
-        self.text = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip).rstrip("\ufffd")
-
-
-def has_text_stream(tokenizer: PreTrainedTokenizerBase) -> bool:
-    return getattr(tokenizer, "backend_tokenizer", None) is not None
+        self.text = self._detokenize(self._ids, self._skip).rstrip("\ufffd")

@@ -5,7 +5,6 @@ lacks) against transformers' logits penalised by hand, adjusted rows mixed into 
 screened greedy and sampled rows, and min_tokens holding back stop strings."""
 
 import codecs
-import functools
 from collections import Counter
 
 import pytest
@@ -215,7 +214,7 @@ def test_stop_strings_are_searched_in_text_decoded_as_tokens_arrive(tiny_chat):
     for skip in (True, False):
         for _ in range(20):
             ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 60))]
-            stream = TextStream(tokenizer, skip)
+            stream = TextStream(None, skip, tokenizer.backend_tokenizer)
             for token in ids:
                 stream.add(token)
             assert stream.text == tokenizer.decode(ids, skip_special_tokens=skip).rstrip("\ufffd")
@@ -226,7 +225,7 @@ def test_stop_strings_are_searched_in_text_decoded_as_tokens_arrive(tiny_chat):
         decodes.append(len(ids))
         return tokenizer.decode(ids, skip_special_tokens=skip)
 
-    rule = StopRule(frozenset(), 100, detokenize, text_stream=functools.partial(TextStream, tokenizer))
+    rule = StopRule(frozenset(), 100, detokenize, decoder=tokenizer.backend_tokenizer)
     ids = tokenizer.encode(" one two three four five six", add_special_tokens=False)
     seq = Sequence("s", "r", 0, [0], 1, SamplingParams(max_tokens=50, stop=["six"]), None, rule)
     seq.send(Event.ADMITTED)
@@ -249,7 +248,8 @@ def test_text_that_a_stray_byte_rewrites_is_followed_by_decoding_it_whole():
     backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
     ids = [259, 3 + 0xE2, 3 + 0x82, 3 + 0xAC, 3 + 0x80, 260]  # b, the bytes of the euro sign, 0x80, c
-    stream = TextStream(tokenizer, True)
+    stream = TextStream(lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip), True,
+                        tokenizer.backend_tokenizer)
     for token in ids:
         stream.add(token)
     assert stream.text == tokenizer.decode(ids) == "b\ufffd\ufffd\ufffd\ufffdc"
