@@ -112,7 +112,8 @@ def build_model(model_dir: str | Path, device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.float32, stream_layers: bool = False) -> CausalLM:
     """The model's structure with RoPE tables set and parameters allocated, not yet read.
     stream_layers: the decoder layers' parameters stay on the meta device, for
-    runtime/weight_stream.py to bind to its slots."""
+    runtime/weight_stream.py to bind to its slots; their norms are allocated (a few KB a layer,
+    resident, so Gemma's 1 + weight is added once, not on every read)."""
     config = load_hf_config(model_dir)
     spec = model_spec(config)
     rope_tables = rope_cos_sin(config, spec.head_dim, spec.max_position_embeddings)
@@ -121,6 +122,10 @@ def build_model(model_dir: str | Path, device: torch.device | str = "cpu",
     for name, child in model.named_children():
         if not (stream_layers and name == "layers"):
             child.to_empty(device=device)
+    if stream_layers:
+        for module in model.layers.modules():
+            if isinstance(module, RMSNorm):
+                module.to_empty(device=device)
     model.set_rope_tables({name: (cos.to(device), sin.to(device))
                            for name, (cos, sin) in rope_tables.items()})
     if spec.tie_word_embeddings:
@@ -128,7 +133,7 @@ def build_model(model_dir: str | Path, device: torch.device | str = "cpu",
     return model.eval()
 
 
-def _offset_norms(model: CausalLM, offset: float) -> None:
+def offset_norms(model: CausalLM, offset: float) -> None:
     """Gemma's norms scale by offset + weight, added once, here: in fp32 as transformers adds
     it; in bf16 / fp16 the sum stays fp32, applied before rounding (RMSNorm.fp32_scale)."""
     with torch.no_grad():
@@ -165,7 +170,7 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
         merge_lora(model, lora)
     model.to(dtype)  # the RoPE tables too
     if model.spec.norm_offset:
-        _offset_norms(model, model.spec.norm_offset)
+        offset_norms(model, model.spec.norm_offset)
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack()

@@ -4,7 +4,7 @@ layer i computes, background reader threads read layer i+1 into the other slot. 
 slot holds attention, router and any dense or shared expert; its routed experts stream apart,
 only those the step's routing selected (so only after the router ran), through a double-buffered
 expert ring: when they fill more than one ring half, the next chunk reads while one computes.
-Embeddings, final norm, LM head and RoPE tables stay resident and count against the budget.
+Embeddings, norms, LM head and RoPE tables stay resident and count against the budget.
 
 Reads go through os.preadv straight into the slot buffers, not through a memory map: a mapped
 file's touched pages count as this process's resident memory, which would blur the budget. The
@@ -37,7 +37,7 @@ from torch import nn
 
 from kernels import expert_ffn
 from kernels.moe import combine, sort_by_expert
-from runtime.loader import STORED_FLOATS, canonical_name, hf_sources, safetensors_files
+from runtime.loader import STORED_FLOATS, canonical_name, hf_sources, offset_norms, safetensors_files
 from runtime.model import CausalLM
 from runtime.moe import SparseMoeBlock, per_expert_names
 
@@ -128,9 +128,6 @@ class WeightStreamer:
 
     def __init__(self, model: CausalLM, model_dir: str | Path, budget_bytes: int, host_copy: bool = False):
         spec = model.spec
-        if spec.norm_offset:  # bytes go from the file to the slots untouched: no 1 to add on the way
-            raise NotImplementedError("weight streaming of norms that scale by 1 + weight (Gemma) "
-                                      "is not supported yet")
         self.dtype = model.embed_tokens.weight.dtype
         self._element = torch.empty((), dtype=self.dtype).element_size()
         self._index = _Index(Path(model_dir))
@@ -140,11 +137,6 @@ class WeightStreamer:
         self.num_layers = spec.num_layers
         self._plans = [self._plan_layer(model, i) for i in range(spec.num_layers)]
         self.slot_bytes = max(map(_layer_bytes, self._plans), default=0)
-        self.resident_bytes = (sum(_nbytes(p) for p in model.parameters() if not p.is_meta)
-                               + sum(_nbytes(b) for b in model.buffers()))
-        blocks = [(i, layer.mlp) for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
-        self.expert_bytes = 3 * spec.moe.intermediate_size * spec.hidden_size * self._element if blocks else 0
-        self.ring_experts = self._ring_size(budget_bytes, spec.moe.num_experts if blocks else 0)
         self.device = model.embed_tokens.weight.device
         self._pinned = self.device.type == "cuda"  # host buffers a copy stream reads asynchronously
         self._copies = device_copies(self.device)
@@ -152,13 +144,20 @@ class WeightStreamer:
             raise ValueError("host_copy streams from host memory to a CUDA device; on CPU the budget "
                              "is host memory itself")
         self.host_copy = host_copy
-
         self._pool = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix=READER_THREAD)
         self._pending: tuple[int, int, list[Future]] | None = None  # (layer, slot, reads) in flight
         # Queued reads hold this streamer, so it dies with none pending, possibly on a reader
         # thread, which cannot join itself: no waiting.
         weakref.finalize(self, self._pool.shutdown, wait=False)
         self._read_resident(model)
+        if spec.norm_offset:  # Gemma: after the read, so bf16 norms can turn fp32 (offset_norms)
+            offset_norms(model, spec.norm_offset)
+        self.resident_bytes = (sum(_nbytes(p) for p in model.parameters() if not p.is_meta)
+                               + sum(_nbytes(b) for b in model.buffers()))
+        blocks = [(i, layer.mlp) for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
+        self.expert_bytes = 3 * spec.moe.intermediate_size * spec.hidden_size * self._element if blocks else 0
+        self.ring_experts = self._ring_size(budget_bytes, spec.moe.num_experts if blocks else 0)
+
         # Where each step's layer reads land: two host slots, or (host_copy) one buffer per layer.
         sizes = [_layer_bytes(plan) for plan in self._plans] if host_copy else [self.slot_bytes] * 2
         self._slots = [torch.empty(size, dtype=torch.uint8, pin_memory=self._pinned) for size in sizes]
@@ -180,7 +179,7 @@ class WeightStreamer:
     def _plan_layer(self, model: CausalLM, i: int) -> list[_Binding]:
         plan, offset = [], 0
         for name, param in model.layers[i].named_parameters():
-            if ".experts." in name:  # routed experts stream through the ring
+            if ".experts." in name or not param.is_meta:  # routed experts: the ring; norms: resident
                 continue
             extents = [self._index.extent(src) for src in hf_sources(f"layers.{i}.{name}", self._index)]
             loaded = sum(e.loaded_nbytes(self.dtype) for e in extents)
@@ -227,7 +226,7 @@ class WeightStreamer:
         if fixed > budget or (num_experts and per_half < 1):
             ring = f" + expert ring 2 x 1 expert x {expert:,}" if num_experts else ""
             raise ValueError(f"weight_budget_bytes={budget:,} is too small: resident parts (embeddings, "
-                             f"final norm, LM head, RoPE tables) {self.resident_bytes:,} + 2 layer slots "
+                             f"norms, LM head, RoPE tables) {self.resident_bytes:,} + 2 layer slots "
                              f"x {self.slot_bytes:,}{ring} = {fixed + 2 * expert:,} bytes")
         return per_half
 

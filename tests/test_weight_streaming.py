@@ -26,7 +26,8 @@ from tiny_models import save_fused_experts
 
 MAX_TOKENS = 16
 PROMPTS = random_prompts((1, 5, 17, 33, 64), seed=3)
-DENSE, MOE = ["llama", "smollm", "phi3", "granite", "olmo3"], ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
+DENSE = ["llama", "smollm", "phi3", "granite", "olmo3", "gemma", "gemma2", "gemma3"]
+MOE = ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
 PLENTY = 1 << 30
 
 
@@ -37,10 +38,11 @@ def smallest_budget(model_dir) -> int:
 
 
 def stored_layer_bytes(model_dir, experts: bool) -> int:
-    """Stored bytes of the decoder layers' tensors in the checkpoint, routed experts included or not."""
+    """Stored bytes of the decoder layers' streamed tensors in the checkpoint (norms stay
+    resident), routed experts included or not."""
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
-        return sum(f.get_tensor(n).nbytes for n in f.keys()
-                   if n.startswith("model.layers.") and (experts or ".experts." not in n))
+        return sum(f.get_tensor(n).nbytes for n in f.keys() if n.startswith("model.layers.")
+                   and not n.endswith("norm.weight") and (experts or ".experts." not in n))
 
 
 def assert_same_tokens(expected, completions):
@@ -254,9 +256,16 @@ def test_a_checkpoint_stored_in_half_precision_streams_converted(tiny, family, s
     assert steps * stored_layer_bytes(directory, False) <= read <= (steps + 1) * stored_layer_bytes(directory, True)
 
 
-def test_streaming_gemmas_offset_norms_is_not_implemented(tiny):
-    with pytest.raises(NotImplementedError, match="1 \\+ weight \\(Gemma\\)"):
-        make_engine(tiny.dir("gemma"), weight_budget_bytes=10 ** 6)
+@pytest.mark.parametrize("family", ["gemma", "gemma3"])
+def test_gemmas_offset_norms_stream_in_bf16(tiny, family):
+    """Gemma's norms scale by 1 + weight, added once at load: in bf16 the sum stays fp32
+    (RMSNorm.fp32_scale) as in the resident engine, so the tokens are the resident engine's."""
+    directory = tiny.dir(family)
+    expected = make_engine(directory, dtype=torch.bfloat16).generate(greedy_requests(PROMPTS, MAX_TOKENS))
+    engine = make_engine(directory, dtype=torch.bfloat16, weight_budget_bytes=PLENTY)
+    assert_same_tokens(expected, engine.generate(greedy_requests(PROMPTS, MAX_TOKENS)))
+    norms = [m for m in engine.model.modules() if type(m).__name__ == "RMSNorm"]
+    assert norms and all(m.fp32_scale and m.weight.dtype == torch.float32 for m in norms)
 
 
 def test_a_checkpoint_that_is_not_float_is_not_implemented(tiny, tmp_path):
