@@ -1,7 +1,8 @@
 """The Triton kernels on a CUDA machine: each against its torch op (max abs error in fp32, fp16
 and bf16) and timed against it, then the engine end to end on tiny random models with the
-Triton kernels, its greedy tokens compared with the CPU torch path's, and weight streaming on
-CUDA (pinned host slots, a copy stream) against the CUDA engine that holds every weight.
+Triton kernels, its greedy tokens compared with the CPU torch path's, seeded sampling on CUDA,
+and weight streaming on CUDA (pinned host slots, a copy stream) against the CUDA engine that
+holds every weight.
 
     python -m benchmarks.gpu_check [--out benchmarks/results/gpu_check.json]
 
@@ -189,8 +190,29 @@ def check_engine() -> list[dict]:
                              ok=same == len(requests), cuda_s=elapsed))
             print(f"engine {family:10} greedy tokens identical to CPU torch: {same}/{len(requests)}"
                   f" ({elapsed:.1f} s on CUDA)", flush=True)
+            rows.append(_check_sampling(engines, prompts, family))
             rows += [_check_streaming(model, requests, got, host_copy) for host_copy in (False, True)]
     return rows
+
+
+def _check_sampling(engines, prompts, family: str) -> dict:
+    """Seeded sampling on CUDA: every request completes (each sequence's generator is a CPU
+    one) and a second run draws the same tokens. Tokens equal to the CPU engine's are counted,
+    not required: logits that differ in the last bits can tip a draw."""
+    from runtime import Request, SamplingParams
+
+    requests = [Request(f"s{i}", prompt_token_ids=p,
+                        params=SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, seed=i))
+                for i, p in enumerate(prompts)]
+    runs = [engines["cuda"].generate(requests) for _ in range(2)]
+    errors = [c.error for c in runs[0] + runs[1] if c.error]
+    repeated = sum(a.token_ids == b.token_ids for a, b in zip(*runs))
+    like_cpu = sum(a.token_ids == b.token_ids for a, b in zip(runs[0], engines["cpu"].generate(requests)))
+    ok = not errors and repeated == len(requests)
+    print(f"engine {family:10} seeded sampling on CUDA: {len(errors)} errors, {repeated}/{len(requests)} "
+          f"repeated, {like_cpu}/{len(requests)} as on CPU", flush=True)
+    return dict(model=f"{family} (seeded sampling)", requests=len(requests), errors=errors[:3],
+                repeated=repeated, identical_to_cpu=like_cpu, ok=ok)
 
 
 def _check_streaming(model: Path, requests, expected: list[list[int]], host_copy: bool) -> dict:

@@ -288,5 +288,8 @@ def _sample_one(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         # Drop a token once the mass before it already reaches top_p; the first always stays.
         drop = (cumulative - sorted_logits.softmax(-1)) >= p.top_p
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = scaled.softmax(-1).to(logits.dtype)
+    # Drawn on the CPU, where every sequence's generator lives: a CUDA tensor refuses a CPU
+    # generator, and a CPU one keeps the draw (and a migrated sequence's rng_state) alike on
+    # every device.
+    probs = scaled.softmax(-1).to("cpu", logits.dtype)
     return torch.multinomial(probs, 1, generator=generator).item()
