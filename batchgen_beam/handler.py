@@ -7,6 +7,7 @@ when its slowest prompt is done (DESIGN.md §4).
 """
 
 import dataclasses
+import hashlib
 import uuid
 from collections.abc import Mapping
 from typing import Any, Iterable, Sequence
@@ -30,6 +31,13 @@ def as_record(example: Any, fallback_id: str) -> Any:
     if isinstance(example, Mapping) and example.get("id") is None and example.get("custom_id") is None:
         return {**example, "id": fallback_id}  # None counts as absent, as for every record field
     return example
+
+
+def content_id(example: Any) -> str:
+    """The id of an example that has none, from its content: the same on every run, so a
+    job's seed draws the same sample for it (records.record_seed), and another for another."""
+    digest = hashlib.blake2b(repr(example).encode("utf-8", "backslashreplace"), digest_size=8)
+    return f"example-{digest.hexdigest()}"
 
 
 class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineClient]):
@@ -63,8 +71,7 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineClient]):
     def run_inference(self, batch: Sequence[Any], model: EngineClient,
                       inference_args: dict | None = None) -> Iterable[PredictionResult]:
         batch_id = uuid.uuid4().hex[:12]
-        parsed = [parse_record(as_record(example, f"{batch_id}-{i}"), inference_args)
-                  for i, example in enumerate(batch)]
+        parsed = [parse_record(as_record(example, content_id(example)), inference_args) for example in batch]
         # Ids only need to be unique inside this batch's lifetime in the engine.
         request_ids = [f"{batch_id}:{i}" for i in range(len(batch))]
         model.submit([dataclasses.replace(p.to_request(), id=rid)

@@ -19,6 +19,8 @@ Choices:
 - An integer id (BigQuery / Parquet keys often are) becomes str(id), a whole float too (pandas'
   column of int ids with a gap); bools, other floats and empty or blank strings are rejected,
   and the rejected row's passthrough keeps the id it gave, to trace it back by.
+- A job's default seed seeds each record by its id (`record_seed`): the same prompt under n
+  ids must not draw one sample n times.
 - A field that is None counts as absent, so a column that is null in some rows means "use the
   default" there. The flip side: a record cannot switch a default seed or logprobs back off.
   NaN in a sampling field counts as absent too: it is pandas' missing value (and pyarrow's
@@ -381,7 +383,7 @@ def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
             _check_no_ops(record)
         fields = _openai_fields(record) if openai else record
         prompt, messages = _check_prompt(fields)
-        params = _params(fields, base)
+        params = _params(fields, base, record_id)
     except _Invalid as bad:
         if record_id is None and record.get(id_key) is not None and id_key not in unwritable:
             passthrough = {id_key: record[id_key], **passthrough}  # what the row can be traced by
@@ -484,14 +486,24 @@ def _check_content(where: str, content: Any) -> str:
     return "\n".join(texts)
 
 
-def _params(fields: Mapping, base: dict) -> SamplingParams:
+def _params(fields: Mapping, base: dict, record_id: str) -> SamplingParams:
     given = _sampling_fields(fields)
     if given.keys() & _STRUCTURED:  # a record's structure replaces the job's, of whatever kind
         base = {k: v for k, v in base.items() if k not in _STRUCTURED}
+    if "seed" in base and "seed" not in given:
+        base = {**base, "seed": record_seed(base["seed"], record_id)}
     try:
         return SamplingParams(**{**base, **given})
     except ValueError as exc:
         raise _Invalid(_field_message(exc)) from None
+
+
+def record_seed(job_seed: int, record_id: str) -> int:
+    """The seed a record without its own draws with under a job's seed: derived from both, so
+    records with other ids (the same prompt under n ids, say) draw other samples, while a
+    record always draws the same (vLLM's engine seed also gives each request its own stream)."""
+    digest = hashlib.blake2b(f"{job_seed}\0{record_id}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 1  # below 2**63, as torch's seeds
 
 
 def _sampling_fields(fields: Mapping) -> dict:

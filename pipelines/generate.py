@@ -46,7 +46,8 @@ SAMPLING_FLAGS = (
     ("top_p", float, "nucleus sampling (1: off)"),
     ("top_k", int, "top-k sampling (0: off)"),
     ("min_p", float, "drop tokens less likely than this times the likeliest (0: off)"),
-    ("seed", int, "per-record sampling seed (the same record gives the same text)"),
+    ("seed", int, "sampling seed, mixed with each record's id (the same record gives the same text; "
+                  "other ids, other samples)"),
     ("logprobs", int, "return the log-probability of each generated token"),
     ("prompt_logprobs", int, "also score the prompt: each prompt token's log-probability (and the "
                              "top N at each position, in the engine API)"),

@@ -11,7 +11,8 @@ import pytest
 from apache_beam.ml.inference.base import KeyedModelHandler, KeyModelMapping, RunInference
 
 from batchgen_beam.engine_client import EngineConfig
-from batchgen_beam.handler import BatchGenModelHandler, as_record
+from batchgen_beam.handler import BatchGenModelHandler, as_record, content_id
+from batchgen_beam.records import parse_record
 from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, bundled_prompts, chat_model_dir,
                           run_pipeline)
 from runtime import Engine, Request, SamplingParams
@@ -82,6 +83,15 @@ def test_examples_as_records():
     # A null id (a Parquet or BigQuery column with gaps) is no id: the fallback fills it.
     assert as_record({"id": None, "prompt": "Hi"}, "f") == {"id": "f", "prompt": "Hi"}
     assert as_record(beam.Row(id=None, prompt="Hi"), "f") == {"id": "f", "prompt": "Hi"}
+
+
+def test_an_example_without_an_id_is_named_by_its_content():
+    """So a job's seed draws the same sample for it on every run, and another for another."""
+    chat = [{"role": "user", "content": "Hi"}]
+    assert content_id("Hi") == content_id("Hi") != content_id("Hi!")
+    assert content_id(chat) == content_id([{"role": "user", "content": "Hi"}]) != content_id("Hi")
+    seeds = {parse_record(as_record(e, content_id(e)), {"seed": 1}).params.seed for e in ("Hi", "Hi!", "Hi")}
+    assert len(seeds) == 2
 
 
 def handler(model_dir):

@@ -501,13 +501,30 @@ def test_every_sampling_field_reaches_the_params():
 
 def test_record_fields_override_defaults_and_none_means_use_the_default():
     defaults = {"max_tokens": 64, "temperature": 0.5, "seed": 9, "stop": ["\n"]}
-    got = parse_record(rec(temperature=0.0, max_tokens=None, top_k=5), defaults)
+    got = parse_record(rec(temperature=0.0, max_tokens=None, top_k=5, seed=9), defaults)
     assert got.params == SamplingParams(max_tokens=64, temperature=0.0, seed=9, stop=("\n",),
                                         top_k=5)
-    assert parse_record(rec(), defaults).params == SamplingParams(max_tokens=64, temperature=0.5,
-                                                                  seed=9, stop=("\n",))
+    assert parse_record(rec(seed=3), defaults).params == SamplingParams(max_tokens=64, temperature=0.5,
+                                                                        seed=3, stop=("\n",))
     assert parse_record(rec()).params == SamplingParams()
     assert defaults == {"max_tokens": 64, "temperature": 0.5, "seed": 9, "stop": ["\n"]}
+
+
+def test_a_jobs_seed_seeds_each_record_by_its_id():
+    """The same prompt under n ids (best-of-n by duplication) must not draw one sample n times;
+    the same record draws the same sample every run; a record's own seed is taken as it is."""
+    defaults = {"temperature": 1.0, "seed": 9}
+    seeds = {rid: parse_record({"id": rid, "prompt": "Hi"}, defaults).params.seed
+             for rid in ("a", "b", "c", "9")}
+    assert len(set(seeds.values())) == len(seeds)
+    assert all(0 <= seed < 2 ** 63 for seed in seeds.values())
+    assert parse_record({"id": "a", "prompt": "Other"}, defaults).params.seed == seeds["a"]
+    assert parse_record({"id": "b", "prompt": "Hi"}, {"seed": 10}).params.seed != seeds["b"]
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"messages": [{"role": "user", "content": "Hi"}]}})
+    assert parse_record(line, defaults).params.seed == seeds["a"]  # an OpenAI line by its custom_id
+    assert parse_record({"id": "a", "prompt": "Hi", "seed": 9}, defaults).params.seed == 9
+    assert parse_record("Hi", defaults, fallback_id="line-1").params.seed not in seeds.values()
 
 
 def test_a_pandas_column_of_ints_with_gaps_reads_as_ints_and_defaults():
