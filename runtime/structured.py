@@ -23,7 +23,9 @@ import torch
 
 def canonical_json_schema(schema) -> str:
     """The schema (a mapping, or JSON text) as canonical JSON text: params stay hashable, and
-    equal schemas are equal text. ValueError where llguidance cannot compile it."""
+    equal schemas are equal text. Keys keep their order: llguidance writes an object's
+    properties in the schema's order, which users pick (a "reasoning" before its "answer"), as
+    OpenAI and vLLM keep it. ValueError where llguidance cannot compile it."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -33,7 +35,7 @@ def canonical_json_schema(schema) -> str:
     if not isinstance(schema, dict):
         raise ValueError(f"json_schema must be a JSON schema (an object), got {type(schema).__name__}")
     try:
-        text = json.dumps(schema, sort_keys=True, allow_nan=False)
+        text = json.dumps(schema, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"json_schema must be a JSON schema (an object), got one JSON cannot hold "
                          f"({exc})") from None

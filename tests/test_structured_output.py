@@ -150,6 +150,16 @@ def test_migrating_mid_json_continues_the_same_json(tiny_chat, with_kv):
     assert_idle_and_clean(target)
 
 
+def test_properties_come_in_the_schemas_order(tiny_chat):
+    """As OpenAI and vLLM write them: a schema puts "reasoning" before "answer" on purpose."""
+    for order in (["reasoning", "answer"], ["answer", "reasoning"]):
+        schema = {"type": "object", "additionalProperties": False, "required": order,
+                  "properties": {name: {"type": "integer", "minimum": 0, "maximum": 9} for name in order}}
+        [completion] = make_engine(tiny_chat.dir("llama")).generate(
+            [Request("a", prompt="Hello", params=SamplingParams(json_schema=schema, max_tokens=32))])
+        assert list(json.loads(completion.text)) == order, completion.text
+
+
 def test_a_completion_cut_at_max_tokens_is_unfinished_json(tiny_chat):
     [completion] = make_engine(tiny_chat.dir("llama")).generate(requests(PROMPTS[:1], max_tokens=3))
     assert completion.finish_reason == "length" and completion.completion_tokens == 3
@@ -158,8 +168,8 @@ def test_a_completion_cut_at_max_tokens_is_unfinished_json(tiny_chat):
 
 def test_the_schema_is_held_as_canonical_json_and_checked():
     a = SamplingParams(json_schema={"type": "object", "required": ["x"]})
-    b = SamplingParams(json_schema='{"required": ["x"], "type": "object"}')
-    assert a == b and a.json_schema == '{"required": ["x"], "type": "object"}'
+    b = SamplingParams(json_schema='{"type":"object",\n  "required": ["x"]}')
+    assert a == b and a.json_schema == '{"type": "object", "required": ["x"]}'
     assert a.adjusts_logits and not a.argmax_only
     for bad, message in [("{not json", "not JSON"), (["a"], "got list"),
                          ({"type": "nonsense"}, "compiles: .*nonsense")]:
