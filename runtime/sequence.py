@@ -160,8 +160,10 @@ class Sequence:
     def _stop_reason(self, token: int) -> str | None:
         p, rule = self.params, self.stop_rule
         eos = not p.ignore_eos and token in rule.eos_token_ids
-        if (eos or token in p.stop_token_ids) and self.num_generated >= p.min_tokens:
-            # (the sampler kept them out before min_tokens). vLLM's text leaves the ending
+        grammar_done = self.grammar is not None and self.grammar.is_stopped()
+        if (eos or token in p.stop_token_ids) and (self.num_generated >= p.min_tokens or grammar_done):
+            # (the sampler kept them out before min_tokens, unless the grammar allowed nothing
+            # else: then too they end the sequence as themselves). vLLM's text leaves the ending
             # token's out, unless asked to keep the stop: then a stop string its text completes
             # wins, as vLLM checks stop strings on the text after its stop tokens.
             if p.include_stop_str_in_output and p.stop and self.num_generated > p.min_tokens \
@@ -171,7 +173,7 @@ class Sequence:
             if rule.detokenize is not None and not p.include_stop_str_in_output:
                 self.text = rule.detokenize(self.generated_ids[:-1], p.skip_special_tokens)
             return "stop"
-        if self.grammar is not None and self.grammar.is_stopped():  # its grammar is complete
+        if grammar_done:
             if p.stop and self.num_generated > p.min_tokens:
                 self._hit_stop_string()  # one completed by the same token still cuts the text
             return "stop"

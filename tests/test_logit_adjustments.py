@@ -277,12 +277,13 @@ class OneWordMatcher:
         return self.stopped
 
 
-def test_the_eos_that_completes_a_grammar_is_left_out_of_the_text():
+@pytest.mark.parametrize("min_tokens", [0, 3, 5])  # 5: the grammar let EOS through before min_tokens
+def test_the_eos_that_completes_a_grammar_is_left_out_of_the_text(min_tokens):
     rule = StopRule(eos_token_ids=frozenset({9}), max_model_len=100,
                     detokenize=lambda ids, skip: "".join("abcdefghi<"[t] for t in ids if not (skip and t == 9)),
                     grammars=OneWordGrammars())
-    seq = Sequence("s", "r", 0, [0], 1, SamplingParams(max_tokens=10, regex="a+", skip_special_tokens=False),
-                   None, rule)
+    params = SamplingParams(max_tokens=10, regex="a+", skip_special_tokens=False, min_tokens=min_tokens)
+    seq = Sequence("s", "r", 0, [0], 1, params, None, rule)
     seq.send(Event.ADMITTED)
     for token in (0, 0, 9):
         seq.send(Event.TOKEN, SampledToken(token))
