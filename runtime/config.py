@@ -37,7 +37,10 @@ _MLP_BIAS = ("llama", "smollm3", "granite")  # mlp_bias; the others' MLPs have n
 # those of them that also read use_sliding_window (Mistral, Mixtral and Phi-3 apply any window given).
 _WINDOWED = ("mistral", "ministral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3_text",
              "olmo3", "mixtral", "qwen2_moe", "qwen3_moe")
-_USE_SLIDING_WINDOW = ("qwen2", "qwen3", "smollm3", "qwen2_moe", "qwen3_moe")
+_USE_SLIDING_WINDOW = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+# Families whose models window the layers layer_types names (the others window every layer);
+# SmolLM3's use_sliding_window only chooses its default layer_types.
+_LAYER_TYPES = ("ministral", "qwen2", "qwen3", "smollm3", "gemma2", "gemma3_text", "olmo3", "qwen2_moe")
 _GRANITE = ("granite",)  # embedding, residual and attention multipliers, logits scaling
 _QUERY_PRE_ATTN_SCALAR = ("gemma2", "gemma3_text")
 _ATTN_SOFTCAP = ("gemma2",)  # Gemma 3's config has the key, but its attention never applies it
@@ -208,7 +211,7 @@ def _rope_layers(config: PretrainedConfig) -> tuple[str | None, ...]:
         tables = [config.layer_types[i] for i in layers]
     else:
         tables = [_ONE_TABLE] * config.num_hidden_layers
-    has_rope = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers  # 1: has RoPE
+    has_rope = _family_key(config, "no_rope_layers", ("smollm3",)) or [1] * config.num_hidden_layers  # 1: RoPE
     return tuple(table if has_rope[i] else None for i, table in zip(layers, tables))
 
 
@@ -243,13 +246,13 @@ def _sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
             f"sliding_window {foreign} on model_type {config.model_type!r} is not supported "
             f"(transformers windows only its decode steps' cache for it)")
     window = _family_key(config, "sliding_window", _WINDOWED)
+    # Switched off, Qwen2-MoE's config makes the window 0 (the others' None): no window.
+    if config.model_type in _USE_SLIDING_WINDOW and not getattr(config, "use_sliding_window", True):
+        window = None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"sliding_window must be a whole number of tokens >= 1 (or null for "
                          f"none), got {window!r}")
-    # SmolLM3 keeps the window and the layer types when use_sliding_window switches it off.
-    if config.model_type in _USE_SLIDING_WINDOW and not getattr(config, "use_sliding_window", True):
-        window = None
-    layer_types = getattr(config, "layer_types", None)
+    layer_types = _family_key(config, "layer_types", _LAYER_TYPES)
     if layer_types is None:  # Mistral: one window (or none) for every layer
         return (window,) * config.num_hidden_layers
     if "sliding_attention" in layer_types and getattr(config, "sliding_window", None) is None:

@@ -47,7 +47,7 @@ class TinyModels:
 
     def dir(self, family: str, **overrides):
         assert family in ALL_FAMILIES, family
-        key = (family, tuple(sorted(overrides.items())))
+        key = (family, repr(sorted(overrides.items())))  # repr: list values too
         if key not in self._dirs:
             name = "-".join([family] + [f"{k}{v}" for k, v in sorted(overrides.items())])
             self._dirs[key] = make_tiny_model(family, self._factory.mktemp(name), **overrides)
@@ -83,7 +83,7 @@ class TinyChatModels:
 
     def dir(self, family: str, **overrides):
         assert family in ALL_FAMILIES, family
-        key = (family, tuple(sorted(overrides.items())))
+        key = (family, repr(sorted(overrides.items())))  # repr: list values too
         if key not in self._dirs:
             name = "-".join(["chat", family] + [f"{k}{v}" for k, v in sorted(overrides.items())])
             self._dirs[key] = make_tiny_chat_model(family, self._factory.mktemp(name), **overrides)

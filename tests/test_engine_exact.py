@@ -414,6 +414,10 @@ def test_longrope_given_per_layer_type_bounds_the_context_too():
     ("mistral", dict(sliding_window=4, use_sliding_window=False)),
     ("mixtral", dict(sliding_window=4, use_sliding_window=False)),
     ("llama", dict(sliding_window=4096)),  # past the context: transformers' cache keeps it all
+    ("llama", dict(no_rope_layers=[0, 0])),  # SmolLM3's layers without RoPE
+    # SmolLM3's switch only picks its default layer types; Qwen2-MoE's config makes its window 0.
+    ("smollm3", dict(use_sliding_window=False, layer_types=["full_attention", "sliding_attention"])),
+    ("qwen2_moe", dict(use_sliding_window=False, sliding_window=32768)),
 ])
 def test_config_keys_the_familys_model_ignores_are_ignored(tiny, family, overrides):
     engine = make_engine(tiny.dir(family, **overrides))
@@ -421,6 +425,20 @@ def test_config_keys_the_familys_model_ignores_are_ignored(tiny, family, overrid
     for prompt, completion in zip(PROMPTS, completions):
         tokens, logprobs = tiny.greedy(family, prompt, MAX_TOKENS, **overrides)
         assert_matches(completion, tokens, logprobs, max_tokens=MAX_TOKENS)
+
+
+def test_layer_types_leave_a_window_over_every_layer_where_the_family_reads_none(tiny):
+    """Mixtral's model windows every layer whatever a stray layer_types says. transformers'
+    generate trips over the key (its cache windows by it), so the oracle is its forward pass
+    over the whole sequence, step by step."""
+    overrides = dict(layer_types=["full_attention", "sliding_attention"])
+    prompt = list(random_prompts([40], seed=5)[0])  # past the window of 24
+    [completion] = make_engine(tiny.dir("mixtral", **overrides)).generate(greedy_requests([prompt], 6))
+    model, ids = tiny.hf("mixtral", **overrides), list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    assert completion.token_ids == ids[len(prompt):]
 
 
 @pytest.mark.parametrize("tensor,stored,problem", [
