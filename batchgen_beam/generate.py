@@ -31,6 +31,7 @@ from apache_beam.typehints import KV
 from apache_beam.coders import PickleCoder
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import StandardOptions
+from apache_beam.runners.direct.direct_runner import BundleBasedDirectRunner
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import BagStateSpec, TimerSpec, on_timer
 from apache_beam.transforms.window import TimestampedValue
@@ -301,6 +302,11 @@ class Generate(beam.PTransform):
         self._straggler_timeout_s, self._poll_interval_s = straggler_timeout_s, poll_interval_s
 
     def expand(self, records):
+        if isinstance(records.pipeline.runner, BundleBasedDirectRunner):
+            # Its timers' output reaches a downstream GroupByKey after that has run (the job
+            # fails), and counters they add are dropped.
+            raise ValueError("Generate cannot run on Beam's BundleBasedDirectRunner, which loses "
+                             "what a timer emits; use the DirectRunner (or the FnApiRunner)")
         defaults, shards = self._defaults, self._num_shards
         namespace = uuid.uuid4().hex[:8]
         # State and timer names of this transform's own (stateful_stage), stable from run to

@@ -15,21 +15,22 @@ from typing import Any, Iterable, Sequence
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
 from batchgen_beam.engine_client import EngineClient, EngineConfig
-from batchgen_beam.records import Parsed, check_defaults, completion_row, error_row, parse_record
+from batchgen_beam.records import Parsed, check_defaults, completion_row, error_row, is_missing, parse_record
 from runtime.default_model import DEFAULT_MODEL_NAME
 
 
 def as_record(example: Any, fallback_id: str) -> Any:
     """A prompt string, a record (a mapping, namedtuple or beam.Row) or a chat (a list of messages)
-    → what parse_record takes; a record without an id (or with a null one) gets `fallback_id`."""
+    → what parse_record takes; a record without an id (or with a null or NaN one) gets
+    `fallback_id`. A string is a prompt, never a JSON line (json.loads those first)."""
     if hasattr(example, "_asdict"):  # before the tuple case: a namedtuple is a record, not a chat
         example = example._asdict()
     if isinstance(example, str):
         return {"id": fallback_id, "prompt": example}
     if isinstance(example, (list, tuple)):
         return {"id": fallback_id, "messages": list(example)}
-    if isinstance(example, Mapping) and example.get("id") is None and example.get("custom_id") is None:
-        return {**example, "id": fallback_id}  # None counts as absent, as for every record field
+    if isinstance(example, Mapping) and is_missing(example.get("id")) and is_missing(example.get("custom_id")):
+        return {**example, "id": fallback_id}  # None and NaN count as absent, as for every record field
     return example
 
 

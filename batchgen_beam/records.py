@@ -350,12 +350,12 @@ def _unwritable(value: Any, where: str) -> str | None:
 def _check_no_ops(record: Mapping) -> None:
     """Fields of vLLM's requests and OpenAI's bodies that a record of ours does not take."""
     for key in _OPENAI_FORMATS:
-        if not _missing(record.get(key)):
+        if not is_missing(record.get(key)):
             raise _Invalid(f"{key}: a field of OpenAI Batch bodies; a record of ours gives "
                            f"json_schema, regex or choice")
     for key, no_op in _NATIVE_NO_OP.items():
         value = record.get(key)
-        if _missing(value) or _same(value, no_op) or _is_empty(value) and _is_empty(no_op):
+        if is_missing(value) or _same(value, no_op) or _is_empty(value) and _is_empty(no_op):
             continue  # (an empty numpy array from Parquet compares to [] as no bool)
         raise _Invalid(f"{key}: not supported (only {no_op!r} is), got {_show(value)}")
 
@@ -404,7 +404,7 @@ def _utf8(value: Any, where: str) -> Any:
 
 def _check_id(value: Any, key: str) -> str:
     value = _utf8(value, key)
-    if _missing(value):
+    if is_missing(value):
         raise _Invalid(f"{key}: missing (every record needs an id; its row carries it)")
     value = _whole(value)  # pandas keeps a column of int ids with a gap as floats
     if isinstance(value, int) and not isinstance(value, bool):
@@ -508,7 +508,7 @@ def record_seed(job_seed: int, record_id: str) -> int:
 
 def _sampling_fields(fields: Mapping) -> dict:
     """The sampling fields that `fields` sets; None and NaN mean not set."""
-    given = {k: fields[k] for k in SAMPLING_FIELDS if not _missing(fields.get(k))}
+    given = {k: fields[k] for k in SAMPLING_FIELDS if not is_missing(fields.get(k))}
     for key in given.keys() & _INTEGER_FIELDS:
         given[key] = _whole(given[key])
     if isinstance(given.get("stop_token_ids"), (list, tuple)):
@@ -527,7 +527,7 @@ def _sampling_fields(fields: Mapping) -> dict:
     return given
 
 
-def _missing(value: Any) -> bool:
+def is_missing(value: Any) -> bool:
     """None, or NaN: pandas' missing value (a column of ints with a gap is float64 there), which
     pyarrow's from_pandas reads as null too."""
     return value is None or isinstance(value, float) and math.isnan(value)
@@ -573,9 +573,9 @@ def _openai_fields(record: Mapping) -> dict:
     if not isinstance(body, Mapping):
         raise _Invalid(f"body: must be an object, got {_type_name(body)}")
     input_key, endpoint_keys = _OPENAI_URLS[url]
-    if _missing(body.get(input_key)):
+    if is_missing(body.get(input_key)):
         raise _Invalid(f"body.{input_key}: missing (required by {url})")
-    given = {k: v for k, v in body.items() if not _missing(v) and k not in _OPENAI_IGNORED}
+    given = {k: v for k, v in body.items() if not is_missing(v) and k not in _OPENAI_IGNORED}
     for key, value in given.items():
         if key in _OPENAI_NO_OP:
             if not _same(value, _OPENAI_NO_OP[key]):
@@ -607,7 +607,7 @@ def _vllm_structured_outputs(spec: Any) -> dict:
     where = "body.structured_outputs"
     if not isinstance(spec, Mapping):
         raise _Invalid(f"{where}: must be an object, got {_type_name(spec)}")
-    given = {k: v for k, v in spec.items() if not _missing(v)}
+    given = {k: v for k, v in spec.items() if not is_missing(v)}
     for key, value in given.items():
         if key in _STRUCTURED_OUTPUTS_KINDS or key == "disable_any_whitespace":
             continue

@@ -67,8 +67,7 @@ SAMPLING_FLAGS = (
 DEFAULT_OUTPUT = "./output/generations"
 PIPELINE_NAMESPACE = "batchgen_pipeline"  # this pipeline's own metrics
 # Runners whose workers run on this machine, so they share an engine started here.
-LOCAL_RUNNERS = {"directrunner", "switchingdirectrunner", "bundlebaseddirectrunner",
-                 "fnapirunner", "prismrunner"}
+LOCAL_RUNNERS = {"directrunner", "switchingdirectrunner", "fnapirunner", "prismrunner"}
 # Input larger than this is not counted up front (the bar then shows no total); Parquet row
 # counts come from the footers and are always cheap.
 COUNT_LIMIT_BYTES = 256 << 20

@@ -300,6 +300,15 @@ def test_caller_mistakes_raise_at_construction(options, problem):
         Generate("unused-model-dir", **options)
 
 
+def test_the_bundle_based_direct_runner_is_refused_when_the_pipeline_is_built():
+    """It loses what timers emit (rows reach a later GroupByKey after it ran; counters dropped)."""
+    from apache_beam.runners.direct.direct_runner import BundleBasedDirectRunner
+
+    pipeline = beam.Pipeline(runner=BundleBasedDirectRunner())
+    with pytest.raises(ValueError, match="BundleBasedDirectRunner, which loses what a timer emits"):
+        pipeline | beam.Create([{"id": "a", "prompt": "Hi"}]) | Generate("unused-model-dir")
+
+
 def test_metrics_count_rows_tokens_and_errors(in_memory):
     rows, result = in_memory
     assert counter(result, "sequences_finished") == len(rows)  # one per row, error rows included

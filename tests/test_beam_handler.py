@@ -7,6 +7,7 @@ import json
 from typing import NamedTuple
 
 import apache_beam as beam
+import numpy as np
 import pytest
 from apache_beam.ml.inference.base import KeyedModelHandler, KeyModelMapping, RunInference
 
@@ -83,6 +84,9 @@ def test_examples_as_records():
     # A null id (a Parquet or BigQuery column with gaps) is no id: the fallback fills it.
     assert as_record({"id": None, "prompt": "Hi"}, "f") == {"id": "f", "prompt": "Hi"}
     assert as_record(beam.Row(id=None, prompt="Hi"), "f") == {"id": "f", "prompt": "Hi"}
+    for gap in (float("nan"), np.float64("nan")):  # pandas' missing value, as a record's null
+        assert as_record({"id": gap, "prompt": "Hi"}, "f") == {"id": "f", "prompt": "Hi"}
+    assert as_record({"custom_id": None, "id": None, "prompt": "Hi"}, "f")["id"] == "f"
 
 
 def test_an_example_without_an_id_is_named_by_its_content():
