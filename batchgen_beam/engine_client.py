@@ -4,7 +4,9 @@ The engine lives in its own process (Beam's MultiProcessShared with spawn_proces
 an `EngineService` whose calls are coarse (submit many, poll many) because every argument and
 result is pickled across the process boundary. Each SDK process holds one `EngineClient` per
 engine configuration; it remembers what it submitted until the result is taken, so when the
-engine process dies it starts a new one and resubmits what was resident.
+engine process dies it starts a new one and resubmits what was resident. The engine process
+stops when the last client leaves it: a RunInference model replaced (a model update, a model
+per key evicted) lets go of its `EngineLease`.
 """
 
 import dataclasses
@@ -17,6 +19,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections import Counter, defaultdict
 from typing import Any, Iterable
 
@@ -87,7 +90,18 @@ class EngineService:
         self._taken: dict[str, list[str]] = defaultdict(list)  # ids other clients took over
         self._finished = self._generated_tokens = 0  # completions routed, and their tokens
         self._migrated_out = 0  # requests taken out unfinished (continued elsewhere)
+        self._clients: set[str] = set()  # joined and not left
         threading.Thread(target=self._route, name="batchgen-router", daemon=True).start()
+
+    def join(self, client_id: str) -> None:
+        with self._ready:
+            self._clients.add(client_id)
+
+    def leave(self, client_id: str) -> int:
+        """The client has no more use for this engine; returns how many clients still have."""
+        with self._ready:
+            self._clients.discard(client_id)
+            return len(self._clients)
 
     def _route(self) -> None:
         while True:
@@ -243,17 +257,37 @@ class EngineService:
 
 
 class EngineClient:
-    """This process's handle on the machine's engine. Thread-safe; get it with `shared()`."""
+    """This process's handle on the machine's engine. Thread-safe; get it with `shared()`, for
+    the life of the process, or through an `EngineLease`, which lets the engine go once unused."""
 
     _instances: dict[EngineConfig, "EngineClient"] = {}
     _instances_lock = threading.Lock()
+    _leases: Counter[EngineConfig] = Counter()  # leases alive in this process, by config
 
     @classmethod
     def shared(cls, config: EngineConfig) -> "EngineClient":
+        """The client of this config, kept for the life of this process."""
         with cls._instances_lock:
-            if config not in cls._instances:
-                cls._instances[config] = cls(config)
-            return cls._instances[config]
+            client = cls._instance(config)
+            client._pinned = True
+            return client
+
+    @classmethod
+    def _instance(cls, config: EngineConfig) -> "EngineClient":  # with _instances_lock held
+        if config not in cls._instances:
+            cls._instances[config] = cls(config)
+        return cls._instances[config]
+
+    @classmethod
+    def _release_lease(cls, config: EngineConfig) -> None:
+        """A lease was dropped: with none left, and no pinned use, the client leaves."""
+        with cls._instances_lock:
+            cls._leases[config] -= 1
+            client = cls._instances.get(config)
+            if cls._leases[config] or client is None or client._pinned or client._has_resident():
+                return
+            del cls._leases[config], cls._instances[config]
+        client._leave()
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -269,6 +303,26 @@ class EngineClient:
         # Connected on first use, not here: Beam's multi-model RunInference constructs the
         # handler's model under the lock that connecting needs too (a deadlock).
         self._service = None
+        self._handle: MultiProcessShared | None = None  # the engine process's, to stop it
+        self._pinned = False  # got through shared(): stays for the life of this process
+
+    def _has_resident(self) -> bool:
+        with self._lock:
+            return bool(self._resident)
+
+    def _leave(self) -> None:
+        """Tell the engine this process no longer uses it; the last client to leave stops its
+        process (a client joining meanwhile finds it gone and starts another)."""
+        with self._lock:
+            service, handle, self._service = self._service, self._handle, None
+        if service is None:
+            return
+        try:
+            if service.leave(self.client_id) == 0:
+                log.info("batchgen: no client uses the engine of %s any more; stopping it", self.config.model)
+                handle.unsafe_hard_delete()
+        except _ENGINE_GONE:  # stopped, or it died: nothing left to stop
+            pass
 
     def connect(self) -> "EngineClient":
         """Start (or find) the machine's engine process now rather than on first use."""
@@ -283,8 +337,11 @@ class EngineClient:
 
     def _connect(self):
         # The constructor travels to a spawned process: it must pickle (no lambdas).
-        return MultiProcessShared(functools.partial(EngineService, self.config), tag=self.config.tag,
-                                  always_proxy=True, spawn_process=True).acquire()
+        self._handle = MultiProcessShared(functools.partial(EngineService, self.config), tag=self.config.tag,
+                                          always_proxy=True, spawn_process=True)
+        service = self._handle.acquire()
+        service.join(self.client_id)
+        return service
 
     def _call(self, method: str, *args):
         service = self._connected()
@@ -440,3 +497,19 @@ class EngineClient:
     def reset_prefix_cache(self) -> int:
         """The engine's Engine.reset_prefix_cache (shared by every client of this machine)."""
         return self._call("reset_prefix_cache")
+
+
+class EngineLease:
+    """One use of the machine's engine (a RunInference model): its client stays while any lease
+    of its config lives in this process; when the last is released (or collected), the client
+    leaves the engine, which stops once no client of any process uses it."""
+
+    def __init__(self, config: EngineConfig):
+        with EngineClient._instances_lock:
+            self.client = EngineClient._instance(config)
+            EngineClient._leases[config] += 1
+        self._release = weakref.finalize(self, EngineClient._release_lease, config)
+        self._release.atexit = False  # at exit, Beam stops the engine process itself
+
+    def release(self) -> None:
+        self._release()

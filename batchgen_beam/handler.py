@@ -14,7 +14,7 @@ from typing import Any, Iterable, Sequence
 
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
-from batchgen_beam.engine_client import EngineClient, EngineConfig
+from batchgen_beam.engine_client import EngineConfig, EngineLease
 from batchgen_beam.records import Parsed, check_defaults, completion_row, error_row, is_missing, parse_record
 from runtime.default_model import DEFAULT_MODEL_NAME
 
@@ -41,7 +41,7 @@ def content_id(example: Any) -> str:
     return f"example-{digest.hexdigest()}"
 
 
-class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineClient]):
+class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineLease]):
     """Examples: prompt strings, record dicts (DESIGN.md §5) or chat message lists. Inferences:
     output rows (a bad record gives an error row, never an exception). Per-record sampling fields
     override the transform-wide `inference_args`."""
@@ -52,10 +52,12 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineClient]):
         super().__init__(min_batch_size=min_batch_size, max_batch_size=max_batch_size, **kwargs)
         self._config = EngineConfig.of(model, **(engine_args or {}))
 
-    def load_model(self) -> EngineClient:
+    def load_model(self) -> EngineLease:
         # Not connected yet: under KeyedModelHandler with several models, Beam calls this while
-        # holding the lock that connecting takes; the first batch connects.
-        return EngineClient.shared(self._config)
+        # holding the lock that connecting takes; the first batch connects. Beam drops the
+        # lease when it replaces the model (an update, an evicted model per key): the engine
+        # stops once no process uses it.
+        return EngineLease(self._config)
 
     def update_model_path(self, model_path: str | None = None) -> None:
         """A new model from RunInference's `model_metadata_pcoll` side input: the batches after
@@ -69,16 +71,17 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineClient]):
     def validate_inference_args(self, inference_args: dict | None) -> None:
         check_defaults(inference_args)  # a bad transform-wide default fails before any record
 
-    def run_inference(self, batch: Sequence[Any], model: EngineClient,
+    def run_inference(self, batch: Sequence[Any], model: EngineLease,
                       inference_args: dict | None = None) -> Iterable[PredictionResult]:
         batch_id = uuid.uuid4().hex[:12]
         parsed = [parse_record(as_record(example, content_id(example)), inference_args) for example in batch]
         # Ids only need to be unique inside this batch's lifetime in the engine.
         request_ids = [f"{batch_id}:{i}" for i in range(len(batch))]
-        model.submit([dataclasses.replace(p.to_request(), id=rid)
-                      for p, rid in zip(parsed, request_ids) if isinstance(p, Parsed)])
-        done = model.wait_all([rid for p, rid in zip(parsed, request_ids) if isinstance(p, Parsed)])
-        model_id = _model_id(model.config)
+        client = model.client
+        client.submit([dataclasses.replace(p.to_request(), id=rid)
+                       for p, rid in zip(parsed, request_ids) if isinstance(p, Parsed)])
+        done = client.wait_all([rid for p, rid in zip(parsed, request_ids) if isinstance(p, Parsed)])
+        model_id = _model_id(client.config)
         return [PredictionResult(example, completion_row(p, done[rid]) if isinstance(p, Parsed)
                                  else error_row(p), model_id)
                 for example, p, rid in zip(batch, parsed, request_ids)]
