@@ -508,8 +508,15 @@ class EngineLease:
         with EngineClient._instances_lock:
             self.client = EngineClient._instance(config)
             EngineClient._leases[config] += 1
-        self._release = weakref.finalize(self, EngineClient._release_lease, config)
+        self._release = weakref.finalize(self, _release_on_a_thread, config)
         self._release.atexit = False  # at exit, Beam stops the engine process itself
 
     def release(self) -> None:
         self._release()
+
+
+def _release_on_a_thread(config: EngineConfig) -> None:
+    """A lease's release, off the thread that dropped it: the garbage collector may run it
+    anywhere, even where that thread holds the instances' lock, and leaving makes a call."""
+    threading.Thread(target=EngineClient._release_lease, args=(config,), name="batchgen-lease",
+                     daemon=True).start()
