@@ -126,7 +126,8 @@ def build_model(model_dir: str | Path, device: torch.device | str = "cpu",
         for module in model.layers.modules():
             if isinstance(module, RMSNorm):
                 module.to_empty(device=device)
-    model.set_rope_tables({name: (cos.to(device), sin.to(device))
+    # In the model's dtype, as transformers casts them at use (also what a streamed model keeps).
+    model.set_rope_tables({name: (cos.to(device, dtype), sin.to(device, dtype))
                            for name, (cos, sin) in rope_tables.items()})
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -28,6 +28,7 @@ import os
 import struct
 import threading
 import weakref
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -376,20 +377,23 @@ class WeightStreamer:
         if not chunks:
             return
         reads = [] if self.host_copy else self._read_experts(layer, chunks[0], 0)
-        for j, chunk in enumerate(chunks):
-            half = j % 2
-            _wait(reads)
-            if self.host_copy:
-                self._copies.to_device(self._host_expert_copies(layer, chunk, half), 2 + half)
-            elif self._copies:
-                self._copies.to_device([(self._ring[half], self._device_ring[half])], 2 + half)
-            if j + 1 < len(chunks) and not self.host_copy:
-                # Its half held chunk j-1: computed (CUDA: copied) by now.
-                reads = self._read_experts(layer, chunks[j + 1], 1 - half)
-            gate_up, down = self._ring_tensors[half]
-            yield chunk, gate_up[:len(chunk)], down[:len(chunk)]
-            if self._copies:  # the caller has queued chunk j's kernels
-                self._copies.release(2 + half)
+        try:
+            for j, chunk in enumerate(chunks):
+                half = j % 2
+                _wait(reads)
+                if self.host_copy:
+                    self._copies.to_device(self._host_expert_copies(layer, chunk, half), 2 + half)
+                elif self._copies:
+                    self._copies.to_device([(self._ring[half], self._device_ring[half])], 2 + half)
+                if j + 1 < len(chunks) and not self.host_copy:
+                    # Its half held chunk j-1: computed (CUDA: copied) by now.
+                    reads = self._read_experts(layer, chunks[j + 1], 1 - half)
+                gate_up, down = self._ring_tensors[half]
+                yield chunk, gate_up[:len(chunk)], down[:len(chunk)]
+                if self._copies:  # the caller has queued chunk j's kernels
+                    self._copies.release(2 + half)
+        finally:  # a step failed part-way: no read may land in a half the next step fills
+            futures.wait(reads)
 
     def _host_expert_copies(self, layer: int, chunk: list[int], half: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(host, device) pairs that put the chunk's experts in ring half `half`: one pair per run
@@ -484,6 +488,7 @@ def _consecutive_runs(ids: list[int]) -> list[list[int]]:
 
 
 def _wait(reads: list[Future]) -> None:
+    futures.wait(reads)  # all of them, even where one failed: none may land later
     for read in reads:
         read.result()  # a reader's exception surfaces here
 

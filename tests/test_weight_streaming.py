@@ -10,6 +10,8 @@ read issued before the current layer computes."""
 
 import shutil
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -256,6 +258,47 @@ def test_a_checkpoint_stored_in_half_precision_streams_converted(tiny, family, s
     assert steps * stored_layer_bytes(directory, False) <= read <= (steps + 1) * stored_layer_bytes(directory, True)
 
 
+def test_a_step_failing_part_way_through_the_experts_leaves_no_read_in_flight(tiny, monkeypatch):
+    """The next chunk's read into the other ring half, issued before a failure: it must have
+    landed before the generator lets go, or it could overwrite what the next step reads there."""
+    directory = tiny.dir("qwen3_moe")
+    streamer = make_engine(directory, weight_budget_bytes=smallest_budget(directory)).weights
+    half = streamer._ring[1]
+    landed = []
+    read = streamer._read
+
+    def slow_into_half_1(extent, dest):
+        address = torch.frombuffer(dest, dtype=torch.uint8).data_ptr()
+        if half.data_ptr() <= address < half.data_ptr() + half.numel():
+            time.sleep(0.2)
+            read(extent, dest)
+            landed.append(extent)
+        else:
+            read(extent, dest)
+
+    monkeypatch.setattr(streamer, "_read", slow_into_half_1)
+    chunks = streamer.experts(0, [0, 1, 2])
+    next(chunks)  # computing on expert 0; expert 1 is being read into half 1
+    chunks.close()  # the step failed here
+    assert len(landed) == len(streamer._expert_copies(0, [1], streamer._ring_views[1], 1))
+
+
+def test_waiting_for_reads_waits_for_every_one_even_after_one_failed():
+    pool = ThreadPoolExecutor(2)
+    done = threading.Event()
+
+    def failing():
+        raise EOFError("checkpoint file ended early")
+
+    def slow():
+        time.sleep(0.2)
+        done.set()
+
+    with pytest.raises(EOFError):
+        weight_stream._wait([pool.submit(failing), pool.submit(slow)])
+    assert done.is_set()
+
+
 @pytest.mark.parametrize("family", ["gemma", "gemma3"])
 def test_gemmas_offset_norms_stream_in_bf16(tiny, family):
     """Gemma's norms scale by 1 + weight, added once at load: in bf16 the sum stays fp32
@@ -266,6 +309,9 @@ def test_gemmas_offset_norms_stream_in_bf16(tiny, family):
     assert_same_tokens(expected, engine.generate(greedy_requests(PROMPTS, MAX_TOKENS)))
     norms = [m for m in engine.model.modules() if type(m).__name__ == "RMSNorm"]
     assert norms and all(m.fp32_scale and m.weight.dtype == torch.float32 for m in norms)
+    # RoPE tables in bf16, as the resident engine holds them, not fp32 in the budget.
+    tables = {name: b.dtype for name, b in engine.model.named_buffers() if name.startswith("rope_")}
+    assert tables and set(tables.values()) == {torch.bfloat16}
 
 
 def test_a_checkpoint_that_is_not_float_is_not_implemented(tiny, tmp_path):
