@@ -511,6 +511,17 @@ class EngineLease:
         self._release = weakref.finalize(self, _release_on_a_thread, config)
         self._release.atexit = False  # at exit, Beam stops the engine process itself
 
+    # What a RunInference batch needs, as methods: under a KeyedModelHandler of several models,
+    # Beam hands run_inference a proxy of the lease held by another process, which forwards
+    # method calls only.
+    def run(self, requests: list[Request]) -> dict[str, Completion]:
+        """Submit the requests, and wait for all of them."""
+        self.client.submit(requests)
+        return self.client.wait_all([request.id for request in requests])
+
+    def engine_config(self) -> EngineConfig:
+        return self.client.config
+
     def release(self) -> None:
         self._release()
 

@@ -77,11 +77,9 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineLease]):
         parsed = [parse_record(as_record(example, content_id(example)), inference_args) for example in batch]
         # Ids only need to be unique inside this batch's lifetime in the engine.
         request_ids = [f"{batch_id}:{i}" for i in range(len(batch))]
-        client = model.client
-        client.submit([dataclasses.replace(p.to_request(), id=rid)
-                       for p, rid in zip(parsed, request_ids) if isinstance(p, Parsed)])
-        done = client.wait_all([rid for p, rid in zip(parsed, request_ids) if isinstance(p, Parsed)])
-        model_id = _model_id(client.config)
+        done = model.run([dataclasses.replace(p.to_request(), id=rid)
+                          for p, rid in zip(parsed, request_ids) if isinstance(p, Parsed)])
+        model_id = _model_id(model.engine_config())
         return [PredictionResult(example, completion_row(p, done[rid]) if isinstance(p, Parsed)
                                  else error_row(p), model_id)
                 for example, p, rid in zip(batch, parsed, request_ids)]

@@ -278,6 +278,26 @@ def test_an_engine_stops_once_no_lease_of_it_is_left(model_dir):
     assert again.inference["token_ids"] == result.inference["token_ids"]  # a fresh engine
 
 
+class MethodsOnly:
+    """What run_inference gets under a KeyedModelHandler of several models when the model was
+    loaded in another SDK process: Beam's AutoProxy, which forwards method calls only."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def __getattr__(self, name):
+        value = getattr(self._model, name)
+        if not callable(value):
+            raise AttributeError(f"{name}: a proxy forwards method calls only")
+        return value
+
+
+def test_a_proxy_of_the_model_from_another_process_is_enough(model_dir):
+    model_handler = handler(model_dir)
+    [result] = model_handler.run_inference(["Hi"], MethodsOnly(model_handler.load_model()), INFERENCE_ARGS)
+    assert result.inference["error"] is None and result.model_id == str(model_dir)
+
+
 def test_a_pinned_client_keeps_its_engine(model_dir):
     config = EngineConfig.of(str(model_dir), **{**ENGINE_ARGS, "max_num_seqs": 6})
     pid = EngineClient.shared(config).info()["pid"]
