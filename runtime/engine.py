@@ -795,7 +795,10 @@ class Engine:
         and hold up what comes after it."""
         request_id, n = migrated.get("request_id"), migrated.get("n")
         sequences, outputs = migrated.get("sequences") or [], migrated.get("outputs") or {}
-        if not isinstance(n, int) or n < 1 or len(sequences) + len(outputs) not in range(1, n + 1):
+        # Live sequences and finished outputs make up the n samples, or sample 0 alone stands
+        # for all n before it forks them.
+        unforked = len(sequences) == 1 and not outputs and not sequences[0].get("forked", True)
+        if not isinstance(n, int) or n < 1 or not (unforked or sequences and len(sequences) + len(outputs) == n):
             raise ValueError(f"migrate_in {request_id!r}: not a migrate_out state ({len(sequences)} "
                              f"sequence(s) and {len(outputs)} finished output(s) for n={n})")
         if n > self.scheduler.blocks.num_blocks:

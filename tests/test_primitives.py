@@ -277,6 +277,11 @@ def test_migrate_in_refuses_a_state_this_engine_could_never_finish(tiny):
         small.migrate_in({**state, "n": 5})
     with pytest.raises(ValueError, match="'ghost': not a migrate_out state"):
         small.migrate_in({"request_id": "ghost", "prompt_tokens": 3, "n": 1, "outputs": {}, "sequences": []})
+    [sequence] = state["sequences"]
+    for samples, outputs in (([], {0: "finished"}),  # nothing left to run
+                             ([{**sequence, "forked": True}], {})):  # a forked sample missing
+        with pytest.raises(ValueError, match="'big': not a migrate_out state"):
+            small.migrate_in({**state, "n": 2, "sequences": samples, "outputs": outputs})
     [done] = small.generate(greedy_requests(PROMPTS[:1], 8))  # nothing was left behind
     assert done.error is None
     assert_idle_and_clean(small)
