@@ -336,12 +336,20 @@ class EngineClient:
             return self._service
 
     def _connect(self):
-        # The constructor travels to a spawned process: it must pickle (no lambdas).
-        self._handle = MultiProcessShared(functools.partial(EngineService, self.config), tag=self.config.tag,
-                                          always_proxy=True, spawn_process=True)
-        service = self._handle.acquire()
-        service.join(self.client_id)
-        return service
+        cause = None
+        for _ in range(MAX_ENGINE_DEATHS):
+            # The constructor travels to a spawned process: it must pickle (no lambdas).
+            handle = MultiProcessShared(functools.partial(EngineService, self.config), tag=self.config.tag,
+                                        always_proxy=True, spawn_process=True)
+            service = handle.acquire()
+            try:
+                service.join(self.client_id)
+            except _ENGINE_GONE as gone:  # its last client stopped it meanwhile: start another
+                cause = gone
+                continue
+            self._handle = handle
+            return service
+        raise RuntimeError(f"the engine process was gone each time it was joined: {cause!r}") from cause
 
     def _call(self, method: str, *args):
         service = self._connected()

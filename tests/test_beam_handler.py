@@ -278,6 +278,30 @@ def test_an_engine_stops_once_no_lease_of_it_is_left(model_dir):
     assert again.inference["token_ids"] == result.inference["token_ids"]  # a fresh engine
 
 
+def test_joining_an_engine_stopped_meanwhile_starts_another(monkeypatch):
+    """Its last client can stop the engine between another's acquire and join: the other
+    starts a fresh engine rather than failing its batch."""
+    from batchgen_beam import engine_client
+
+    services = []
+
+    class Service:
+        def join(self, client_id):
+            if len(services) == 1:
+                raise EOFError("the engine process is gone")
+
+    class Shared:  # MultiProcessShared's part that _connect uses
+        def __init__(self, constructor, **kwargs):
+            pass
+
+        def acquire(self):
+            services.append(Service())
+            return services[-1]
+
+    monkeypatch.setattr(engine_client, "MultiProcessShared", Shared)
+    assert EngineClient(EngineConfig.of("unused-model-dir"))._connect() is services[1]
+
+
 class MethodsOnly:
     """What run_inference gets under a KeyedModelHandler of several models when the model was
     loaded in another SDK process: Beam's AutoProxy, which forwards method calls only."""
