@@ -203,6 +203,10 @@ class EngineService:
         with self._engine_lock:
             return self.engine.reset_prefix_cache()
 
+    def check_params(self, params) -> None:
+        with self._engine_lock:
+            self.engine.check_params(params)
+
     def migrate_out(self, client_id: str, request_ids: list[str]) -> dict[str, dict]:
         """Take this client's requests that are still running out of the engine: their states
         (tokens so far and RNG, no KV), by id. A request that already finished is not among
@@ -505,6 +509,10 @@ class EngineClient:
     def reset_prefix_cache(self) -> int:
         """The engine's Engine.reset_prefix_cache (shared by every client of this machine)."""
         return self._call("reset_prefix_cache")
+
+    def check_params(self, params) -> None:
+        """The engine's Engine.check_params: ValueError for values it cannot honour."""
+        self._call("check_params", params)
 
 
 class EngineLease:

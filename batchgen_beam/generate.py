@@ -31,7 +31,7 @@ from apache_beam.typehints import KV
 from apache_beam.coders import PickleCoder
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import StandardOptions
-from apache_beam.runners.direct.direct_runner import BundleBasedDirectRunner
+from apache_beam.runners.direct.direct_runner import BundleBasedDirectRunner, SwitchingDirectRunner
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import BagStateSpec, TimerSpec, on_timer
 from apache_beam.transforms.window import TimestampedValue
@@ -271,6 +271,22 @@ def stateful_stage(logic: type[_GenerateFn], names: str) -> type[_GenerateFn]:
     return StreamingStage
 
 
+def _check_runner(records) -> None:
+    """ValueError where the runner would lose rows: Beam's BundleBasedDirectRunner delivers
+    what timers emit after a downstream GroupByKey has run (the job fails) and drops their
+    counters; the DirectRunner runs a streaming job on it, where a bounded input's window
+    closes at once, so the rows its window-end flush emits are dropped as late."""
+    runner, pipeline = records.pipeline.runner, records.pipeline
+    if isinstance(runner, BundleBasedDirectRunner):
+        raise ValueError("Generate cannot run on Beam's BundleBasedDirectRunner, which loses "
+                         "what a timer emits; use the DirectRunner (or the FnApiRunner)")
+    if (isinstance(runner, SwitchingDirectRunner) and records.is_bounded
+            and pipeline.options.view_as(StandardOptions).streaming):
+        raise ValueError("Generate on a bounded input (files) in streaming mode on the "
+                         "DirectRunner would lose the rows emitted when its window closes: "
+                         "run it without --streaming")
+
+
 class Generate(beam.PTransform):
     """Records (dicts, OpenAI Batch lines, JSON text lines) → output rows, one per input record.
 
@@ -302,11 +318,7 @@ class Generate(beam.PTransform):
         self._straggler_timeout_s, self._poll_interval_s = straggler_timeout_s, poll_interval_s
 
     def expand(self, records):
-        if isinstance(records.pipeline.runner, BundleBasedDirectRunner):
-            # Its timers' output reaches a downstream GroupByKey after that has run (the job
-            # fails), and counters they add are dropped.
-            raise ValueError("Generate cannot run on Beam's BundleBasedDirectRunner, which loses "
-                             "what a timer emits; use the DirectRunner (or the FnApiRunner)")
+        _check_runner(records)
         defaults, shards = self._defaults, self._num_shards
         namespace = uuid.uuid4().hex[:8]
         # State and timer names of this transform's own (stateful_stage), stable from run to

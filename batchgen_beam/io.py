@@ -51,6 +51,7 @@ import os
 import posixpath
 import re
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import apache_beam as beam
@@ -115,6 +116,26 @@ def check_input(pattern: str, fmt: str) -> None:
                              f"{os.path.join(meta.path, '*')!r}")
         if fmt == "parquet":
             _check_parquet_file(meta.path, meta.size_in_bytes)
+
+
+def check_output(prefix: str) -> None:
+    """ValueError for an output prefix the job could not write under, before it runs: empty,
+    a directory (files would be named "-00000-of-…"), or a local folder that cannot be made
+    or written."""
+    if not prefix.strip():
+        raise ValueError("output prefix is empty; give one, e.g. out/generations")
+    if "://" in prefix:
+        return  # gs://: the bucket's permissions are known when the job writes
+    if prefix.endswith(("/", os.sep)) or os.path.isdir(prefix):
+        raise ValueError(f"output prefix {prefix!r} is a directory; give a file name prefix in it, "
+                         f"e.g. {os.path.join(prefix, 'generations')!r}")
+    folder = os.path.dirname(os.path.abspath(prefix))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"output prefix {prefix!r}: its folder cannot be made ({exc})") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"output prefix {prefix!r}: its folder {folder} is not writable")
 
 
 def _check_parquet_file(path: str, size: int) -> None:
@@ -385,10 +406,15 @@ class WriteRows(beam.PTransform):
     def suffix(self) -> str:
         return "." + self.format
 
-    @property
-    def file_pattern(self) -> str:
-        """A glob matching the files this transform writes (and any older shards alike)."""
-        return f"{self.prefix}-*-of-*{self.suffix}"
+    def earlier_shards(self, written: Iterable[str]) -> list[str]:
+        """Files under this prefix named as this transform names its shards, other than those
+        written: an earlier run's, with another shard count, which a reader of
+        `<prefix>-*` would take for this run's."""
+        shard = re.compile(re.escape(_absolute(self.prefix)) + r"-\d{5,}-of-\d{5,}" + re.escape(self.suffix))
+        found = FileSystems.match([f"{self.prefix}-*-of-*{self.suffix}"])[0].metadata_list
+        written = {_absolute(path) for path in written}
+        return sorted(path for path in map(_absolute, (m.path for m in found))
+                      if shard.fullmatch(path) and path not in written)
 
     def expand(self, rows):
         if self.format == "parquet":
@@ -401,3 +427,8 @@ class WriteRows(beam.PTransform):
                 | "ToJson" >> beam.Map(row_to_json)
                 | "WriteJsonl" >> WriteToText(self.prefix, file_name_suffix=self.suffix,
                                               num_shards=self.num_shards))
+
+
+def _absolute(path: str) -> str:
+    """A local path made absolute (a URI as it is), so names of one file compare equal."""
+    return path if "://" in path else os.path.abspath(path)

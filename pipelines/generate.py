@@ -37,8 +37,9 @@ import batchgen_beam
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.generate import METRICS_NAMESPACE, Generate
 from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, check_input,
-                              file_records, infer_format)
-from batchgen_beam.records import SAMPLING_FIELDS
+                              check_output, file_records, infer_format)
+from batchgen_beam.records import SAMPLING_FIELDS, check_defaults
+from runtime import SamplingParams
 
 BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"
 # Sampling flags that set their record field's transform-wide default: (name, type, help).
@@ -98,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--input_format", choices=INPUT_FORMATS, default=None,
                     help="input format, if the extension does not say")
     io.add_argument("--output", default=DEFAULT_OUTPUT,
-                    help="output prefix, local or gs://; files are "
-                         "<output>-SSSSS-of-NNNNN.<format>")
+                    help="output prefix, local or gs://; files are <output>-SSSSS-of-NNNNN.<format> "
+                         "(shards an earlier run left under it, with another count, are removed)")
     io.add_argument("--format", choices=OUTPUT_FORMATS, default="parquet", help="output format")
     io.add_argument("--output_shards", type=int, default=0,
                     help="number of output files (0: the runner decides)")
@@ -390,6 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
     assert generate._config == config, (generate._config, config)
     write = WriteRows(args.output, args.format, num_shards=args.output_shards)
     check_input(input_pattern, input_format)  # after the flags: their mistakes are named first
+    check_output(args.output)
 
     pipeline = beam.Pipeline(options=options)
     records = pipeline | "Read" >> ReadRecords(input_pattern, input_format)
@@ -407,6 +409,10 @@ def main(argv: list[str] | None = None) -> dict:
         load_started = time.perf_counter()
         client = EngineClient.shared(config).connect()  # starts (or finds) this machine's engine
         engine_start_s = time.perf_counter() - load_started
+        try:  # values no record could run with (logprobs past the vocabulary, say)
+            client.check_params(SamplingParams(**check_defaults(sampling_defaults_of(args))))
+        except ValueError as bad:
+            raise ValueError(f"--{bad}") from None
     run_started = time.perf_counter()
     if local:
         with Progress(client, lambda: count_records(input_pattern, input_format),
@@ -420,6 +426,12 @@ def main(argv: list[str] | None = None) -> dict:
         result.wait_until_finish()
         counters, sets = _metrics(result)
     pipeline_s = time.perf_counter() - run_started
+    written = sets.get("output_files", set())
+    removed = []
+    if written and str(result.state) == "DONE":  # what this run wrote is known: the rest is stale
+        removed = write.earlier_shards(written)
+        if removed:
+            FileSystems.delete(removed)
 
     completion_tokens = counters.get("tokens_generated", 0)
     summary = {
@@ -437,7 +449,8 @@ def main(argv: list[str] | None = None) -> dict:
         "engine_start_s": None if engine_start_s is None else round(engine_start_s, 2),
         "pipeline_s": round(pipeline_s, 2),
         "wall_s": round(time.perf_counter() - started, 2),
-        "output_files": sorted(sets.get("output_files", ())),
+        "output_files": sorted(written),
+        "removed_files": removed,
         "format": args.format,
     }
     print(format_summary(summary))
@@ -447,6 +460,9 @@ def main(argv: list[str] | None = None) -> dict:
 def format_summary(s: dict) -> str:
     engine = "" if s["engine_start_s"] is None else f"; engine start {s['engine_start_s']} s"
     files = "\n".join(f"  {name}" for name in s["output_files"]) or "  (none reported)"
+    if s["removed_files"]:
+        files += (f"\n  removed {len(s['removed_files'])} shard file(s) an earlier run left under "
+                  f"this prefix")
     return (f"batchgen: {s['records']} records, {s['errors']} errors ({s['input']} -> "
             f"{s['format']}, model {s['model']})\n"
             f"  tokens: {s['prompt_tokens']} prompt, {s['completion_tokens']} completion; "

@@ -287,23 +287,27 @@ class Engine:
         self._wake.set()
 
     def _check_request(self, request: Request) -> None:
-        """ValueError (TypeError) for sampling values this engine cannot honour."""
         if not isinstance(request.params, SamplingParams):
             raise TypeError(f"request {request.id!r}: params must be SamplingParams")
-        if request.params.stop and self.tokenizer is None:
+        self.check_params(request.params)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """ValueError for sampling values this engine cannot honour (a job's defaults can be
+        checked so before any record runs)."""
+        if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a model with a tokenizer")
-        if request.params.structured and self.tokenizer is None:
+        if params.structured and self.tokenizer is None:
             raise ValueError("json_schema, regex, choice: structured output needs a model with a tokenizer")
-        if request.params.n > self.scheduler.blocks.num_blocks:
+        if params.n > self.scheduler.blocks.num_blocks:
             # Samples fork together once the prompt is computed, each soon writing a block of its own.
             raise ValueError(f"n: must be <= the KV cache's {self.scheduler.blocks.num_blocks} blocks, "
-                             f"got {request.params.n}")
+                             f"got {params.n}")
         for name in ("logprobs", "prompt_logprobs"):
-            wanted = getattr(request.params, name)
+            wanted = getattr(params, name)
             if wanted is not None and wanted > self.spec.vocab_size:
                 raise ValueError(f"{name}: must be <= the vocabulary's {self.spec.vocab_size} tokens, "
                                  f"got {wanted}")
-        outside = [t for t, _ in request.params.logit_bias if t >= self.spec.vocab_size]
+        outside = [t for t, _ in params.logit_bias if t >= self.spec.vocab_size]
         if outside:
             raise ValueError(f"logit_bias: token ids must be < the vocabulary's {self.spec.vocab_size}, "
                              f"got {outside[0]}")

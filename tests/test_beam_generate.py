@@ -309,6 +309,15 @@ def test_the_bundle_based_direct_runner_is_refused_when_the_pipeline_is_built():
         pipeline | beam.Create([{"id": "a", "prompt": "Hi"}]) | Generate("unused-model-dir")
 
 
+
+def test_a_bounded_input_in_streaming_mode_on_the_direct_runner_is_refused():
+    """The DirectRunner runs a streaming job on that runner, where a bounded input's window
+    closes at once: the rows its window-end flush emits would be dropped as late."""
+    pipeline = beam.Pipeline(options=PipelineOptions(["--runner=DirectRunner", "--streaming"]))
+    with pytest.raises(ValueError, match="bounded input .* streaming mode on the DirectRunner"):
+        pipeline | beam.Create([{"id": "a", "prompt": "Hi"}]) | Generate("unused-model-dir")
+
+
 def test_metrics_count_rows_tokens_and_errors(in_memory):
     rows, result = in_memory
     assert counter(result, "sequences_finished") == len(rows)  # one per row, error rows included

@@ -8,6 +8,7 @@ import codecs
 import gzip
 import io
 import json
+import os
 import re
 import time
 
@@ -382,6 +383,39 @@ def test_input_that_would_fail_the_job_is_refused_before_it_runs(tmp_path):
             cli.main(["--input", str(tmp_path / pattern), "--input_format", fmt, "--no_progress",
                       "--output", str(tmp_path / "out/gen")])
     assert not (tmp_path / "out").exists()
+
+
+def test_output_that_could_not_be_written_is_refused_before_it_runs(tmp_path):
+    (tmp_path / "recs.jsonl").write_text('{"id": "a", "prompt": "hi"}\n')
+    (tmp_path / "a-file").write_text("")
+    for output, problem in (("", "output prefix is empty"),
+                            (f"{tmp_path}/", "is a directory; give a file name prefix in it"),
+                            (str(tmp_path / "a-file" / "gen"), "its folder cannot be made")):
+        with pytest.raises(ValueError, match=problem):
+            cli.main(["--input", str(tmp_path / "recs.jsonl"), "--no_progress", "--output", output])
+
+
+def test_job_defaults_the_engine_cannot_honour_are_refused_before_the_run(chat_model, jsonl_input, tmp_path):
+    """Known once the engine is up: every record would be an error row."""
+    for flag, value, problem in (("--logprobs", "100000", "--logprobs: must be <= the vocabulary's"),
+                                 ("--prompt_logprobs", "100000", "--prompt_logprobs: must be <= the vocabulary's")):
+        with pytest.raises(ValueError, match=problem):
+            run(chat_model, "--input", str(jsonl_input), "--output", str(tmp_path / "gen"), flag, value)
+    assert not list(tmp_path.glob("gen*"))
+
+
+def test_a_rerun_leaves_only_its_own_shards(chat_model, jsonl_input, tmp_path):
+    """An earlier run's shards under the prefix, with another count, would read as this run's
+    rows (twice over); other files whose names merely start with the prefix stay."""
+    out = tmp_path / "out"
+    first = run(chat_model, "--input", str(jsonl_input), "--output", str(out / "gen"), "--output_shards", "3")
+    (out / "gen-v2-00000-of-00002.parquet").write_bytes(b"another job's")
+    second = run(chat_model, "--input", str(jsonl_input), "--output", str(out / "gen"), "--output_shards", "1")
+    assert len(first["output_files"]) == 3 and len(second["output_files"]) == 1
+    assert second["removed_files"] == sorted(os.path.abspath(f) for f in first["output_files"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [os.path.basename(second["output_files"][0]), "gen-v2-00000-of-00002.parquet"])
+    assert "removed 3 shard file(s)" in cli.format_summary(second)
 
 
 def test_argument_handling():
