@@ -20,6 +20,7 @@ others, and each record still gets exactly one row: from the first stage or from
 """
 
 import dataclasses
+import math
 import time
 import uuid
 import zlib
@@ -309,8 +310,9 @@ class Generate(beam.PTransform):
         for name, value in (("num_shards", num_shards), ("max_in_flight", max_in_flight)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if straggler_timeout_s is not None and straggler_timeout_s < 0:
-            raise ValueError(f"straggler_timeout_s must be >= 0, got {straggler_timeout_s}")
+        if straggler_timeout_s is not None and not (
+                isinstance(straggler_timeout_s, (int, float)) and 0 <= straggler_timeout_s < math.inf):
+            raise ValueError(f"straggler_timeout_s must be a number >= 0, got {straggler_timeout_s!r}")
         if isinstance(poll_interval_s, bool) or not isinstance(poll_interval_s, (int, float)) \
                 or not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be a number > 0, got {poll_interval_s!r}")

@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     io = parser.add_argument_group("input and output")
     io.add_argument("--input", default=None,
                     help="file or glob, local or gs://: JSONL (.jsonl/.json: our records or OpenAI "
-                         "Batch lines), Parquet (.parquet) or text (.txt, one prompt per line). "
+                         "Batch lines), Parquet (.parquet), CSV (.csv) or TSV (.tsv) with a header "
+                         "row, or text (.txt, one prompt per line); also compressed (.gz, .bz2, ...). "
                          f"Default: the {_count_lines(BUNDLED_PROMPTS)} bundled prompts "
                          "(batchgen_beam/data/prompts.jsonl), with the chat template applied")
     io.add_argument("--input_format", choices=INPUT_FORMATS, default=None,

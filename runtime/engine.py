@@ -181,6 +181,9 @@ class Engine:
             torch.set_num_threads(num_threads)
         self.model_dir = Path(model) if model is not None else default_model_dir()
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: this torch ({torch.__version__}) sees no CUDA device "
+                             f"(a CPU build, or no GPU or driver)")
         streaming = weight_budget_bytes is not None
         if weights_in_host_memory and not streaming:
             raise ValueError("weights_in_host_memory streams weights: give weight_budget_bytes too")

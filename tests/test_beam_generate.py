@@ -289,7 +289,8 @@ def test_passthrough_fields_come_back(rows_by_key):
 @pytest.mark.parametrize("options,problem", [
     (dict(num_shards=0), "num_shards must be an integer >= 1, got 0"),
     (dict(max_in_flight=2.5), "max_in_flight must be an integer >= 1, got 2.5"),
-    (dict(straggler_timeout_s=-1), "straggler_timeout_s must be >= 0"),
+    (dict(straggler_timeout_s=-1), "straggler_timeout_s must be a number >= 0"),
+    (dict(straggler_timeout_s=float("nan")), "straggler_timeout_s must be a number >= 0, got nan"),
     (dict(poll_interval_s=0), "poll_interval_s must be a number > 0, got 0"),
     (dict(temperature=-1), "defaults: temperature: must be >= 0, got -1"),
     (dict(engine_args={"max_num_seq": 8}), r"engine_args: unknown \['max_num_seq'\]"),

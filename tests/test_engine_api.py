@@ -611,3 +611,11 @@ def test_finished_takes_what_is_done_without_running_a_step(tiny):
         pass
     assert [c.id for c in engine.finished()] == ["r0"]
     assert engine.finished() == []
+
+
+def test_a_cuda_device_torch_cannot_see_is_refused_naming_it(tiny, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device='cuda': this torch .* sees no CUDA device"):
+        make_engine(tiny.dir("llama"), device="cuda")
