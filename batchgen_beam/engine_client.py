@@ -285,13 +285,13 @@ class EngineClient:
     @classmethod
     def _release_lease(cls, config: EngineConfig) -> None:
         """A lease was dropped: with none left, and no pinned use, the client leaves."""
-        with cls._instances_lock:
+        with cls._instances_lock:  # held while leaving: a new client of it waits for the engine to stop
             cls._leases[config] -= 1
             client = cls._instances.get(config)
             if cls._leases[config] or client is None or client._pinned or client._has_resident():
                 return
             del cls._leases[config], cls._instances[config]
-        client._leave()
+            client._leave()
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -345,8 +345,8 @@ class EngineClient:
             # The constructor travels to a spawned process: it must pickle (no lambdas).
             handle = MultiProcessShared(functools.partial(EngineService, self.config), tag=self.config.tag,
                                         always_proxy=True, spawn_process=True)
-            service = handle.acquire()
             try:
+                service = handle.acquire()
                 service.join(self.client_id)
             except _ENGINE_GONE as gone:  # its last client stopped it meanwhile: start another
                 cause = gone
@@ -445,6 +445,13 @@ class EngineClient:
         self._resident.pop(request_id, None)
         self._deaths.pop(request_id, None)
 
+    def abandon(self, request_ids: Iterable[str]) -> None:
+        """No longer wait for these requests, nor resubmit them after a restart."""
+        with self._lock:
+            for request_id in request_ids:
+                self._done.pop(request_id, None)
+                self._forget(request_id)
+
     def knows(self, request_id: str) -> bool:
         """Submitted by this process and its result not yet taken."""
         return request_id in self._resident
@@ -531,9 +538,14 @@ class EngineLease:
     # Beam hands run_inference a proxy of the lease held by another process, which forwards
     # method calls only.
     def run(self, requests: list[Request]) -> dict[str, Completion]:
-        """Submit the requests, and wait for all of them."""
-        self.client.submit(requests)
-        return self.client.wait_all([request.id for request in requests])
+        """Submit the requests, and wait for all of them. If that fails (Beam then retries the
+        batch), they are no longer this client's, nor do they keep it from leaving."""
+        try:
+            self.client.submit(requests)
+            return self.client.wait_all([request.id for request in requests])
+        except BaseException:
+            self.client.abandon(request.id for request in requests)
+            raise
 
     def engine_config(self) -> EngineConfig:
         return self.client.config

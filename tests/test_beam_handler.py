@@ -322,6 +322,33 @@ def test_a_proxy_of_the_model_from_another_process_is_enough(model_dir):
     assert result.inference["error"] is None and result.model_id == str(model_dir)
 
 
+def test_a_model_dropped_and_loaded_again_at_once_runs(model_dir):
+    """What Beam does when it evicts a model per key and loads it back: the dropped lease
+    stops the engine while the new one connects; the new one must find a running engine."""
+    model_handler = BatchGenModelHandler(str(model_dir), engine_args={**ENGINE_ARGS, "max_num_seqs": 4})
+    for _ in range(3):
+        lease = model_handler.load_model()
+        [result] = model_handler.run_inference(["Hi"], lease, INFERENCE_ARGS)
+        assert result.inference["error"] is None
+        del lease
+
+
+def test_a_failed_batch_leaves_nothing_behind(model_dir, monkeypatch):
+    """Beam retries a failed batch under new ids: the old ones must not stay resident (they
+    would be resubmitted after a restart, and keep the engine from ever stopping)."""
+    lease = BatchGenModelHandler(str(model_dir), engine_args={**ENGINE_ARGS, "max_num_seqs": 4}).load_model()
+
+    def broken(self, request_ids):
+        raise RuntimeError("the batch failed")
+
+    monkeypatch.setattr(EngineClient, "wait_all", broken)
+    request = Request("failed-batch:0", prompt="Hi", params=SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="the batch failed"):
+        lease.run([request])
+    assert not lease.client.knows(request.id)
+    lease.release()
+
+
 def test_a_pinned_client_keeps_its_engine(model_dir):
     config = EngineConfig.of(str(model_dir), **{**ENGINE_ARGS, "max_num_seqs": 6})
     pid = EngineClient.shared(config).info()["pid"]
