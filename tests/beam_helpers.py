@@ -6,9 +6,11 @@ reference) or are lambdas (pickled by value), so SDK worker processes never impo
 
 import json
 import os
+import time
 from pathlib import Path
 
 import apache_beam as beam
+import psutil
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -72,3 +74,16 @@ def worker_pythonpath(monkeypatch) -> None:
     """SDK worker processes (multi_processing) must import batchgen_beam and runtime."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+
+
+def gone(pid: int, within: float = 15.0) -> bool:
+    """Whether the process ends (or is a zombie: ended, not yet reaped) within the time."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.2)
+    return False

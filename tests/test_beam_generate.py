@@ -26,7 +26,7 @@ from batchgen_beam.engine_client import EngineClient, EngineConfig, EngineServic
 from batchgen_beam.generate import Generate, _GenerateFn, _StreamingGenerateFn, stateful_stage
 from batchgen_beam.records import parse_record, row_to_json
 from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, MULTI_PROCESSING, bundled_prompts,
-                          chat_model_dir, counter, distribution, run_pipeline, worker_pythonpath)
+                          chat_model_dir, counter, distribution, gone, run_pipeline, worker_pythonpath)
 from runtime import Engine, Request, SamplingParams
 from runtime.request import Completion, SampleOutput, Timings
 
@@ -373,18 +373,6 @@ class ProcessWatcher(threading.Thread):
                         self.listening.add(proc.pid)
             except psutil.Error:
                 continue
-
-
-def gone(pid: int, within: float = 15.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.2)
-    return False
 
 
 @pytest.mark.slow

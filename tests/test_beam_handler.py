@@ -5,19 +5,17 @@ inference_args fail when the transform is applied; batching does not start at 1.
 
 import gc
 import json
-import time
 from typing import NamedTuple
 
 import apache_beam as beam
 import numpy as np
-import psutil
 import pytest
 from apache_beam.ml.inference.base import KeyedModelHandler, KeyModelMapping, RunInference
 
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.handler import BatchGenModelHandler, as_record, content_id
 from batchgen_beam.records import parse_record
-from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, bundled_prompts, chat_model_dir,
+from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, bundled_prompts, chat_model_dir, gone,
                           run_pipeline)
 from runtime import Engine, Request, SamplingParams
 
@@ -249,18 +247,6 @@ def test_a_model_update_from_the_side_input_moves_later_batches_to_its_engine(mo
     assert model_handler.load_model().client.config.model == str(tmp_path / "newer")
 
 
-def _stopped(pid: int, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.2)
-    return False
-
-
 def test_an_engine_stops_once_no_lease_of_it_is_left(model_dir):
     """A RunInference model that Beam replaces (a model update, a model per key evicted) drops
     its lease: the engine process, weights and KV cache, must not stay behind it."""
@@ -270,10 +256,10 @@ def test_an_engine_stops_once_no_lease_of_it_is_left(model_dir):
     assert result.inference["error"] is None
     pid = first.client.info()["pid"]
     first.release()
-    assert not _stopped(pid, timeout=1.0)  # the second lease still uses it
+    assert not gone(pid, within=1.0)  # the second lease still uses it
     del second
     gc.collect()
-    assert _stopped(pid)
+    assert gone(pid, within=60.0)
     [again] = model_handler.run_inference(["Hi"], model_handler.load_model(), INFERENCE_ARGS)
     assert again.inference["token_ids"] == result.inference["token_ids"]  # a fresh engine
 
@@ -354,7 +340,7 @@ def test_a_pinned_client_keeps_its_engine(model_dir):
     pid = EngineClient.shared(config).info()["pid"]
     BatchGenModelHandler(str(model_dir), engine_args={**ENGINE_ARGS, "max_num_seqs": 6}).load_model().release()
     gc.collect()
-    assert not _stopped(pid, timeout=1.0)
+    assert not gone(pid, within=1.0)
 
 
 def test_batching_does_not_start_at_one(model_dir):
