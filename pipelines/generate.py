@@ -383,11 +383,10 @@ def main(argv: list[str] | None = None) -> dict:
     options = PipelineOptions(beam_args)
     runner = options.view_as(StandardOptions).runner
 
-    model, engine_args = model_of(args), engine_args_of(args)
+    model, engine_args, defaults = model_of(args), engine_args_of(args), sampling_defaults_of(args)
     config = EngineConfig.of(model, **engine_args)
     generate = Generate(model, num_shards=args.num_key_shards, max_in_flight=args.max_in_flight,
-                        engine_args=engine_args, straggler_timeout_s=args.straggler_timeout_s,
-                        **sampling_defaults_of(args))
+                        engine_args=engine_args, straggler_timeout_s=args.straggler_timeout_s, **defaults)
     # The launcher's progress client must talk to the engine the workers use.
     assert generate._config == config, (generate._config, config)
     write = WriteRows(args.output, args.format, num_shards=args.output_shards)
@@ -411,7 +410,7 @@ def main(argv: list[str] | None = None) -> dict:
         client = EngineClient.shared(config).connect()  # starts (or finds) this machine's engine
         engine_start_s = time.perf_counter() - load_started
         try:  # values no record could run with (logprobs past the vocabulary, say)
-            client.check_params(SamplingParams(**check_defaults(sampling_defaults_of(args))))
+            client.check_params(SamplingParams(**check_defaults(defaults)))
         except ValueError as bad:
             raise ValueError(f"--{bad}") from None
     run_started = time.perf_counter()
@@ -428,11 +427,10 @@ def main(argv: list[str] | None = None) -> dict:
         counters, sets = _metrics(result)
     pipeline_s = time.perf_counter() - run_started
     written = sets.get("output_files", set())
-    removed = []
-    if written and str(result.state) == "DONE":  # what this run wrote is known: the rest is stale
-        removed = write.earlier_shards(written)
-        if removed:
-            FileSystems.delete(removed)
+    # What this run wrote is known: the rest of the prefix's shards are stale.
+    removed = write.earlier_shards(written) if written and str(result.state) == "DONE" else []
+    if removed:
+        FileSystems.delete(removed)
 
     completion_tokens = counters.get("tokens_generated", 0)
     summary = {
