@@ -36,12 +36,13 @@ Choices:
   NaN and infinities, mapping keys that are not strings or numbers) are written as their str()
   in output rows rather than failing the pipeline or writing a bare NaN. Bytes are written in
   base64, as BigQuery and protobuf's JSON mapping write them.
-- Text fields (id, prompt, a message's role and content) given as bytes, as some Parquet
+- Text fields (id, prompt, a message's role and content, a text part's type and text) given as bytes, as some Parquet
   writers store strings, are decoded as UTF-8; bytes that are not UTF-8 reject the record.
 - A message of role "developer" (OpenAI's newer name for system instructions) is a system
   message: chat templates know only "system".
-- A message's content may be OpenAI's list of text parts, joined by newlines (as vLLM does);
-  any other part (an image) rejects the record.
+- A message's content may be OpenAI's list of text parts (the engine joins them by newlines
+  unless the chat template loops over parts itself, as vLLM does); any other part (an image)
+  rejects the record.
 - numpy scalars and arrays (pandas and DataFrame sources hold them) count as the Python values
   they hold, and a namedtuple or `beam.Row` as a mapping of its fields.
 - A record nested deeper than `MAX_NESTING` levels is an error row: writing its passthrough
@@ -463,27 +464,30 @@ def _check_message(where: str, message: Any) -> dict:
     return {"role": role, "content": _check_content(f"{where}.content", content)}
 
 
-def _check_content(where: str, content: Any) -> str:
-    """A string, or OpenAI's list of content parts when all are text: joined by newlines, as
-    vLLM joins them for a template that takes strings."""
+def _check_content(where: str, content: Any) -> str | list[dict]:
+    """A string, or OpenAI's list of content parts when all are text (kept as a list: the engine
+    hands it to a chat template that loops over parts and joins the parts by newlines for one
+    that takes a string, as vLLM does)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, (list, tuple)):
         raise _Invalid(f"{where}: must be a string or a list of text parts, got {_type_name(content)}")
     if not content:
         raise _Invalid(f"{where}: must not be an empty list")
-    texts = []
+    parts = []
     for i, part in enumerate(content):
-        if not isinstance(part, Mapping) or not _same(part.get("type"), "text"):
-            kind = _show(part.get("type")) if isinstance(part, Mapping) else _type_name(part)
-            raise _Invalid(f"{where}[{i}]: only text parts are supported, got {kind}")
-        if not isinstance(part.get("text"), str):
-            raise _Invalid(f"{where}[{i}].text: must be a string, got {_type_name(part.get('text'))}")
+        kind = _utf8(part.get("type"), f"{where}[{i}].type") if isinstance(part, Mapping) else None
+        if not isinstance(part, Mapping) or not _same(kind, "text"):
+            raise _Invalid(f"{where}[{i}]: only text parts are supported, "
+                           f"got {_show(kind) if isinstance(part, Mapping) else _type_name(part)}")
+        text = _utf8(part.get("text"), f"{where}[{i}].text")
+        if not isinstance(text, str):
+            raise _Invalid(f"{where}[{i}].text: must be a string, got {_type_name(text)}")
         extra = [k for k, v in part.items() if k not in ("type", "text") and v is not None]
         if extra:
             raise _Invalid(f"{where}[{i}].{extra[0]}: not supported (a text part has only type and text)")
-        texts.append(part["text"])
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": text})
+    return parts
 
 
 def _params(fields: Mapping, base: dict, record_id: str) -> SamplingParams:

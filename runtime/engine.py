@@ -29,7 +29,7 @@ from runtime.scheduler import Scheduler
 from runtime.sequence import Event, Sequence, Status, StopRule
 from runtime.step_lock import StepLock
 from runtime.structured import Grammars, allowed_tokens
-from runtime.tokenizer import load_tokenizer
+from runtime.tokenizer import load_tokenizer, takes_content_parts
 from runtime.weight_stream import WeightStreamer
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,18 @@ def _check_text(where: str, text: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidPrompt(f"{where} is not valid Unicode text (lone surrogate at index {exc.start})") from None
+
+
+def _content_texts(content) -> list[str] | None:
+    """A message content's texts: a string, or OpenAI's non-empty list of text parts
+    ({"type": "text", "text": ...}); None for anything else."""
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, list) or not content or not all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return None
+    return [p["text"] for p in content]
 
 
 def _seq_id(request_id: str, sample_index: int) -> str:
@@ -215,6 +227,7 @@ class Engine:
         self.spec = self.model.spec
         self._moe_blocks = moe_blocks(self.model)
         self.tokenizer = load_tokenizer(self.model_dir)
+        self._chat_takes_parts = self.tokenizer is not None and takes_content_parts(self.tokenizer)
 
         block_bytes = KVCache.bytes_per_block(self.spec, block_size, dtype)
         num_blocks = kv_cache_bytes // block_bytes
@@ -363,10 +376,14 @@ class Engine:
         if self.tokenizer.chat_template is None:
             raise InvalidPrompt("this model's tokenizer has no chat template: give a prompt")
         if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                   and isinstance(m.get("content"), str) for m in messages):
-            raise InvalidPrompt("messages must be a non-empty list of {role: str, content: str}")
+                                   and _content_texts(m.get("content")) is not None for m in messages):
+            raise InvalidPrompt("messages must be a non-empty list of {role: str, content: str or "
+                                "a list of text parts}")
         for i, message in enumerate(messages):
-            _check_text(f"messages[{i}].content", message["content"])
+            for text in _content_texts(message["content"]):
+                _check_text(f"messages[{i}].content", text)
+        if not self._chat_takes_parts:
+            messages = [{**m, "content": "\n".join(_content_texts(m["content"]))} for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except TemplateError as refused:  # templates raise on what they do not take (roles out of turn)

@@ -10,7 +10,8 @@ from runtime.sampling import SamplingParams
 @dataclass
 class Request:
     """One generation request. Give `prompt` (text), `messages` (chat, rendered with the
-    tokenizer's chat template) or `prompt_token_ids`."""
+    tokenizer's chat template; a message's content is a string or OpenAI's list of text parts)
+    or `prompt_token_ids`."""
     id: str
     prompt: str | None = None
     messages: list[dict] | None = None

@@ -3,6 +3,9 @@
 from pathlib import Path
 from typing import Callable
 
+from jinja2 import TemplateSyntaxError, nodes
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -23,6 +26,35 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
                          f"ones; its vocabulary file (tokenizer.json, or tokenizer.model / vocab.json) "
                          f"is missing or empty (found {', '.join(present)})")
     return tokenizer
+
+
+_TEMPLATE_PARSER = ImmutableSandboxedEnvironment(extensions=[loopcontrols])
+
+
+def takes_content_parts(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the chat template loops over a message's content, so takes OpenAI's list of text
+    parts and joins them its own way (Gemma 3's, Llama 4's, Mistral Small 3.1's do); other
+    templates take a string, made of the parts joined by newlines. vLLM tells them apart the
+    same way, by the template's syntax tree."""
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # named templates: apply_chat_template renders "default"
+        template = template.get("default")
+    if not isinstance(template, str):
+        return False
+    try:
+        tree = _TEMPLATE_PARSER.parse(template)
+    except TemplateSyntaxError:  # e.g. a training template's {% generation %} tag
+        return False
+    for loop in tree.find_all(nodes.For):
+        source = loop.iter
+        while isinstance(source, nodes.Filter):  # message['content'] | selectattr(...)
+            source = source.node
+        if (isinstance(source, nodes.Getitem) and isinstance(source.arg, nodes.Const)
+                and source.arg.value == "content"):
+            return True
+        if isinstance(source, nodes.Getattr) and source.attr == "content":
+            return True
+    return False
 
 
 class TextStream:

@@ -115,6 +115,37 @@ def test_messages_a_chat_template_refuses_are_an_error_completion(tiny_chat, tmp
     assert_idle_and_clean(engine)
 
 
+@pytest.mark.parametrize("template, joins", [
+    # takes a string: the parts are joined by newlines (vLLM's rule)
+    ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}", True),
+    # loops over the parts itself, as Gemma 3's and Mistral Small 3.1's do
+    ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+     "{% else %}{% for part in m['content'] %}{{ part['text'] | trim }}{% endfor %}{% endif %}<|im_end|>\n"
+     "{% endfor %}", False)])
+def test_text_parts_render_as_transformers_renders_them(tiny_chat, tmp_path, template, joins):
+    from transformers import AutoTokenizer
+    model_dir = tmp_path / "template"
+    shutil.copytree(tiny_chat.dir(FAMILY), model_dir)
+    (model_dir / "chat_template.jinja").write_text(template)
+    parts = [{"type": "text", "text": "Summarise this: "}, {"type": "text", "text": "The cat sat."}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
+    given = [{"role": "user", "content": "Summarise this: \nThe cat sat."}] if joins else messages[1:]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    expected = tokenizer.apply_chat_template([messages[0], *given], add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    engine = make_engine(model_dir)
+    scored = SamplingParams(max_tokens=3, prompt_logprobs=0)
+    parts_given, ids_given = engine.generate([Request("parts", messages=messages, params=scored),
+                                              Request("ids", prompt_token_ids=list(expected), params=scored)])
+    assert parts_given.error is None and parts_given.prompt_tokens == len(expected)
+    assert parts_given.prompt_logprobs == ids_given.prompt_logprobs  # the same tokens
+    assert parts_given.token_ids == ids_given.token_ids
+    [refused] = engine.generate([Request("image", messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}])])
+    assert refused.finish_reason == "error" and "list of text parts" in refused.error
+    assert_idle_and_clean(engine)
+
+
 def test_a_request_whose_sampling_fails_ends_alone_as_an_error(tiny, monkeypatch):
     import runtime.sampling
     real = runtime.sampling._sample_one

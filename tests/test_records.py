@@ -477,11 +477,24 @@ def test_a_developer_message_is_a_system_message():
     assert got.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 
 
-def test_text_content_parts_are_joined_by_newlines():
-    parts = [{"type": "text", "text": "Translate:"}, {"type": "text", "text": "bonjour"}]
+def test_text_content_parts_reach_the_engine_as_parts():
+    """The engine joins them or not, by the chat template (tests/test_engine_api.py)."""
+    parts = [{"type": "text", "text": "Translate:"}, {"type": "text", "text": "bonjour", "cache_control": None}]
     got = parse_record(json.dumps(chat_line({"messages": [{"role": "user", "content": parts}]})))
     assert isinstance(got, Parsed), got
-    assert got.messages == [{"role": "user", "content": "Translate:\nbonjour"}]
+    assert got.messages == [{"role": "user", "content": [{"type": "text", "text": "Translate:"},
+                                                         {"type": "text", "text": "bonjour"}]}]
+
+
+def test_text_parts_stored_as_bytes_are_text():
+    """Parquet writers that store strings as binary do so in a list of structs too."""
+    parts = [{"type": b"text", "text": "Translate:".encode()}, {"type": "text", "text": b"bonjour"}]
+    got = parse_record({"id": "r1", "messages": [{"role": b"user", "content": parts}]})
+    assert isinstance(got, Parsed), got
+    assert got.messages == [{"role": "user", "content": [{"type": "text", "text": "Translate:"},
+                                                         {"type": "text", "text": "bonjour"}]}]
+    bad = parse_record({"id": "r1", "messages": [{"role": "user", "content": [{"type": "text", "text": b"\xff"}]}]})
+    assert isinstance(bad, Rejected) and bad.error.startswith("messages[0].content[0].text: not valid UTF-8")
 
 
 def test_every_sampling_field_reaches_the_params():
