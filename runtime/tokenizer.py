@@ -1,5 +1,6 @@
 """The model directory's tokenizer, if it has one (tiny test models may not)."""
 
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -25,6 +26,11 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
         raise ValueError(f"{model_dir}: the tokenizer has no tokens but its {len(tokenizer)} special "
                          f"ones; its vocabulary file (tokenizer.json, or tokenizer.model / vocab.json) "
                          f"is missing or empty (found {', '.join(present)})")
+    processor_template = model_dir / "chat_template.json"
+    if tokenizer.chat_template is None and processor_template.exists():
+        # Image-text checkpoints may keep their template only in their processor's file, which
+        # AutoTokenizer does not read (AutoProcessor and vLLM do).
+        tokenizer.chat_template = json.loads(processor_template.read_text())["chat_template"]
     return tokenizer
 
 

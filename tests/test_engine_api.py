@@ -146,6 +146,26 @@ def test_text_parts_render_as_transformers_renders_them(tiny_chat, tmp_path, tem
     assert_idle_and_clean(engine)
 
 
+def test_a_chat_template_kept_only_in_the_processor_file_is_used(tiny_chat, tmp_path):
+    """Image-text checkpoints may keep it in chat_template.json, which AutoTokenizer skips."""
+    model_dir = tmp_path / "processor-template"
+    shutil.copytree(tiny_chat.dir(FAMILY), model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    template = config.pop("chat_template", None) or (model_dir / "chat_template.jinja").read_text()
+    (model_dir / "chat_template.jinja").unlink(missing_ok=True)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    (model_dir / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    messages = [{"role": "user", "content": "Hi"}]
+    engine = make_engine(model_dir)
+    expected = engine.tokenizer.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+                                       add_special_tokens=False)
+    scored = SamplingParams(max_tokens=2, prompt_logprobs=0)
+    chat, ids = engine.generate([Request("chat", messages=messages, params=scored),
+                                 Request("ids", prompt_token_ids=expected, params=scored)])
+    assert chat.error is None and chat.prompt_tokens == len(expected)
+    assert chat.prompt_logprobs == ids.prompt_logprobs
+
+
 def test_a_request_whose_sampling_fails_ends_alone_as_an_error(tiny, monkeypatch):
     import runtime.sampling
     real = runtime.sampling._sample_one
