@@ -35,6 +35,12 @@ def canonical_name(name: str) -> str:
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
+    """The files transformers reads: model.safetensors, else the shards its index names (an
+    index left over from an earlier sharded save sits beside a newer model.safetensors), else
+    every *.safetensors file."""
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -48,12 +54,24 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def refuse_twice(seen: dict, name: str, path: Path) -> None:
+    """Two weight files holding one tensor (a stale copy beside the model): which is meant?"""
+    if name in seen:
+        raise ValueError(f"{path.parent}: tensor {name!r} is stored in more than one weight file "
+                         f"({path.name} and another); keep one copy of the model in the folder")
+
+
 class _Checkpoint:
     """Tensors by HF name across all shards, read lazily (memory-mapped)."""
 
     def __init__(self, model_dir: Path):
-        self._handles = [_open(f) for f in safetensors_files(model_dir)]
-        self._where = {canonical_name(name): (h, name) for h in self._handles for name in h.keys()}
+        files = safetensors_files(model_dir)
+        self._handles = [_open(f) for f in files]
+        self._where: dict[str, tuple] = {}
+        for handle, path in zip(self._handles, files):
+            for name in handle.keys():
+                refuse_twice(self._where, canonical_name(name), path)
+                self._where[canonical_name(name)] = (handle, name)
 
     def __contains__(self, name: str) -> bool:
         return name in self._where

@@ -38,7 +38,8 @@ from torch import nn
 
 from kernels import expert_ffn
 from kernels.moe import combine, sort_by_expert
-from runtime.loader import STORED_FLOATS, canonical_name, hf_sources, offset_norms, safetensors_files
+from runtime.loader import (STORED_FLOATS, canonical_name, hf_sources, offset_norms, refuse_twice,
+                            safetensors_files)
 from runtime.model import CausalLM
 from runtime.moe import SparseMoeBlock, per_expert_names
 
@@ -68,9 +69,11 @@ class _Index:
     """Where each stored tensor's bytes are, from the safetensors headers."""
 
     def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
         self.fds: list[int] = []
         weakref.finalize(self, _close_all, self.fds)
         self._tensors: dict[str, tuple[int, int, int, str]] = {}  # fd, offset, bytes, stored type
+        self._shapes: dict[str, tuple[int, ...]] = {}
         for path in safetensors_files(model_dir):
             fd = os.open(path, os.O_RDONLY)
             self.fds.append(fd)
@@ -79,7 +82,9 @@ class _Index:
             for name, meta in header.items():
                 if name != "__metadata__":
                     start, end = meta["data_offsets"]
+                    refuse_twice(self._tensors, canonical_name(name), path)
                     self._tensors[canonical_name(name)] = (fd, 8 + size + start, end - start, meta["dtype"])
+                    self._shapes[canonical_name(name)] = tuple(meta["shape"])
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -92,6 +97,24 @@ class _Index:
             raise NotImplementedError(f"weight streaming reads float checkpoints "
                                       f"({', '.join(STORED_FLOATS)}): {name} is stored as {stored}")
         return Extent(fd, offset, nbytes, STORED_FLOATS[stored])
+
+    def check_shape(self, name: str, sources: list[str], shape: torch.Size) -> None:
+        """That the stored tensors `sources`, concatenated along their first dimension as
+        loading concatenates them, make `name`'s shape (a tensor too short or too long, or of
+        another layout, would be read as a wrong one)."""
+        shapes = [self._shapes[src] for src in sources]
+        if all(s[1:] == shapes[0][1:] for s in shapes):
+            stored = (sum(s[0] for s in shapes), *shapes[0][1:]) if shapes[0] else ()
+            if stored == tuple(shape):
+                return
+        raise ValueError(f"{self.model_dir}: {name} is {' + '.join(str(s) for s in shapes)} in the "
+                         f"checkpoint; the config makes it {tuple(shape)}")
+
+    def check_experts(self, hf_name: str, num_experts: int, shape: tuple[int, ...]) -> None:
+        """That the stacked tensor `hf_name`, stored fused or per expert, is `shape` [E, ...]."""
+        per_expert = per_expert_names(self, hf_name, num_experts)
+        for parts in per_expert or [[hf_name]]:
+            self.check_shape(hf_name, parts, shape if per_expert is None else shape[1:])
 
     def expert_extents(self, hf_name: str, num_experts: int) -> list[list[Extent]]:
         """Per expert, the extents that make up its slice of the stacked tensor `hf_name`
@@ -182,11 +205,9 @@ class WeightStreamer:
         for name, param in model.layers[i].named_parameters():
             if ".experts." in name or not param.is_meta:  # routed experts: the ring; norms: resident
                 continue
-            extents = [self._index.extent(src) for src in hf_sources(f"layers.{i}.{name}", self._index)]
-            loaded = sum(e.loaded_nbytes(self.dtype) for e in extents)
-            if loaded != _nbytes(param):
-                raise ValueError(f"layers.{i}.{name}: checkpoint holds {loaded} bytes (as {self.dtype}), "
-                                 f"the model expects {_nbytes(param)}")
+            sources = hf_sources(f"layers.{i}.{name}", self._index)
+            extents = [self._index.extent(src) for src in sources]
+            self._index.check_shape(f"layers.{i}.{name}", sources, param.shape)
             module_name, _, attr = name.rpartition(".")
             plan.append(_Binding(model.layers[i].get_submodule(module_name), attr, param, offset, extents))
             offset = _aligned(offset + _nbytes(param))
@@ -203,7 +224,9 @@ class WeightStreamer:
                     host = torch.empty(param.shape, dtype=param.dtype)
                     staged.append((param, host))
                 view = memoryview(host.view(-1).view(torch.uint8).numpy())
-                extents = [self._index.extent(src) for src in hf_sources(name, self._index)]
+                sources = hf_sources(name, self._index)
+                extents = [self._index.extent(src) for src in sources]
+                self._index.check_shape(name, sources, param.shape)
                 copies += self._back_to_back(extents, view, 0)
         _wait(self._submit(copies))
         for param, host in staged:
@@ -238,10 +261,13 @@ class WeightStreamer:
 
     def _init_ring(self, spec, blocks) -> None:
         moe, hidden, count = spec.moe, spec.hidden_size, self.ring_experts
+        shapes = {"gate_up_proj": (moe.num_experts, 2 * moe.intermediate_size, hidden),
+                  "down_proj": (moe.num_experts, hidden, moe.intermediate_size)}
         for i, block in blocks:  # self._experts: layer -> (gate_up extents, down extents) per expert
-            self._experts[i] = tuple(self._index.expert_extents(f"model.layers.{i}.mlp.experts.{kind}",
-                                                                moe.num_experts)
-                                     for kind in ("gate_up_proj", "down_proj"))
+            names = {kind: f"model.layers.{i}.mlp.experts.{kind}" for kind in shapes}
+            self._experts[i] = tuple(self._index.expert_extents(name, moe.num_experts) for name in names.values())
+            for kind, name in names.items():
+                self._index.check_experts(name, moe.num_experts, shapes[kind])
             block.experts = StreamedExperts(self, i, moe.num_experts)
         self._gate_up_bytes = 2 * moe.intermediate_size * hidden * self._element
         # Routed experts, read per step into the ring's host halves, or (host_copy) held per layer.

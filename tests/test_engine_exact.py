@@ -2,13 +2,15 @@
 tiny models of every supported family, also when prompts are prefilled in chunks, share cached
 prefix blocks, or are preempted (suspended to the host tier or evicted and recomputed)."""
 
+import json
+
 import pytest
 import torch
 
 from helpers import (EOS, BatchSpy, CallCounter, assert_idle_and_clean, assert_matches,
                      greedy_requests, make_engine, random_prompts)
 from runtime import Request, SamplingParams
-from tiny_models import FAMILIES, image_text_config
+from tiny_models import FAMILIES, hf_greedy, image_text_config
 
 MAX_TOKENS = 24
 # Lengths straddle block boundaries (block_size 16) and Mistral's sliding window (24).
@@ -459,6 +461,34 @@ def test_tensors_the_config_does_not_describe_are_refused_at_load(tiny, tmp_path
     match = "stored as torch.int8: quantised" if problem is NotImplementedError else "in the checkpoint; the config makes it"
     with pytest.raises(problem, match=match):
         make_engine(model)
+
+
+def test_model_safetensors_wins_over_an_index_left_from_an_earlier_sharded_save(tiny, tmp_path):
+    """save_pretrained sharded, then whole into the same folder: transformers deletes the shards
+    but leaves their index, and reads model.safetensors."""
+    import shutil
+
+    model = tmp_path / "resaved"
+    shutil.copytree(tiny.dir("llama"), model)
+    (model / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
+    prompt = random_prompts([9], seed=4)[0]
+    [completion] = make_engine(model).generate(greedy_requests([prompt], 6))
+    assert completion.token_ids == hf_greedy(tiny.hf("llama"), prompt, 6)[0]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_tensor_stored_in_two_weight_files_is_refused(tiny, tmp_path, streaming):
+    """A folder of unindexed files (no model.safetensors): a stale copy beside the model would
+    otherwise win or lose by its file name."""
+    import shutil
+
+    model = tmp_path / "two-copies"
+    shutil.copytree(tiny.dir("llama"), model)
+    (model / "model.safetensors").rename(model / "weights.safetensors")
+    shutil.copy(model / "weights.safetensors", model / "weights-old.safetensors")
+    with pytest.raises(ValueError, match="tensor '.*' is stored in more than one weight file"):
+        make_engine(model, **({"weight_budget_bytes": 1 << 30} if streaming else {}))
 
 
 def test_a_path_that_is_not_a_model_directory_says_so(tmp_path):

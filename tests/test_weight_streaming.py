@@ -321,6 +321,23 @@ def test_a_checkpoint_that_is_not_float_is_not_implemented(tiny, tmp_path):
         make_engine(directory, weight_budget_bytes=PLENTY)
 
 
+@pytest.mark.parametrize("family,tensor,stored", [
+    ("llama", "model.embed_tokens.weight", lambda t: t[:1]),  # resident: would broadcast
+    ("llama", "model.embed_tokens.weight", lambda t: t[:-8]),  # resident: rows past it garbage
+    ("llama", "model.norm.weight", lambda t: t[:1]),
+    ("llama", "model.layers.0.mlp.down_proj.weight", lambda t: t.t()),  # same bytes, other layout
+    ("llama", "model.layers.1.self_attn.k_proj.weight", lambda t: t[:-1]),  # one of q|k|v short
+    ("gemma", "model.layers.0.input_layernorm.weight", lambda t: t[:-1]),  # resident layer norm
+    ("mixtral", "model.layers.0.block_sparse_moe.experts.1.w2.weight", lambda t: t[:-1]),  # one expert short
+])
+def test_tensors_the_config_does_not_describe_are_refused_when_streaming(tiny, tmp_path, family, tensor, stored):
+    """As loading every weight refuses them (tests/test_engine_exact.py), before any step."""
+    directory = stored_as(tiny.dir(family), tmp_path / "misshapen",
+                          lambda name, t: stored(t).contiguous() if name == tensor else t)
+    with pytest.raises(ValueError, match="in the checkpoint; the config makes it"):
+        make_engine(directory, weight_budget_bytes=PLENTY)
+
+
 def test_a_truncated_checkpoint_fails_loudly(tiny, tmp_path):
     directory = tmp_path / "truncated"
     shutil.copytree(tiny.dir("llama"), directory)
