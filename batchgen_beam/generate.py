@@ -35,7 +35,7 @@ from apache_beam.options.pipeline_options import StandardOptions
 from apache_beam.runners.direct.direct_runner import BundleBasedDirectRunner, SwitchingDirectRunner
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import BagStateSpec, TimerSpec, on_timer
-from apache_beam.transforms.window import TimestampedValue
+from apache_beam.utils.windowed_value import WindowedValue
 
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.records import Parsed, check_defaults, completion_row, error_row, parse_record
@@ -151,18 +151,18 @@ class _GenerateFn(beam.DoFn):
         done_keys = {_key_of(rid, self._namespace) for rid in self._client.done_ids()}
         done_shards = {shard_of(key, self._num_shards) for key in done_keys if key}
         if shard in done_shards:
-            yield from self._emit_done(pending, wait=False)
+            yield from self._emit_done(pending, window, wait=False)
         else:
             self._metrics.engine(self._client.last_info)
 
-    def _flush(self, pending):
+    def _flush(self, pending, window):
         self._submit(_records(pending))
         if self._straggler_timeout_s is not None:
-            yield from self._emit_done(pending, wait=False, timeout=self._straggler_timeout_s)
-            yield from self._hand_off(pending)
-        yield from self._emit_done(pending, wait=True)
+            yield from self._emit_done(pending, window, wait=False, timeout=self._straggler_timeout_s)
+            yield from self._hand_off(pending, window)
+        yield from self._emit_done(pending, window, wait=True)
 
-    def _hand_off(self, pending):
+    def _hand_off(self, pending, window):
         """Emit this key's records still running as continuations and drop them from state."""
         held = list(pending.read())
         states = self._client.migrate_out([self._request_id(r) for r, _ in held])
@@ -178,8 +178,8 @@ class _GenerateFn(beam.DoFn):
                 # The second stage continues it under its own id (the sequences follow it).
                 continued_id = engine_request_id(self._namespace, _parsed(record), CONTINUED)
                 state = {**state, "request_id": continued_id}
-                yield TaggedOutput(CONTINUATIONS, TimestampedValue(Continuation(_parsed(record), state),
-                                                                   timestamp))
+                yield TaggedOutput(CONTINUATIONS, WindowedValue(Continuation(_parsed(record), state),
+                                                                timestamp, (window,)))
 
     def _submit(self, records: list[Parsed | Continuation]) -> None:
         fresh = [r for r in records if not self._client.knows(self._request_id(r))]
@@ -187,9 +187,12 @@ class _GenerateFn(beam.DoFn):
                              for r in fresh if isinstance(r, Parsed)])
         self._client.resume([r.state for r in fresh if isinstance(r, Continuation)])
 
-    def _emit_done(self, pending, wait: bool, timeout: float = 0.0):
+    def _emit_done(self, pending, window, wait: bool, timeout: float = 0.0):
         """Emit the rows of this key's finished records and drop them from state: all of them
-        (wait), or those done within `timeout`."""
+        (wait), or those done within `timeout`. Each leaves in `window`, its record's (state is
+        per key and window): a row given only its timestamp would be assigned windows afresh by
+        the input's WindowFn (a sliding window's record in each window its timestamp falls in,
+        a merged session's in a session of its own, a WindowFn reading the record failing)."""
         held = list(pending.read())
         ids = [self._request_id(r) for r, _ in held]
         if wait:
@@ -203,8 +206,8 @@ class _GenerateFn(beam.DoFn):
             pending.clear()
             for (record, timestamp), request_id in zip(held, ids):
                 if request_id in done:
-                    yield TimestampedValue(self._row(completion_row(_parsed(record), done[request_id])),
-                                           timestamp)
+                    yield WindowedValue(self._row(completion_row(_parsed(record), done[request_id])),
+                                        timestamp, (window,))
                 else:
                     pending.add((record, timestamp))
         self._metrics.engine(self._client.last_info)
@@ -228,10 +231,10 @@ class _StreamingGenerateFn(_GenerateFn):
         yield from super()._process(element, window, timestamp, pending, flush)
         poll.set(self.clock() + self._poll_interval_s)
 
-    def _poll(self, pending, poll):
+    def _poll(self, pending, poll, window):
         # The key may have moved here from a failed worker: resubmit what no engine runs.
         self._submit(_records(pending))
-        yield from self._emit_done(pending, wait=False)
+        yield from self._emit_done(pending, window, wait=False)
         if next(iter(pending.read()), None) is not None:
             poll.set(self.clock() + self._poll_interval_s)
 
@@ -251,8 +254,8 @@ def stateful_stage(logic: type[_GenerateFn], names: str) -> type[_GenerateFn]:
                 return self._process(element, window, timestamp, pending, flush)
 
             @on_timer(flush_spec)
-            def flush(self, pending=beam.DoFn.StateParam(pending_spec)):
-                return self._flush(pending)
+            def flush(self, pending=beam.DoFn.StateParam(pending_spec), window=beam.DoFn.WindowParam):
+                return self._flush(pending, window)
         return Stage
     poll_spec = TimerSpec(f"poll_{names}", TimeDomain.REAL_TIME)
 
@@ -263,12 +266,13 @@ def stateful_stage(logic: type[_GenerateFn], names: str) -> type[_GenerateFn]:
             return self._process(element, window, timestamp, pending, flush, poll)
 
         @on_timer(flush_spec)
-        def flush(self, pending=beam.DoFn.StateParam(pending_spec)):
-            return self._flush(pending)
+        def flush(self, pending=beam.DoFn.StateParam(pending_spec), window=beam.DoFn.WindowParam):
+            return self._flush(pending, window)
 
         @on_timer(poll_spec)
-        def poll(self, pending=beam.DoFn.StateParam(pending_spec), poll=beam.DoFn.TimerParam(poll_spec)):
-            return self._poll(pending, poll)
+        def poll(self, pending=beam.DoFn.StateParam(pending_spec), poll=beam.DoFn.TimerParam(poll_spec),
+                 window=beam.DoFn.WindowParam):
+            return self._poll(pending, poll, window)
     return StreamingStage
 
 

@@ -124,7 +124,7 @@ def test_flush_hands_stragglers_to_a_second_stage_exactly_once(config, good, bar
         outputs += first.process((0, parsed), window=GlobalWindow(), timestamp=stamps[parsed.id],
                                  pending=bag, flush=Timer())
     wait_for(lambda: decoded(first._client) >= start + 3, "decoding")
-    outputs += first.flush(pending=bag)
+    outputs += first.flush(pending=bag, window=GlobalWindow())
     assert bag.items == []
     rows = [o for o in outputs if not isinstance(o, TaggedOutput)]
     handed = [o for o in outputs if isinstance(o, TaggedOutput)]
@@ -142,7 +142,7 @@ def test_flush_hands_stragglers_to_a_second_stage_exactly_once(config, good, bar
         rows += second.process((shard, continuation.value), window=GlobalWindow(), timestamp=continuation.timestamp,
                                pending=bags.setdefault(shard, Bag()), flush=Timer())
     for bag in bags.values():
-        rows += second.flush(pending=bag)
+        rows += second.flush(pending=bag, window=GlobalWindow())
 
     assert all(row.timestamp == stamps[row.value["id"]] for row in rows)  # whichever stage emitted it
     rows = [row.value for row in rows]

@@ -255,26 +255,37 @@ def test_two_generate_transforms_reading_one_input_each_emit_every_row(model_dir
         assert all(row["error"] is None and row["completion_tokens"] <= limit for row in outputs[name])
 
 
-def test_rows_keep_their_records_event_timestamps(model_dir, good, tmp_path):
-    """Whichever record's processing or which timer emits a row, it carries its record's
-    timestamp: re-windowed downstream, it lands where its record was."""
+@pytest.mark.parametrize("windowing,straggler_timeout_s", [
+    ("fixed", None), ("sliding", None), ("sliding", 0.0), ("merged sessions", None)])
+def test_rows_leave_in_their_records_windows_with_their_timestamps(model_dir, good, tmp_path, windowing,
+                                                                    straggler_timeout_s):
+    """Whichever record's processing, which timer or which stage emits a row, it carries its
+    record's window and timestamp: one row per record and window (a sliding window's record is
+    in two), in a merged session too, where assigning windows afresh from the row's timestamp
+    would make a session of its own."""
     from apache_beam.transforms import window
 
-    stamped = [window.TimestampedValue(record, 2 * i + 1) for i, record in enumerate(good[:6])]
-
-    class WithTimestamp(beam.DoFn):
-        def process(self, row, timestamp=beam.DoFn.TimestampParam):
-            yield json.dumps({"id": row["id"], "timestamp": float(timestamp)})
+    class Seen(beam.DoFn):
+        def process(self, element, timestamp=beam.DoFn.TimestampParam, where=beam.DoFn.WindowParam):
+            yield json.dumps({"id": element["id"], "timestamp": float(timestamp), "window": str(where)})
 
     def build(pipeline):
-        rows = (pipeline | beam.Create(stamped, reshuffle=False)
-                | beam.WindowInto(window.FixedWindows(20))
-                | Generate(str(model_dir), engine_args=ENGINE_ARGS, num_shards=1, max_tokens=4))
-        return {"rows": rows | beam.ParDo(WithTimestamp())}
+        stamped = (pipeline | beam.Create([(i, record) for i, record in enumerate(good[:6])], reshuffle=False)
+                   | beam.MapTuple(lambda i, record: window.TimestampedValue(record, 2 * i + 1)))
+        if windowing == "merged sessions":  # one session [1, 16) out of a GroupByKey
+            records = (stamped | beam.WindowInto(window.Sessions(5)) | beam.Map(lambda r: ("k", r))
+                       | beam.GroupByKey() | beam.FlatMap(lambda kv: kv[1]))
+        else:
+            records = stamped | beam.WindowInto(window.FixedWindows(20) if windowing == "fixed"
+                                                else window.SlidingWindows(10, 5))
+        rows = records | Generate(str(model_dir), engine_args=ENGINE_ARGS, num_shards=2, max_tokens=4,
+                                  straggler_timeout_s=straggler_timeout_s)
+        return {"records": records | "r" >> beam.ParDo(Seen()), "rows": rows | beam.ParDo(Seen())}
 
     outputs, _ = run_pipeline(build, tmp_path, IN_MEMORY)
-    assert sorted((row["id"], row["timestamp"]) for row in outputs["rows"]) == \
-        sorted((value.value["id"], float(value.timestamp)) for value in stamped)
+    placed = sorted((r["id"], r["window"], r["timestamp"]) for r in outputs["records"])
+    assert len(placed) == (12 if windowing == "sliding" else 6)
+    assert sorted((r["id"], r["window"], r["timestamp"]) for r in outputs["rows"]) == placed
 
 
 def test_passthrough_fields_come_back(rows_by_key):
@@ -678,7 +689,7 @@ def test_records_left_in_state_are_resubmitted_by_a_restarted_worker(model_dir, 
                           max_in_flight=1024, namespace="job-1")
     worker2.setup()
     run(worker2, "process", (0, records[6]), window=GlobalWindow(), timestamp=STAMP, pending=bag, flush=timer)
-    run(worker2, "flush", pending=bag)
+    run(worker2, "flush", pending=bag, window=GlobalWindow())
 
     assert all(row.timestamp == STAMP for row in rows)
     rows[:] = [row.value for row in rows]
@@ -706,11 +717,11 @@ def test_on_an_unbounded_input_finished_rows_leave_before_the_window_ends(model_
     deadline = time.monotonic() + 120
     while bag.items and time.monotonic() < deadline:
         armed = len(poll.set_to)
-        rows += fn.poll(pending=bag, poll=poll)
+        rows += fn.poll(pending=bag, poll=poll, window=GlobalWindow())
         assert len(poll.set_to) == armed + bool(bag.items)  # re-armed while rows are pending
         time.sleep(0.05)
     assert bag.items == []
-    assert list(fn.flush(pending=bag)) == []
+    assert list(fn.flush(pending=bag, window=GlobalWindow())) == []
     assert all(row.timestamp == STAMP for row in rows)  # the record's, not the poll's fire time
     rows = [row.value for row in rows]
     expected = {c.id: c.token_ids for c in bare_engine.generate([p.to_request() for p in records])}
