@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 import uuid
 import weakref
 from collections import Counter, defaultdict
@@ -110,6 +111,8 @@ class EngineService:
             except RuntimeError:
                 if self.engine.failure is None:
                     raise
+                completions = None  # replaced once out of this handler: its traceback holds the engine
+            if completions is None:
                 self._replace_failed_engine()
                 continue
             for completion in completions:
@@ -125,8 +128,10 @@ class EngineService:
         if even so none can be built, this process exits, and clients start another."""
         with self._engine_lock:
             failed, failure = self.engine, self.engine.failure
+            # As text: a log record keeping the exception would keep its frames' engine alive.
             log.error("batchgen engine loop failed; failing the requests in flight and starting a "
-                      "new engine", exc_info=failure)
+                      "new engine\n%s", "".join(traceback.format_exception(failure)))
+            reason = f"{type(failure).__name__}: {failure}"
             for completion in failed.finished():  # finished before it failed: delivered as they are
                 self._deliver(completion)
             with self._ready:
@@ -134,9 +139,8 @@ class EngineService:
                 in_flight = [rid for rid in self._owner if rid not in done]
             for request_id in in_flight:
                 self._deliver(Completion.failed(request_id, f"the engine failed while this request was "
-                                                            f"in flight ({type(failure).__name__}: {failure}); "
-                                                            f"it was restarted"))
-            self.engine = failed = None
+                                                            f"in flight ({reason}); it was restarted"))
+            self.engine = failed = failure = None  # the failure's frames hold the engine too
             gc.collect()
             try:
                 self.engine = self._new_engine().start()

@@ -463,18 +463,26 @@ def test_dead_engine_is_restarted_and_resident_requests_resubmitted(model_dir, b
 def test_an_engine_whose_loop_fails_fails_its_requests_in_flight_and_is_replaced(model_dir, bare_engine):
     """The engine process lives on but its loop died (a bug): the requests in flight come back
     as error completions instead of never, and the next requests run on a fresh engine."""
+    import weakref
+
     service = EngineService(EngineConfig.of(str(model_dir), **ENGINE_ARGS))
     prompts = bundled_prompts(bare_engine.tokenizer, 3, CONTEXT - 40 - 1)
 
     def broken_step():
         raise IndexError("index out of range in self")
     service.engine.step = broken_step
+    failed_engine, build, failed_engine_alive = weakref.ref(service.engine), service._new_engine, []
+
+    def new_engine():  # the failed one's KV cache and weights must be gone before
+        failed_engine_alive.append(failed_engine() is not None)
+        return build()
+    service._new_engine = new_engine
     service.submit("client", engine_requests(prompts, "doomed-"))
     failed = collect(service, "client", 3)
     assert sorted(failed) == [f"doomed-{i}" for i in range(3)]
     assert all(c.finish_reason == "error" and "the engine failed while this request was in flight "
                "(IndexError: index out of range in self)" in c.error for c in failed.values())
-    assert service.info()["engine_failures"] == 1
+    assert service.info()["engine_failures"] == 1 and failed_engine_alive == [False]
 
     service.submit("client", engine_requests(prompts, "after-"))
     after = collect(service, "client", 3, acknowledge=list(failed))
