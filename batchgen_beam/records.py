@@ -36,8 +36,9 @@ Choices:
   NaN and infinities, mapping keys that are not strings or numbers) are written as their str()
   in output rows rather than failing the pipeline or writing a bare NaN. Bytes are written in
   base64, as BigQuery and protobuf's JSON mapping write them.
-- Text fields (id, prompt, a message's role and content, a text part's type and text) given as bytes, as some Parquet
-  writers store strings, are decoded as UTF-8; bytes that are not UTF-8 reject the record.
+- Text fields (id, prompt, a message's role and content, a text part's type and text) given
+  as bytes, as some Parquet writers store strings, are decoded as UTF-8; bytes that are not
+  UTF-8 reject the record.
 - A message of role "developer" (OpenAI's newer name for system instructions) is a system
   message: chat templates know only "system".
 - A message's content may be OpenAI's list of text parts (the engine joins them by newlines
