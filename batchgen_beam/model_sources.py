@@ -53,8 +53,11 @@ def resolve_adapter(adapter: str | os.PathLike) -> pathlib.Path:
 
 
 def _check_adapter_dir(path: pathlib.Path, source: str) -> None:
-    if not (path / "adapter_config.json").is_file():
-        raise ValueError(f"LoRA adapter {source} has no adapter_config.json")
+    """ValueError where the adapter lacks its config or weights (a gs:// copy taken mid-upload
+    would otherwise be cached as complete)."""
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (path / name).is_file():
+            raise ValueError(f"LoRA adapter {source} has no {name}")
 
 
 def _check_model_dir(path: pathlib.Path, source: str) -> None:

@@ -24,7 +24,10 @@ _PREFIX = "base_model.model."
 _WEIGHTS = "adapter_model.safetensors"
 # Config values that change the computation beyond W += scale * B @ A, and their neutral value.
 _REFUSED = {"use_dora": False, "modules_to_save": None, "bias": "none", "lora_bias": False,
-            "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {}}
+            "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
+            # Activated LoRA applies from its invocation tokens on (it cannot be merged); layer
+            # replication builds another stack of layers, which the tensors' names do not say.
+            "alora_invocation_tokens": None, "layer_replication": None}
 # An image-text model's parts that text-only generation never runs: their updates change nothing.
 _NOT_RUN = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
             "multi_modal_projector.")

@@ -51,6 +51,18 @@ def test_adapters_that_change_more_than_the_linears_are_refused(tiny, tmp_path):
     assert config["use_dora"]
 
 
+@pytest.mark.parametrize("option,value", [("alora_invocation_tokens", [5, 6]), ("layer_replication", [[0, 1]])])
+def test_adapters_whose_tensors_do_not_say_what_they_change_are_refused(tiny, tmp_path, option, value):
+    """Plain lora_A / lora_B tensors, but activated LoRA applies only from its invocation tokens
+    on, and layer replication to another stack of layers: merging would change the wrong thing."""
+    base = tiny.dir("llama")
+    make_lora_adapter(base, tmp_path / option, r=2, lora_alpha=2, target_modules=["q_proj"])
+    config_path = tmp_path / option / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), option: value}))
+    with pytest.raises(NotImplementedError, match=f"LoRA adapter option {option}="):
+        make_engine(base, lora=tmp_path / option)
+
+
 def test_an_adapter_whose_tensors_disagree_with_its_rank_is_refused(tiny, tmp_path):
     """r scales the update (alpha / r): tensors of another rank than the config's would merge
     at the wrong scale, where PEFT refuses to load them."""

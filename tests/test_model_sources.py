@@ -198,6 +198,12 @@ def test_a_lora_adapter_resolves_locally_or_from_gcs(gcs_emulator, tiny, tmp_pat
     gcs_emulator.upload_dir(tiny.dir("llama"), "gs://adapters/not-one")
     with pytest.raises(ValueError, match="LoRA adapter gs://adapters/not-one has no adapter_config.json"):
         resolve_adapter("gs://adapters/not-one")
+    # Mid-upload (adapter_config.json sorts first): refused, not cached, fetched once complete.
+    bucket = gcs_emulator.bucket("adapters")
+    bucket.blob("uploading/adapter_config.json").upload_from_filename(local / "adapter_config.json")
+    with pytest.raises(ValueError, match="gs://adapters/uploading has no adapter_model.safetensors"):
+        resolve_adapter("gs://adapters/uploading")
+    assert _files(resolve_adapter(gcs_emulator.upload_dir(local, "gs://adapters/uploading"))) == _files(local)
 
 
 def test_gcs_fetches_only_the_folders_own_files(gcs_emulator, tiny, tmp_path):
