@@ -20,7 +20,8 @@ import kernels
 from runtime.default_model import default_model_dir
 from runtime.estimate import exact_length
 from runtime.kv_cache import BlockManager, HostKVPool, KVCache, block_hash
-from runtime.loader import build_model, load_model
+from runtime.loader import build_model, load_model, safetensors_files, weights_fingerprint
+from runtime.lora import ADAPTER_WEIGHTS
 from runtime.moe import moe_blocks
 from runtime.request import Completion, CompletionWaiter, Request, SampleOutput, Timings
 from runtime.runner import ModelRunner, ScoredPrompts
@@ -218,6 +219,9 @@ class Engine:
         else:
             self.model = on_a_passing_thread(load_model, self.model_dir, self.device, dtype, lora)
             self.weights = None
+        # What a migrated request must continue on: these weights, not another model's or adapter's.
+        self.weights_id = weights_fingerprint(safetensors_files(self.model_dir)
+                                              + ([Path(lora) / ADAPTER_WEIGHTS] if lora is not None else []))
         if greedy_screen is None:
             greedy_screen = not streaming and dtype == torch.float32 and kernels.bf16_matmul_is_fast(self.device)
         if greedy_screen and streaming:
@@ -787,7 +791,8 @@ class Engine:
                 self.scheduler.remove(seq)
                 exported.append(seq.export_state(kv))
                 seq.send(Event.MIGRATED)
-            return {"request_id": request_id, "prompt_tokens": state.prompt_tokens, "n": state.n,
+            return {"request_id": request_id, "weights": self.weights_id,
+                    "prompt_tokens": state.prompt_tokens, "n": state.n,
                     "submitted": state.timings.submitted, "outputs": dict(state.outputs),
                     "scored_prompt": state.scored_prompt, "sequences": exported}
 
@@ -825,6 +830,9 @@ class Engine:
         if not isinstance(n, int) or n < 1 or not (unforked or sequences and len(sequences) + len(outputs) == n):
             raise ValueError(f"migrate_in {request_id!r}: not a migrate_out state ({len(sequences)} "
                              f"sequence(s) and {len(outputs)} finished output(s) for n={n})")
+        if migrated.get("weights") != self.weights_id:
+            raise ValueError(f"migrate_in {request_id!r}: it was running on other weights (another model "
+                             f"or LoRA adapter) than this engine's")
         if n > self.scheduler.blocks.num_blocks:
             raise ValueError(f"migrate_in {request_id!r}: n={n} is more than the KV cache's "
                              f"{self.scheduler.blocks.num_blocks} blocks")

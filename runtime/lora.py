@@ -21,7 +21,7 @@ from safetensors import safe_open
 from runtime.loader import canonical_name, packed_part
 
 _PREFIX = "base_model.model."
-_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # Config values that change the computation beyond W += scale * B @ A, and their neutral value.
 _REFUSED = {"use_dora": False, "modules_to_save": None, "bias": "none", "lora_bias": False,
             "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
@@ -61,12 +61,12 @@ def read_adapter_config(adapter_dir: str | Path) -> dict:
 
 
 def _open_weights(adapter_dir: Path):
-    path = adapter_dir / _WEIGHTS
+    path = adapter_dir / ADAPTER_WEIGHTS
     if not path.is_file():
         if (adapter_dir / "adapter_model.bin").is_file():
             raise NotImplementedError(f"{adapter_dir}: adapter_model.bin (pickled) adapters are not "
                                       f"supported; save it with safe_serialization=True")
-        raise FileNotFoundError(f"{adapter_dir}: no {_WEIGHTS}")
+        raise FileNotFoundError(f"{adapter_dir}: no {ADAPTER_WEIGHTS}")
     try:
         return safe_open(str(path), framework="pt")
     except Exception as exc:  # safetensors raises its own error type for a file that is not one

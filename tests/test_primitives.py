@@ -289,6 +289,29 @@ def test_migrate_in_refuses_a_state_this_engine_could_never_finish(tiny):
     assert collect(source)["big"].error is None
 
 
+@pytest.mark.parametrize("with_kv", [False, True])
+def test_migrate_in_refuses_a_request_that_ran_on_other_weights(tiny, tmp_path, with_kv):
+    """The same architecture with another training, or the base model without the adapter the
+    request ran with: its KV has the same layout, but continuing would mix two models' tokens."""
+    from tiny_models import make_lora_adapter, make_tiny_model
+
+    model = tiny.dir("qwen2")
+    make_lora_adapter(model, tmp_path / "adapter", r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"])
+    retrained = make_tiny_model("qwen2", tmp_path / "retrained", seed=1)
+    adapted = make_engine(model, lora=tmp_path / "adapter")
+    adapted.submit(greedy_requests(PROMPTS[1:2], 8)[0])
+    adapted.step()
+    state = pickle.loads(pickle.dumps(adapted.migrate_out("r0", with_kv=with_kv)))
+    for other in (make_engine(model), make_engine(retrained)):
+        with pytest.raises(ValueError, match="'r0': it was running on other weights"):
+            other.migrate_in(state)
+        assert_idle_and_clean(other)
+    same = make_engine(model, lora=tmp_path / "adapter")
+    same.migrate_in(state)
+    [ran_on] = make_engine(model, lora=tmp_path / "adapter").generate(greedy_requests(PROMPTS[1:2], 8))
+    assert collect(same)["r0"].token_ids == ran_on.token_ids
+
+
 def test_migrate_in_refuses_kv_in_blocks_of_another_size(tiny):
     model = tiny.dir("qwen2")
     source, target = make_engine(model), make_engine(model, block_size=8)
