@@ -53,7 +53,8 @@ def screened_argmax(hidden: torch.Tensor, weight: torch.Tensor, screen: LogitScr
     top = bf16_weight_linear(hidden, screen.weight_bf16, screen.packed).topk(k, dim=1)
     # Sorted by token id, so the first of tied fp32 logits is the lowest id, as argmax has it.
     ids, _ = top.indices.sort(dim=1)
-    exact = finish(torch.einsum("rkh,rh->rk", weight[ids], hidden))
+    # In fp32 before `finish`, as the full path applies it (a soft cap in bf16 would tie many).
+    exact = finish(torch.einsum("rkh,rh->rk", weight[ids], hidden).float())
     best, where = exact.max(dim=1)
     tokens = ids.gather(1, where[:, None])[:, 0]
     kth = top.values[:, -1].float()

@@ -129,6 +129,23 @@ def test_the_engine_screens_only_greedy_rows_without_logprobs(tiny):
     assert engine.stats.screened_rows == 12 + 2 * 12  # r0, and both samples of r3
 
 
+def test_a_half_precision_engine_screens_to_the_tokens_it_gives_unscreened(tiny):
+    """The candidates' logits turn fp32 before the soft cap, as the full path's do: capped in
+    bf16, tanh rounds them to a few values near the cap, and the lowest id of the ties won."""
+    model_dir = tiny.dir("gemma2", final_logit_softcapping=0.5)
+    prompts = random_prompts((20, 23, 26, 29), seed=6)
+
+    def tokens(screen):
+        engine = make_engine(model_dir, dtype=torch.bfloat16, greedy_screen=screen)
+        return [c.token_ids for c in engine.generate([
+            Request(f"r{i}", prompt_token_ids=p, params=SamplingParams(max_tokens=12, ignore_eos=True))
+            for i, p in enumerate(prompts)])], engine
+
+    plain, _ = tokens(False)
+    screened, engine = tokens(True)
+    assert screened == plain and engine.stats.screened_rows > 0
+
+
 def test_the_screen_is_refused_under_a_weight_budget(tiny):
     with pytest.raises(ValueError, match="greedy_screen"):
         make_engine(tiny.dir("llama"), greedy_screen=True, weight_budget_bytes=1 << 30)
