@@ -69,9 +69,13 @@ def expert_ffn(rows: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
 
 def combine(hidden: torch.Tensor, out: torch.Tensor, topk_weights: torch.Tensor,
             order: torch.Tensor, token_of_pair: torch.Tensor) -> torch.Tensor:
-    """Each sorted pair's expert output scaled by its router weight, summed into its token's row."""
-    out = out * topk_weights.reshape(-1)[order, None].to(hidden.dtype)
-    return torch.zeros_like(hidden).index_add_(0, token_of_pair, out)
+    """Each sorted pair's expert output scaled by its router weight (in the weights' dtype: the
+    model's, or fp32 for Mixtral, as transformers applies them), summed into its token's row in
+    fp32 and rounded once to the model's dtype, as transformers sums a token's k outputs (added
+    into a bf16 row one by one, each would round)."""
+    weighted = out * topk_weights.reshape(-1)[order, None]
+    summed = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    return summed.index_add_(0, token_of_pair, weighted.float()).to(hidden.dtype)
 
 
 def _grouped_mm_fits(rows: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:

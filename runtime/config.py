@@ -50,6 +50,7 @@ _HIDDEN_ACTIVATION = ("gemma2", "gemma3_text")  # name the MLP's activation hidd
 _QK_NORM = ("qwen3", "qwen3_moe", "olmoe", "gemma3_text", "olmo2", "olmo3")
 _QK_NORM_OVER_ALL_HEADS = ("olmoe", "olmo2", "olmo3")
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
+_OLMO2 = ("olmo2", "olmo3")
 _NORMS = {"gemma2": "sandwich", "gemma3_text": "sandwich", "olmo2": "post", "olmo3": "post"}
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 _ONE_TABLE = "rope"  # the RoPE table's name where every layer shares one
@@ -71,6 +72,9 @@ class MoESpec:
     norm_topk_prob: bool  # rescale the top-k router probabilities to sum to 1
     shared_expert_size: int  # Qwen2-MoE: a dense expert for every token behind a sigmoid gate; 0: none
     sparse_layers: tuple[bool, ...]  # per layer: MoE block, or the dense MLP (intermediate_size)
+    # Qwen-MoE and OLMoE round the router weights to the model's dtype before scaling the
+    # experts' outputs; Mixtral scales them by the fp32 weights (one rounding after).
+    round_router_weights: bool = True
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,13 @@ class ModelSpec:
     logits_scaling: float = 1.0
     activation: str = "silu"  # of the gated MLP: silu (SwiGLU), gelu or gelu_tanh (GeGLU)
     norm_offset: float = 0.0  # Gemma: every RMSNorm scales by offset + weight
+    # In bf16 / fp16, rounding as transformers rounds: Gemma's and OLMo 2's norms apply their
+    # scale to the fp32 normalised x (one rounding, where Llama's round x first); Gemma scales
+    # its embeddings by sqrt(hidden) rounded to the model's dtype (Granite by the exact float);
+    # OLMo 2 rotates q and k by fp32 cos / sin.
+    norm_scale_in_fp32: bool = False
+    embedding_multiplier_in_model_dtype: bool = False
+    rope_in_fp32: bool = False
     norms: str = "pre"  # at sublayer inputs; "post": at outputs (OLMo 2); "sandwich": both (Gemma 2, 3)
     attn_softcap: float | None = None  # Gemma 2: attention scores capped to softcap * tanh(s / softcap)
     final_softcap: float | None = None  # Gemma 2: the logits likewise
@@ -182,6 +193,9 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
         logits_scaling=config.logits_scaling if granite else 1.0,
         activation=_ACTIVATIONS[hidden_act],
         norm_offset=1.0 if gemma else 0.0,
+        norm_scale_in_fp32=gemma or model_type in _OLMO2,
+        embedding_multiplier_in_model_dtype=gemma,
+        rope_in_fp32=model_type in _OLMO2,
         norms=_NORMS.get(model_type, "pre"),
         attn_softcap=_family_key(config, "attn_logit_softcapping", _ATTN_SOFTCAP),
         final_softcap=_family_key(config, "final_logit_softcapping", _FINAL_SOFTCAP),
@@ -233,6 +247,7 @@ def _moe_spec(config: PretrainedConfig) -> MoESpec | None:
         norm_topk_prob=model_type == "mixtral" or bool(config.norm_topk_prob),  # Mixtral always does
         shared_expert_size=_family_key(config, "shared_expert_intermediate_size", ("qwen2_moe",)) or 0,
         sparse_layers=tuple(sparse),
+        round_router_weights=model_type != "mixtral",
     )
 
 

@@ -160,8 +160,10 @@ def build_model(model_dir: str | Path, device: torch.device | str = "cpu",
         for module in model.layers.modules():
             if isinstance(module, RMSNorm):
                 module.to_empty(device=device)
-    # In the model's dtype, as transformers casts them at use (also what a streamed model keeps).
-    model.set_rope_tables({name: (cos.to(device, dtype), sin.to(device, dtype))
+    # In the model's dtype, as transformers casts them at use (also what a streamed model keeps),
+    # or fp32 where it rotates in fp32 (OLMo 2).
+    table_dtype = torch.float32 if spec.rope_in_fp32 else dtype
+    model.set_rope_tables({name: (cos.to(device, table_dtype), sin.to(device, table_dtype))
                            for name, (cos, sin) in rope_tables.items()})
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -169,8 +171,9 @@ def build_model(model_dir: str | Path, device: torch.device | str = "cpu",
 
 
 def offset_norms(model: CausalLM, offset: float) -> None:
-    """Gemma's norms scale by offset + weight, added once, here: in fp32 as transformers adds
-    it; in bf16 / fp16 the sum stays fp32, applied before rounding (RMSNorm.fp32_scale)."""
+    """Norms that scale by offset + weight (Gemma's; OLMo 2's with offset 0), added once, here:
+    in fp32 as transformers adds it; in bf16 / fp16 the sum stays fp32, applied before rounding
+    (RMSNorm.fp32_scale)."""
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, RMSNorm):
@@ -203,8 +206,7 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
     if lora is not None:
         from runtime.lora import merge_lora  # imported here: runtime.lora builds on this module
         merge_lora(model, lora)
-    model.to(dtype)  # the RoPE tables too
-    if model.spec.norm_offset:
+    if model.spec.norm_scale_in_fp32:
         offset_norms(model, model.spec.norm_offset)
     for module in model.modules():
         if isinstance(module, Linear):

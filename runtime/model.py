@@ -117,7 +117,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             cos, sin = rope[self.rope]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if cos.dtype != q.dtype:  # fp32 tables on half q, k (OLMo 2): rotate in fp32, round once
+                q, k = apply_rope(q.float(), cos, sin).to(q.dtype), apply_rope(k.float(), cos, sin).to(k.dtype)
+            else:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(k_cache, v_cache, batch.slot_mapping, k, v)
 
         out = torch.empty_like(q)
@@ -279,9 +282,12 @@ class CausalLM(nn.Module):
         for the rows that sample."""
         x = self.embed_tokens(input_ids)
         if self.spec.embedding_multiplier != 1.0:
-            x = x * self.spec.embedding_multiplier
-        rope = {name: (getattr(self, f"rope_cos_{name}")[positions].to(x.dtype),
-                       getattr(self, f"rope_sin_{name}")[positions].to(x.dtype)) for name in self.rope_names}
+            multiplier = self.spec.embedding_multiplier
+            x = x * (torch.tensor(multiplier, dtype=x.dtype) if self.spec.embedding_multiplier_in_model_dtype
+                     else multiplier)
+        table_dtype = torch.float32 if self.spec.rope_in_fp32 else x.dtype
+        rope = {name: (getattr(self, f"rope_cos_{name}")[positions].to(table_dtype),
+                       getattr(self, f"rope_sin_{name}")[positions].to(table_dtype)) for name in self.rope_names}
         stack = self._stack_for(batch, x)
         if stack is not None:
             [group] = batch.decodes

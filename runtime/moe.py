@@ -40,6 +40,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         moe = spec.moe
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.round_router_weights = moe.round_router_weights
         # The router stays on torch's matmul: top-k is discontinuous, so its logits keep the
         # summation order transformers computes them in.
         self.gate = nn.Linear(spec.hidden_size, moe.num_experts, bias=False)
@@ -51,6 +52,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        if self.round_router_weights:
+            weights = weights.to(x.dtype)
         out, counts = self.experts(x, ids, weights)
         self.expert_calls += int((counts > 0).sum())
         self.expert_tokens += int(counts.sum())

@@ -174,7 +174,7 @@ class WeightStreamer:
         # thread, which cannot join itself: no waiting.
         weakref.finalize(self, self._pool.shutdown, wait=False)
         self._read_resident(model)
-        if spec.norm_offset:  # Gemma: after the read, so bf16 norms can turn fp32 (offset_norms)
+        if spec.norm_scale_in_fp32:  # after the read, so bf16 norms can turn fp32 (offset_norms)
             offset_norms(model, spec.norm_offset)
         self.resident_bytes = (sum(_nbytes(p) for p in model.parameters() if not p.is_meta)
                                + sum(_nbytes(b) for b in model.buffers()))

@@ -369,6 +369,30 @@ def test_gemma_norms_in_half_precision_round_once_as_transformers_does(tiny, fam
     assert completion.error is None and len(completion.token_ids) == 4
 
 
+@pytest.mark.parametrize("family,overrides", [
+    ("gemma", {"hidden_size": 72}),  # sqrt(72) is no bf16 value: the embedding scale rounds first
+    ("gemma3", {"hidden_size": 72}),
+    ("olmo2", {}), ("olmo3", {}),  # norms scale the fp32 normalised x; q, k rotate in fp32
+    ("mixtral", {}),  # router weights stay fp32
+    ("qwen3_moe", {"num_experts_per_tok": 4}),  # a token's k expert outputs summed, rounded once
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_rounds_where_transformers_rounds(tiny, monkeypatch, family, overrides, dtype):
+    """On the torch kernels, bit for bit: every family-specific rounding step in its place."""
+    import transformers
+
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "torch")
+    model_dir = tiny.dir(family, **overrides)
+    prompt = PROMPTS[4][:40]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    expected = logprobs.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+    [scored] = make_engine(model_dir, dtype=dtype).generate(
+        [Request("p", prompt_token_ids=prompt, params=SamplingParams(max_tokens=1, prompt_logprobs=0))])
+    assert scored.prompt_logprobs[1:] == expected
+
+
 @pytest.mark.parametrize("model_type,window", [("mistral", 0), ("mistral", -4), ("qwen3", 0), ("gemma2", 0)])
 def test_a_window_of_no_tokens_is_refused(model_type, window):
     """A window of 0 masked every key on one path and failed mid-run on another."""

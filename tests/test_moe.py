@@ -42,7 +42,7 @@ class ExpertSpy:
 
 # (qkv bias, o_proj bias, q/k norm, per head, clip_qkv, sliding windows, MoESpec) of the tiny models
 SPECS = {
-    "mixtral": (False, False, False, True, None, (24, 24), MoESpec(4, 2, 32, True, 0, (True, True))),
+    "mixtral": (False, False, False, True, None, (24, 24), MoESpec(4, 2, 32, True, 0, (True, True), False)),
     "qwen2_moe": (True, False, False, True, None, (24, None), MoESpec(6, 2, 32, False, 48, (False, True))),
     "qwen3_moe": (True, True, True, True, None, (None, None), MoESpec(8, 3, 32, True, 0, (True, False))),
     "olmoe": (False, False, True, False, 1.5, (None, None), MoESpec(8, 2, 32, False, 0, (True, True))),

@@ -71,11 +71,11 @@ def _down_kernel(act, down_proj, pair_out, router_weights, schedule, order, top_
         w = tl.load(weights + cols[None, :] * row_stride + ks[:, None],
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc += dot(a, w, DOT)
-    # The router weight in the activations' dtype, as the torch op (and transformers) apply it.
-    weight = tl.load(router_weights + pair, mask=row_ok, other=0.0).to(act.dtype.element_ty)
+    # The router weight as the family applies it: rounded to the model's dtype, or fp32 (Mixtral).
+    weight = tl.load(router_weights + pair, mask=row_ok, other=0.0).to(tl.float32)
     # Each pair has its own row (the token's k-th choice): no atomics, a deterministic sum.
     tl.store(pair_out + pair[:, None] * hidden_size + cols[None, :],
-             acc * weight.to(tl.float32)[:, None], mask=row_ok[:, None] & col_ok[None, :])
+             acc * weight[:, None], mask=row_ok[:, None] & col_ok[None, :])
 
 
 def _schedule(counts: torch.Tensor, block_m: int) -> torch.Tensor:
