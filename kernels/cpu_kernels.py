@@ -16,6 +16,7 @@ ops are an explicit opt-out (BATCHGEN_CPU_KERNELS=torch), never a silent fallbac
 
 import fcntl
 import hashlib
+import os
 import sys
 import threading
 from pathlib import Path
@@ -53,11 +54,19 @@ def build_directory() -> Path:
     from torch.utils import cpp_extension
     version = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
     checkout = hashlib.sha1(str(SOURCES[0].parent.resolve()).encode()).hexdigest()[:8]
-    return Path(cpp_extension.get_default_build_root()) / f"batchgen_cpu_kernels-{version}-{checkout}"
+    # torch reads TORCH_EXTENSIONS_DIR only where it picks the directory itself.
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / f"batchgen_cpu_kernels-{version}-{checkout}"
 
 
 def _load():
+    import ninja
     from torch.utils import cpp_extension
+
+    # torch runs `ninja` from PATH: the one pip installed beside this Python is there only in
+    # an activated environment (not for `venv/bin/python -m ...` from cron or an IDE).
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join(filter(None, [os.environ.get("PATH"), ninja.BIN_DIR]))
     directory = build_directory()
     try:
         directory.mkdir(parents=True, exist_ok=True)

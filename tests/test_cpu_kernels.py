@@ -4,6 +4,7 @@ RoPE, SiLU-and-mul — their dispatch (BATCHGEN_CPU_KERNELS), their build error,
 greedy tokens with them against the torch path and transformers."""
 
 import fcntl
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -526,6 +527,23 @@ def test_a_failed_build_raises_and_names_the_opt_out(monkeypatch):
     kernels.prepare("cpu")
     monkeypatch.delenv("BATCHGEN_CPU_KERNELS")
     kernels.prepare("meta")
+
+
+def test_the_build_is_cached_under_torch_extensions_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert cpu_kernels.build_directory().parent == tmp_path
+
+
+def test_a_cached_build_loads_with_no_ninja_on_the_path(tmp_path):
+    """`venv/bin/python -m ...` without activating the environment (cron, an IDE): the ninja
+    pip installed beside this Python is not on PATH, and torch runs it from there."""
+    cpu_kernels.build()  # built and cached, so the child only loads
+    child = subprocess.run([sys.executable, "-c", "from kernels import cpu_kernels; "
+                            "print(cpu_kernels.build().panel_linear.__name__)"],
+                           capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PATH": str(tmp_path)}, cwd=Path(cpu_kernels.__file__).parent.parent)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == "panel_linear"
 
 
 def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load():
