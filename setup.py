@@ -43,5 +43,7 @@ setup(
                  "peft>=0.17,<0.22",  # the oracle of LoRA merging (tests/test_lora.py)
                  TRITON],  # the Triton kernels' tests run in its interpreter, on CPU
         "cuda": [TRITON],
+        # Launching on Dataflow: Beam's Dataflow runner client (its workers' SDK image has it).
+        "gcp": ["apache-beam[gcp]>=2.77,<2.78"],
     },
 )

@@ -33,6 +33,10 @@ def test_dataflow_generate():
     if not (os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
             or os.path.exists(os.path.expanduser("~/.config/gcloud/application_default_credentials.json"))):
         pytest.skip("no Google credentials (GOOGLE_APPLICATION_CREDENTIALS or gcloud ADC)")
+    try:
+        from google.cloud import dataflow  # noqa: F401 - what Beam's DataflowRunner submits with
+    except ImportError:
+        pytest.fail("Beam's Dataflow client is missing: pip install -e '.[gcp]'")
     from apache_beam.io.filesystems import FileSystems
 
     bucket = env["BATCHGEN_DATAFLOW_BUCKET"].rstrip("/")
