@@ -395,12 +395,13 @@ class Engine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _new_sequence(self, request_id: str, index: int, token_ids: list[int],
-                      params: SamplingParams, num_prompt_tokens: int | None = None) -> Sequence:
+                      params: SamplingParams, num_prompt_tokens: int | None = None,
+                      grammar=None) -> Sequence:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         generator = torch.Generator().manual_seed((seed + index) % (1 << 63))
         return Sequence(_seq_id(request_id, index), request_id, index, token_ids,
                         num_prompt_tokens if num_prompt_tokens is not None else len(token_ids),
-                        params, generator, self.stop_rule)
+                        params, generator, self.stop_rule, grammar)
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> bool:
@@ -563,7 +564,10 @@ class Engine:
         state = self._requests[parent.request_id]
         children = []
         for index in range(1, parent.params.n):
-            child = self._new_sequence(parent.request_id, index, list(parent.token_ids), parent.params)
+            # A copy of the parent's matcher (microseconds), not a compile on the step thread.
+            matcher = parent.grammar.deep_copy() if parent.grammar is not None else None
+            child = self._new_sequence(parent.request_id, index, list(parent.token_ids), parent.params,
+                                       grammar=matcher)
             child.send(Event.ADMITTED)
             child.send(Event.PREFILLED, parent.num_computed)
             child.block_table, child.block_hashes = list(parent.block_table), list(parent.block_hashes)

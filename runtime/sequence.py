@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Callable
 
+import llguidance
 import torch
 from tokenizers import Tokenizer
 
@@ -71,7 +72,9 @@ class StopRule:
 class Sequence:
     def __init__(self, seq_id: str, request_id: str, sample_index: int, token_ids: list[int],
                  num_prompt_tokens: int, params: SamplingParams, generator: torch.Generator,
-                 stop_rule: StopRule):
+                 stop_rule: StopRule, grammar: llguidance.LLMatcher | None = None):
+        """grammar: its structured output's matcher, where one is at hand (a forked sample's
+        copy of sample 0's); else compiled here."""
         self.seq_id, self.request_id, self.sample_index = seq_id, request_id, sample_index
         self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
@@ -99,8 +102,9 @@ class Sequence:
         self.counters = dict.fromkeys(("preemptions", "suspends", "evictions", "migrations"), 0)
         self.forked = sample_index > 0  # only sample 0 of an n > 1 request forks the others
         # Its structured output's matcher, fed every token generated (before a migration too).
-        grammar = params.grammar
-        self.grammar = stop_rule.grammars.matcher(grammar, self.generated_ids) if grammar else None
+        if grammar is None and params.grammar:
+            grammar = stop_rule.grammars.matcher(params.grammar, self.generated_ids)
+        self.grammar = grammar
         self._status_before_suspend = Status.PREFILLING
         self._coroutine = self._lifecycle()
         next(self._coroutine)

@@ -85,8 +85,11 @@ def test_sampled_forks_and_evictions_keep_to_the_schema(tiny_chat):
     sequences are evicted and recompute: every completion is still the schema's JSON."""
     engine = make_engine(tiny_chat.dir("qwen3"), num_blocks=8, preemption="evict")
     evict = CallCounter(engine.scheduler, "evict")
+    compiled = CallCounter(engine.stop_rule.grammars, "matcher")
     completions = engine.generate(requests(PROMPTS * 2, temperature=1.5, n=3, seed=7))
     assert len(evict) > 0
+    # Once per request: the forks copy sample 0's matcher instead of compiling on the step thread.
+    assert len(compiled) == len(PROMPTS) * 2
     for completion in completions:
         assert len(completion.outputs) == 3
         for sample in completion.outputs:
