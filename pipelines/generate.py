@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                         default=None, help="greedy rows take full fp32 logits, not a bf16 screen of "
                                            "the vocabulary verified in fp32 (same tokens; saves a bf16 "
                                            "copy of the lm_head)")
+    engine.add_argument("--max_logprobs", type=int, default=None,
+                        help="the most --logprobs / --prompt_logprobs a record may ask for "
+                             "(default 20, as vLLM's; -1: the whole vocabulary)")
     engine.add_argument("--lora", default=None, metavar="DIR",
                         help="a PEFT LoRA adapter directory (local, on every worker, or gs://), "
                              "merged into the model's weights at load")
@@ -199,7 +202,7 @@ def engine_args_of(args: argparse.Namespace) -> dict:
              "num_threads": args.num_threads, "device": args.device,
              "weight_budget_bytes": None if args.weight_budget_mb is None else args.weight_budget_mb << 20,
              "weights_in_host_memory": args.weights_in_host_memory, "greedy_screen": args.greedy_screen,
-             "lora": _local_or_gcs(args.lora)}
+             "lora": _local_or_gcs(args.lora), "max_logprobs": args.max_logprobs}
     return {k: v for k, v in given.items() if v is not None}
 
 

@@ -146,7 +146,7 @@ class Engine:
     # The least each size argument takes (None, where allowed, means its default).
     _SIZE_FLOORS = {"kv_cache_bytes": 0, "host_kv_bytes": 0, "weight_budget_bytes": 0,
                     "block_size": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1,
-                    "max_model_len": 1, "num_threads": 1}
+                    "max_model_len": 1, "num_threads": 1, "max_logprobs": -1}
 
     @classmethod
     def check_sizes(cls, **sizes) -> None:
@@ -168,7 +168,7 @@ class Engine:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  num_threads: int | None = None, weight_budget_bytes: int | None = None,
                  weights_in_host_memory: bool = False, greedy_screen: bool | None = None,
-                 lora: str | Path | None = None):
+                 lora: str | Path | None = None, max_logprobs: int = 20):
         """weight_budget_bytes: memory-constrained mode (runtime/weight_stream.py): the decoder
         layers stream from the safetensors files, and the weights held in memory (resident
         parts, two layer slots, the MoE expert ring) stay within this many bytes. The KV cache
@@ -185,11 +185,16 @@ class Engine:
         None (the default): on where bf16 matmuls run on matrix units
         (kernels.bf16_matmul_is_fast), for fp32 weights held whole.
 
-        lora: a PEFT LoRA adapter directory, merged into the weights at load (runtime/lora.py)."""
+        lora: a PEFT LoRA adapter directory, merged into the weights at load (runtime/lora.py).
+
+        max_logprobs: the most `logprobs` and `prompt_logprobs` a request may ask for (vLLM's
+        default, 20; -1: the whole vocabulary). Each is a dict a position: a whole vocabulary's
+        at every position of a long prompt would run the engine out of memory."""
         self.check_sizes(kv_cache_bytes=kv_cache_bytes, host_kv_bytes=host_kv_bytes,
                          weight_budget_bytes=weight_budget_bytes, block_size=block_size,
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                         max_model_len=max_model_len, num_threads=num_threads)
+                         max_model_len=max_model_len, num_threads=num_threads, max_logprobs=max_logprobs)
+        self.max_logprobs = max_logprobs
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_dir = Path(model) if model is not None else default_model_dir()
@@ -327,6 +332,9 @@ class Engine:
             if wanted is not None and wanted > self.spec.vocab_size:
                 raise ValueError(f"{name}: must be <= the vocabulary's {self.spec.vocab_size} tokens, "
                                  f"got {wanted}")
+            if wanted is not None and self.max_logprobs != -1 and wanted > self.max_logprobs:
+                raise ValueError(f"{name}: must be <= the engine's max_logprobs, {self.max_logprobs} "
+                                 f"(an engine argument, as vLLM's), got {wanted}")
         outside = [t for t, _ in params.logit_bias if t >= self.spec.vocab_size]
         if outside:
             raise ValueError(f"logit_bias: token ids must be < the vocabulary's {self.spec.vocab_size}, "

@@ -321,8 +321,24 @@ def test_more_samples_than_the_kv_cache_has_blocks_are_refused(tiny):
     assert_idle_and_clean(engine)
 
 
-def test_more_logprobs_than_the_vocabulary_has_tokens_are_refused(tiny):
+def test_more_logprobs_than_max_logprobs_are_refused(tiny):
+    """A dict of logprobs a position: a whole vocabulary's at every position of a long prompt
+    would run the engine out of memory (vLLM's default cap, 20)."""
     engine = make_engine(tiny.dir(FAMILY))
+    prompt = random_prompts([6], seed=3)[0]
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"{name}: must be <= the engine's max_logprobs, 20 .*got 21"):
+            engine.submit(Request("lp", prompt_token_ids=prompt, params=SamplingParams(**{name: 21})))
+    [done] = engine.generate([Request("lp", prompt_token_ids=prompt,
+                                      params=SamplingParams(max_tokens=1, logprobs=20, prompt_logprobs=20))])
+    assert len(done.outputs[0].top_logprobs[0]) == 20 and len(done.prompt_top_logprobs[-1]) == 20
+    with pytest.raises(ValueError, match="max_logprobs must be a whole number >= -1"):
+        make_engine(tiny.dir(FAMILY), max_logprobs=-2)
+    assert_idle_and_clean(engine)
+
+
+def test_more_logprobs_than_the_vocabulary_has_tokens_are_refused(tiny):
+    engine = make_engine(tiny.dir(FAMILY), max_logprobs=-1)
     vocab = engine.spec.vocab_size
     prompt = random_prompts([6], seed=3)[0]
     with pytest.raises(ValueError, match=rf"logprobs: must be <= the vocabulary's {vocab} tokens, got {vocab + 1}"):

@@ -397,10 +397,12 @@ def test_output_that_could_not_be_written_is_refused_before_it_runs(tmp_path):
 
 def test_job_defaults_the_engine_cannot_honour_are_refused_before_the_run(chat_model, jsonl_input, tmp_path):
     """Known once the engine is up: every record would be an error row."""
-    for flag, value, problem in (("--logprobs", "100000", "--logprobs: must be <= the vocabulary's"),
-                                 ("--prompt_logprobs", "100000", "--prompt_logprobs: must be <= the vocabulary's")):
+    for flags, problem in ((["--logprobs", "100000"], "--logprobs: must be <= the vocabulary's"),
+                           (["--prompt_logprobs", "100000"], "--prompt_logprobs: must be <= the vocabulary's"),
+                           (["--logprobs", "21"], "--logprobs: must be <= the engine's max_logprobs, 20"),
+                           (["--logprobs", "31", "--max_logprobs", "30"], "max_logprobs, 30 .*got 31")):
         with pytest.raises(ValueError, match=problem):
-            run(chat_model, "--input", str(jsonl_input), "--output", str(tmp_path / "gen"), flag, value)
+            run(chat_model, "--input", str(jsonl_input), "--output", str(tmp_path / "gen"), *flags)
     assert not list(tmp_path.glob("gen*"))
 
 
