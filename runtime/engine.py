@@ -539,7 +539,8 @@ class Engine:
             banned = sorted(t for t in ending if t < self.spec.vocab_size)
         split = seq.num_prompt_tokens
         allowed = None if seq.grammar is None else allowed_tokens(seq.grammar, self.spec.vocab_size)
-        return SampleRow(p, seq.generator, seq.token_ids[:split], seq.token_ids[split:], banned, allowed)
+        return SampleRow(p, seq.generator, seq.token_ids[:split], seq.token_ids[split:], banned, allowed,
+                         seq.logit_bias)
 
     def _greedy(self, hidden: torch.Tensor) -> list[SampledToken]:
         ids, misses = self.model.greedy_tokens(hidden)

@@ -197,6 +197,7 @@ class SampleRow:
     output_ids: Sequence[int] = ()
     banned_ids: Sequence[int] = ()  # may not be chosen now (they would end it before min_tokens)
     allowed: torch.Tensor | None = None  # the only tokens its output's grammar allows now (a bitmask)
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # its logit_bias_tensors, made once
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
@@ -225,6 +226,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     return out
 
 
+def logit_bias_tensors(logit_bias: tuple[tuple[int, float], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """SamplingParams.logit_bias as (token ids, biases) tensors: a sequence makes them once, as a
+    bias over the whole vocabulary takes tens of milliseconds to turn into tensors."""
+    tokens, biases = zip(*logit_bias)
+    return torch.tensor(tokens, dtype=torch.long), torch.tensor(biases, dtype=torch.float32)
+
+
 def adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
     """Adjust one row of logits [vocab] in place, in vLLM's order: tokens its structured
     output's grammar does not allow and banned tokens (min_tokens) to -inf, the logit bias, the
@@ -244,8 +252,8 @@ def adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
         if torch.isneginf(logits).all():  # the grammar allows only tokens that end it: as vLLM,
             logits[banned] = before       # let them end it before min_tokens
     if p.logit_bias:
-        tokens, biases = zip(*p.logit_bias)
-        logits[ids(tokens)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+        tokens, biases = row.bias if row.bias is not None else logit_bias_tensors(p.logit_bias)
+        logits[tokens.to(logits.device)] += biases.to(logits.device, logits.dtype)
     if p.repetition_penalty != 1:
         seen = ids(sorted({*row.prompt_ids, *output_ids}))
         values = logits[seen]

@@ -9,6 +9,7 @@ for a suspended sequence, say) raise at once instead of corrupting state.
     any live state -> FINISHED | MIGRATED                (MIGRATED: continues in another engine)
 """
 
+import functools
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Callable
@@ -17,7 +18,7 @@ import llguidance
 import torch
 from tokenizers import Tokenizer
 
-from runtime.sampling import SampledToken, SamplingParams
+from runtime.sampling import SampledToken, SamplingParams, logit_bias_tensors
 from runtime.structured import Grammars, consume
 from runtime.tokenizer import TextStream
 
@@ -108,6 +109,11 @@ class Sequence:
         self._status_before_suspend = Status.PREFILLING
         self._coroutine = self._lifecycle()
         next(self._coroutine)
+
+    @functools.cached_property
+    def logit_bias(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Its params' logit bias as tensors, made at its first sampled step, not every step."""
+        return logit_bias_tensors(self.params.logit_bias) if self.params.logit_bias else None
 
     # ---- the coroutine -------------------------------------------------------------------
     def send(self, event: Event, payload=None) -> Status:

@@ -72,6 +72,21 @@ def test_logit_bias_matches_transformers_sequence_bias(tiny):
     assert completion.token_ids[0] != plain[0]
 
 
+def test_a_sequences_logit_bias_becomes_tensors_once(tiny, monkeypatch):
+    """Not every step: over a whole vocabulary that took tens of milliseconds a token, on the
+    step thread every request waits on."""
+    import runtime.sequence
+
+    made = []
+    real = runtime.sequence.logit_bias_tensors
+    monkeypatch.setattr(runtime.sequence, "logit_bias_tensors", lambda bias: made.append(bias) or real(bias))
+    engine = make_engine(tiny.dir("llama"))
+    bias = {t: 0.5 for t in range(engine.spec.vocab_size)}
+    [done] = engine.generate([Request("r", prompt_token_ids=PROMPTS[0], params=SamplingParams(
+        max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias=bias))])
+    assert done.completion_tokens == MAX_TOKENS and len(made) == 1
+
+
 def test_min_tokens_matches_transformers_min_new_tokens(tiny):
     """EOS biased up so that the model would end at once: min_tokens holds it back, like
     transformers' min_new_tokens, and it ends right after."""
