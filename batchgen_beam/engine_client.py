@@ -92,6 +92,7 @@ class EngineService:
         self._finished = self._generated_tokens = 0  # completions routed, and their tokens
         self._migrated_out = 0  # requests taken out unfinished (continued elsewhere)
         self._clients: set[str] = set()  # joined and not left
+        self._last_info = self._info()
         threading.Thread(target=self._route, name="batchgen-router", daemon=True).start()
 
     def join(self, client_id: str) -> None:
@@ -244,11 +245,17 @@ class EngineService:
             self._delivered.update(finished)
             taken_over = self._taken.pop(client_id, [])
         # info() takes the engine lock: never inside _ready, which a replacement takes inside it.
-        return list(finished.values()), taken_over, self.info()
+        return list(finished.values()), taken_over, self.info(wait=False)
 
-    def info(self) -> dict:
-        with self._engine_lock:  # a failed engine may be being replaced
-            return self._info()
+    def info(self, wait: bool = True) -> dict:
+        """The engine's counters; without `wait`, the last ones read while another call holds
+        the engine (a submit tokenising a huge prompt must not hold up every client's rows)."""
+        if self._engine_lock.acquire(blocking=wait):  # a failed engine may be being replaced
+            try:
+                self._last_info = self._info()
+            finally:
+                self._engine_lock.release()
+        return self._last_info
 
     def _info(self) -> dict:
         scheduler = self.engine.scheduler

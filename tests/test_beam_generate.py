@@ -523,6 +523,34 @@ def test_an_engine_that_cannot_be_replaced_fails_its_requests_then_exits_the_pro
         assert all("the engine failed while this request was in flight" in c.error for c in failed.values())
 
 
+def test_rows_reach_clients_while_another_client_submits(model_dir, bare_engine):
+    """A submit holds the engine while it tokenises (seconds for a prompt of megabytes, rejected
+    or not): the other clients' polls still hand out their finished rows meanwhile."""
+    service = EngineService(EngineConfig.of(str(model_dir), **ENGINE_ARGS))
+    service.submit("reader", engine_requests(bundled_prompts(bare_engine.tokenizer, 2, 20), "quick-"))
+    done = collect(service, "reader", 2)
+    assert sorted(done) == ["quick-0", "quick-1"]
+    service.submit("reader", engine_requests(bundled_prompts(bare_engine.tokenizer, 1, 20), "later-"))
+    submitting, release = threading.Event(), threading.Event()
+
+    def long_submit():
+        with service._engine_lock:  # as a submit tokenising a huge prompt holds it
+            submitting.set()
+            release.wait(60)
+    holder = threading.Thread(target=long_submit)
+    holder.start()
+    assert submitting.wait(10)
+    rows = []
+    poller = threading.Thread(target=lambda: rows.extend(collect(service, "reader", 1, list(done))))
+    poller.start()
+    poller.join(30)
+    still_waiting = poller.is_alive()
+    release.set()
+    holder.join()
+    poller.join()
+    assert not still_waiting and rows == ["later-0"]
+
+
 def collect(service, client_id, count, acknowledge=()):
     done, deadline = {}, time.monotonic() + 120
     while len(done) < count and time.monotonic() < deadline:
