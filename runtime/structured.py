@@ -39,7 +39,10 @@ def canonical_json_schema(schema) -> str:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"json_schema must be a JSON schema (an object), got one JSON cannot hold "
                          f"({exc})") from None
-    error = llguidance.LLMatcher.validate_grammar(grammar_of(text))
+    try:  # llguidance's schema reader raises on some schemas (nested past its depth limit)
+        error = llguidance.LLMatcher.validate_grammar(grammar_of(text))
+    except ValueError as exc:
+        error = str(exc)
     if error:
         raise ValueError(f"json_schema must be a schema the grammar engine compiles: {_one_line(error)}")
     return text

@@ -174,8 +174,9 @@ def test_the_schema_is_held_as_canonical_json_and_checked():
     b = SamplingParams(json_schema='{"type":"object",\n  "required": ["x"]}')
     assert a == b and a.json_schema == '{"type": "object", "required": ["x"]}'
     assert a.adjusts_logits and not a.argmax_only
+    deep = '{"type":"array","items":' * 200 + '{"type":"integer"}' + "}" * 200  # past the reader's depth
     for bad, message in [("{not json", "not JSON"), (["a"], "got list"),
-                         ({"type": "nonsense"}, "compiles: .*nonsense")]:
+                         ({"type": "nonsense"}, "compiles: .*nonsense"), (deep, "compiles: .*recursion limit")]:
         with pytest.raises(ValueError, match=f"json_schema must be .*{message}"):
             SamplingParams(json_schema=bad)
     with pytest.raises(ValueError, match="regex must be a regular expression .*unclosed group"):
