@@ -111,6 +111,14 @@ class Sequence:
         next(self._coroutine)
 
     @functools.cached_property
+    def _stops_by_last_char(self) -> dict[str, list[tuple[int, str]]]:
+        """Its stop strings (with their place in the list) by their last character."""
+        by_last: dict[str, list[tuple[int, str]]] = {}
+        for order, stop in enumerate(self.params.stop):
+            by_last.setdefault(stop[-1], []).append((order, stop))
+        return by_last
+
+    @functools.cached_property
     def logit_bias(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Its params' logit bias as tensors, made at its first sampled step, not every step."""
         return logit_bias_tensors(self.params.logit_bias) if self.params.logit_bias else None
@@ -209,7 +217,10 @@ class Sequence:
                 # text of a token after the min_tokens-th.
                 new_from = len(stream.text)
         text = stream.text
-        found = [(at + len(stop), order, at) for order, stop in enumerate(p.stop)
+        # A stop string that ends in the new text ends in one of its characters: only those
+        # strings are searched (a record may give thousands, searched every token).
+        candidates = [pair for char in set(text[new_from:]) for pair in self._stops_by_last_char.get(char, ())]
+        found = [(at + len(stop), order, at) for order, stop in candidates
                  if (at := text.find(stop, max(0, new_from - len(stop) + 1))) >= 0]
         if not found:
             return False
