@@ -107,7 +107,7 @@ def check_input(pattern: str, fmt: str) -> None:
     (give a glob of its files), or in Parquet a file without
     Parquet's magic bytes at both ends (pyarrow's "magic bytes" error; a truncated file too).
     The other formats read any bytes: what is wrong in them becomes error rows."""
-    matched = FileSystems.match([pattern])[0].metadata_list
+    matched = FileSystems.match([absolute_path(pattern)])[0].metadata_list
     if not matched:
         raise FileNotFoundError(f"no input files match {pattern!r}")
     for meta in matched:
@@ -161,7 +161,7 @@ class ReadRecords(beam.PTransform):
 
     def __init__(self, pattern: str, format: str | None = None):
         super().__init__()
-        self.pattern = pattern
+        self.pattern = absolute_path(pattern)
         self.format = _check_format(format, INPUT_FORMATS) if format else infer_format(pattern)
 
     def expand(self, pbegin):
@@ -410,10 +410,10 @@ class WriteRows(beam.PTransform):
         """Files under this prefix named as this transform names its shards, other than those
         written: an earlier run's, with another shard count, which a reader of
         `<prefix>-*` would take for this run's."""
-        shard = re.compile(re.escape(_absolute(self.prefix)) + r"-\d{5,}-of-\d{5,}" + re.escape(self.suffix))
-        found = FileSystems.match([f"{self.prefix}-*-of-*{self.suffix}"])[0].metadata_list
-        written = {_absolute(path) for path in written}
-        return sorted(path for path in map(_absolute, (m.path for m in found))
+        shard = re.compile(re.escape(absolute_path(self.prefix)) + r"-\d{5,}-of-\d{5,}" + re.escape(self.suffix))
+        found = FileSystems.match([f"{absolute_path(self.prefix)}-*-of-*{self.suffix}"])[0].metadata_list
+        written = {absolute_path(path) for path in written}
+        return sorted(path for path in map(absolute_path, (m.path for m in found))
                       if shard.fullmatch(path) and path not in written)
 
     def expand(self, rows):
@@ -429,6 +429,8 @@ class WriteRows(beam.PTransform):
                                               num_shards=self.num_shards))
 
 
-def _absolute(path: str) -> str:
-    """A local path made absolute (a URI as it is), so names of one file compare equal."""
+def absolute_path(path: str) -> str:
+    """A local path or pattern made absolute (a URI as it is), so names of one file compare
+    equal, and Beam's local match finds a pattern with no folder in it ("*.jsonl", which it
+    matches to nothing)."""
     return path if "://" in path else os.path.abspath(path)

@@ -36,8 +36,8 @@ from apache_beam.options.pipeline_options import PipelineOptions, StandardOption
 import batchgen_beam
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.generate import METRICS_NAMESPACE, Generate
-from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, check_input,
-                              check_output, file_records, infer_format)
+from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, absolute_path,
+                              check_input, check_output, file_records, infer_format)
 from batchgen_beam.records import SAMPLING_FIELDS, check_defaults
 from runtime import SamplingParams
 
@@ -270,7 +270,7 @@ def count_records(pattern: str, fmt: str, limit_bytes: int = COUNT_LIMIT_BYTES) 
     """How many records the input holds, where that is cheap to find out; else None."""
     import pyarrow.parquet as pq
 
-    files = FileSystems.match([pattern])[0].metadata_list
+    files = FileSystems.match([absolute_path(pattern)])[0].metadata_list
     if fmt == "parquet":
         total = 0
         for meta in files:

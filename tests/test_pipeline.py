@@ -406,6 +406,20 @@ def test_job_defaults_the_engine_cannot_honour_are_refused_before_the_run(chat_m
     assert not list(tmp_path.glob("gen*"))
 
 
+def test_paths_with_no_folder_read_and_replace_in_the_current_one(chat_model, jsonl_input, tmp_path, monkeypatch):
+    """Beam's local match finds nothing for a glob with no folder in it ("*.jsonl"): the input
+    was refused as matching nothing, and an earlier run's shards under "gen" stayed."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(jsonl_input, tmp_path / "part-1.jsonl")
+    first = run(chat_model, "--input", "part-*.jsonl", "--output", "gen", "--output_shards", "3")
+    second = run(chat_model, "--input", "part-*.jsonl", "--output", "gen", "--output_shards", "1")
+    assert first["records"] == second["records"] == len(jsonl_input.read_bytes().splitlines()) - 2
+    assert sorted(p.name for p in tmp_path.glob("gen*")) == ["gen-00000-of-00001.parquet"]
+    assert len(second["removed_files"]) == 3
+
+
 def test_a_rerun_leaves_only_its_own_shards(chat_model, jsonl_input, tmp_path):
     """An earlier run's shards under the prefix, with another count, would read as this run's
     rows (twice over); other files whose names merely start with the prefix stay."""
