@@ -63,17 +63,19 @@ def _load():
     import ninja
     from torch.utils import cpp_extension
 
-    # torch runs `ninja` from PATH: the one pip installed beside this Python is there only in
-    # an activated environment (not for `venv/bin/python -m ...` from cron or an IDE).
-    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = os.pathsep.join(filter(None, [os.environ.get("PATH"), ninja.BIN_DIR]))
     directory = build_directory()
+    path = os.environ.get("PATH")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with open(directory / "build.flock", "w") as turn:
             fcntl.flock(turn, fcntl.LOCK_EX)
             # Every builder holds this turn, so a torch lock file seen now is a dead process's.
             (directory / "lock").unlink(missing_ok=True)
+            # torch runs `ninja` from PATH: always the one pip installed with this package. An
+            # activated environment finds it, `venv/bin/python -m ...` (cron, an IDE) finds the
+            # system's or none, and two ninja versions log commands under different hashes,
+            # so each rebuilt the shared cache the other had built (minutes, at engine start).
+            os.environ["PATH"] = os.pathsep.join(filter(None, [ninja.BIN_DIR, path]))
             return cpp_extension.load(name="batchgen_cpu_kernels", sources=[str(s) for s in SOURCES],
                                       extra_cflags=["-O3", "-fopenmp", *_simd_flags()],
                                       extra_ldflags=["-fopenmp"], build_directory=str(directory))
@@ -82,6 +84,11 @@ def _load():
             f"building the C++ CPU kernels ({SOURCES[0].parent}) failed: {error}. They need g++, "
             "ninja and the Python headers; or set BATCHGEN_CPU_KERNELS=torch to run the torch "
             "implementations instead") from error
+    finally:
+        if path is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = path
 
 
 def build():

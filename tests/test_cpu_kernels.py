@@ -534,16 +534,20 @@ def test_the_build_is_cached_under_torch_extensions_dir(monkeypatch, tmp_path):
     assert cpu_kernels.build_directory().parent == tmp_path
 
 
-def test_a_cached_build_loads_with_no_ninja_on_the_path(tmp_path):
-    """`venv/bin/python -m ...` without activating the environment (cron, an IDE): the ninja
-    pip installed beside this Python is not on PATH, and torch runs it from there."""
+def test_the_build_runs_the_ninja_pip_installed_whatever_is_on_the_path(tmp_path):
+    """`venv/bin/python -m ...` without activating the environment (cron, an IDE) finds the
+    system's ninja first, or none; two ninja versions rebuilt the cache over each other's
+    builds (their logs hash commands differently). Here PATH's only ninja fails."""
     cpu_kernels.build()  # built and cached, so the child only loads
-    child = subprocess.run([sys.executable, "-c", "from kernels import cpu_kernels; "
-                            "print(cpu_kernels.build().panel_linear.__name__)"],
+    foreign = tmp_path / "ninja"
+    foreign.write_text("#!/bin/sh\necho 'not the ninja pip installed' >&2\nexit 1\n")
+    foreign.chmod(0o755)
+    child = subprocess.run([sys.executable, "-c", "from kernels import cpu_kernels; import os; "
+                            "print(cpu_kernels.build().panel_linear.__name__, os.environ['PATH'])"],
                            capture_output=True, text=True, timeout=300,
                            env={**os.environ, "PATH": str(tmp_path)}, cwd=Path(cpu_kernels.__file__).parent.parent)
     assert child.returncode == 0, child.stderr
-    assert child.stdout.strip() == "panel_linear"
+    assert child.stdout.split() == ["panel_linear", str(tmp_path)]  # PATH as it was, after
 
 
 def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load():
