@@ -419,7 +419,8 @@ def _check_id(value: Any, key: str) -> str:
 
 
 def _check_prompt(fields: Mapping) -> tuple[str | None, list[dict] | None]:
-    prompt, messages = fields.get("prompt"), fields.get("messages")
+    # NaN is absent: a DataFrame of prompt rows and chat rows holds it in the other column.
+    prompt, messages = (None if is_missing(v) else v for v in (fields.get("prompt"), fields.get("messages")))
     if prompt is None and messages is None:
         raise _Invalid("prompt: missing (give prompt, a string, or messages, a chat list)")
     if prompt is not None and messages is not None:

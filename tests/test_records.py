@@ -477,6 +477,17 @@ def test_a_developer_message_is_a_system_message():
     assert got.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 
 
+def test_a_nan_prompt_or_messages_is_absent():
+    """pandas' DataFrame of prompt rows and chat rows holds NaN in each row's other column."""
+    chat = [{"role": "user", "content": "Hi"}]
+    as_prompt = parse_record({"id": "p", "prompt": "Hi", "messages": float("nan")})
+    as_chat = parse_record({"id": "c", "prompt": np.float64("nan"), "messages": chat})
+    assert isinstance(as_prompt, Parsed) and as_prompt.prompt == "Hi" and as_prompt.messages is None
+    assert isinstance(as_chat, Parsed) and as_chat.messages == chat and as_chat.prompt is None
+    neither = parse_record({"id": "n", "prompt": float("nan"), "messages": float("nan")})
+    assert isinstance(neither, Rejected) and neither.error.startswith("prompt: missing")
+
+
 def test_text_content_parts_reach_the_engine_as_parts():
     """The engine joins them or not, by the chat template (tests/test_engine_api.py)."""
     parts = [{"type": "text", "text": "Translate:"}, {"type": "text", "text": "bonjour", "cache_control": None}]
