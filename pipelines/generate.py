@@ -148,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "copy of the weights instead of re-reading the files every step")
     engine.add_argument("--no_greedy_screen", dest="greedy_screen", action="store_const", const=False,
                         default=None, help="greedy rows take full fp32 logits, not a bf16 screen of "
-                                           "the vocabulary verified in fp32 (same tokens; saves a bf16 "
-                                           "copy of the lm_head)")
+                                           "the vocabulary verified in fp32 (same tokens; saves the bf16 "
+                                           "copies of the lm_head)")
     engine.add_argument("--max_logprobs", type=int, default=None,
                         help="the most --logprobs / --prompt_logprobs a record may ask for "
                              "(default 20, as vLLM's; -1: the whole vocabulary)")
