@@ -410,8 +410,9 @@ class WriteRows(beam.PTransform):
         """Files under this prefix named as this transform names its shards, other than those
         written: an earlier run's, with another shard count, which a reader of
         `<prefix>-*` would take for this run's."""
-        shard = re.compile(re.escape(absolute_path(self.prefix)) + r"-\d{5,}-of-\d{5,}" + re.escape(self.suffix))
-        found = FileSystems.match([f"{absolute_path(self.prefix)}-*-of-*{self.suffix}"])[0].metadata_list
+        prefix = absolute_path(self.prefix)
+        shard = re.compile(re.escape(prefix) + r"-\d{5,}-of-\d{5,}" + re.escape(self.suffix))
+        found = FileSystems.match([f"{prefix}-*-of-*{self.suffix}"])[0].metadata_list
         written = {absolute_path(path) for path in written}
         return sorted(path for path in map(absolute_path, (m.path for m in found))
                       if shard.fullmatch(path) and path not in written)
@@ -430,7 +431,7 @@ class WriteRows(beam.PTransform):
 
 
 def absolute_path(path: str) -> str:
-    """A local path or pattern made absolute (a URI as it is), so names of one file compare
-    equal, and Beam's local match finds a pattern with no folder in it ("*.jsonl", which it
-    matches to nothing)."""
-    return path if "://" in path else os.path.abspath(path)
+    """A local path or pattern made absolute, "~" expanded (a URI as it is), so names of one
+    file compare equal, and Beam's local match finds a pattern with no folder in it ("*.jsonl",
+    which it matches to nothing)."""
+    return path if "://" in path else os.path.abspath(os.path.expanduser(path))

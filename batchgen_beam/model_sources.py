@@ -55,7 +55,9 @@ def resolve_adapter(adapter: str | os.PathLike) -> pathlib.Path:
 def _check_adapter_dir(path: pathlib.Path, source: str) -> None:
     """ValueError where the adapter lacks its config or weights (a gs:// copy taken mid-upload
     would otherwise be cached as complete)."""
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
+    from runtime.lora import ADAPTER_WEIGHTS  # what merging reads
+
+    for name in ("adapter_config.json", ADAPTER_WEIGHTS):
         if not (path / name).is_file():
             raise ValueError(f"LoRA adapter {source} has no {name}")
 

@@ -21,7 +21,6 @@ tokens, tokens/s, the files written and the time taken, read from the pipeline's
 import argparse
 import json
 import logging
-import os
 import sys
 import threading
 import time
@@ -217,14 +216,8 @@ def model_of(args: argparse.Namespace) -> str | None:
 
 
 def _local_or_gcs(path: str | None) -> str | None:
-    if path is None or path.startswith("gs://"):
-        return path
-    return _absolute(path)
-
-
-def _absolute(path: str) -> str:
-    """A local path as engine arguments hold it: the same engine from any cwd."""
-    return os.path.abspath(os.path.expanduser(path))
+    """A local path absolute, as engine arguments hold it: the same engine from any cwd."""
+    return None if path is None else absolute_path(path)
 
 
 def as_chat(record):

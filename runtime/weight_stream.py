@@ -72,8 +72,8 @@ class _Index:
         self.model_dir = model_dir
         self.fds: list[int] = []
         weakref.finalize(self, _close_all, self.fds)
-        self._tensors: dict[str, tuple[int, int, int, str]] = {}  # fd, offset, bytes, stored type
-        self._shapes: dict[str, tuple[int, ...]] = {}
+        # fd, offset, bytes, stored type, shape
+        self._tensors: dict[str, tuple[int, int, int, str, tuple[int, ...]]] = {}
         for path in safetensors_files(model_dir):
             fd = os.open(path, os.O_RDONLY)
             self.fds.append(fd)
@@ -83,8 +83,8 @@ class _Index:
                 if name != "__metadata__":
                     start, end = meta["data_offsets"]
                     refuse_twice(self._tensors, canonical_name(name), path)
-                    self._tensors[canonical_name(name)] = (fd, 8 + size + start, end - start, meta["dtype"])
-                    self._shapes[canonical_name(name)] = tuple(meta["shape"])
+                    self._tensors[canonical_name(name)] = (fd, 8 + size + start, end - start, meta["dtype"],
+                                                           tuple(meta["shape"]))
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -92,39 +92,46 @@ class _Index:
     def extent(self, name: str) -> Extent:
         if name not in self._tensors:
             raise KeyError(f"checkpoint has no tensor {name!r}")
-        fd, offset, nbytes, stored = self._tensors[name]
+        fd, offset, nbytes, stored, _ = self._tensors[name]
         if stored not in STORED_FLOATS:
             raise NotImplementedError(f"weight streaming reads float checkpoints "
                                       f"({', '.join(STORED_FLOATS)}): {name} is stored as {stored}")
         return Extent(fd, offset, nbytes, STORED_FLOATS[stored])
 
-    def check_shape(self, name: str, sources: list[str], shape: torch.Size) -> None:
+    def param_extents(self, name: str, shape: torch.Size) -> list[Extent]:
+        """The extents that make up our parameter `name` (its HF tensors, packed q|k|v or gate|up
+        one after another), checked to make its shape."""
+        sources = hf_sources(name, self)
+        extents = [self.extent(src) for src in sources]
+        self._check_shape(name, sources, shape)
+        return extents
+
+    def expert_extents(self, hf_name: str, num_experts: int, shape: tuple[int, ...]) -> list[list[Extent]]:
+        """Per expert, the extents that make up its slice of the stacked tensor `hf_name`
+        (`….experts.gate_up_proj` or `….experts.down_proj`, `shape` [E, ...]), stored fused or
+        per expert."""
+        per_expert = per_expert_names(self, hf_name, num_experts)
+        if per_expert is not None:
+            extents = [[self.extent(part) for part in parts] for parts in per_expert]
+            for parts in per_expert:
+                self._check_shape(hf_name, parts, shape[1:])
+            return extents
+        whole = self.extent(hf_name)
+        self._check_shape(hf_name, [hf_name], shape)
+        size = whole.nbytes // num_experts
+        return [[Extent(whole.fd, whole.offset + e * size, size, whole.dtype)] for e in range(num_experts)]
+
+    def _check_shape(self, name: str, sources: list[str], shape) -> None:
         """That the stored tensors `sources`, concatenated along their first dimension as
         loading concatenates them, make `name`'s shape (a tensor too short or too long, or of
         another layout, would be read as a wrong one)."""
-        shapes = [self._shapes[src] for src in sources]
+        shapes = [self._tensors[src][4] for src in sources]
         if all(s[1:] == shapes[0][1:] for s in shapes):
             stored = (sum(s[0] for s in shapes), *shapes[0][1:]) if shapes[0] else ()
             if stored == tuple(shape):
                 return
         raise ValueError(f"{self.model_dir}: {name} is {' + '.join(str(s) for s in shapes)} in the "
                          f"checkpoint; the config makes it {tuple(shape)}")
-
-    def check_experts(self, hf_name: str, num_experts: int, shape: tuple[int, ...]) -> None:
-        """That the stacked tensor `hf_name`, stored fused or per expert, is `shape` [E, ...]."""
-        per_expert = per_expert_names(self, hf_name, num_experts)
-        for parts in per_expert or [[hf_name]]:
-            self.check_shape(hf_name, parts, shape if per_expert is None else shape[1:])
-
-    def expert_extents(self, hf_name: str, num_experts: int) -> list[list[Extent]]:
-        """Per expert, the extents that make up its slice of the stacked tensor `hf_name`
-        (`….experts.gate_up_proj` or `….experts.down_proj`), stored fused or per expert."""
-        per_expert = per_expert_names(self, hf_name, num_experts)
-        if per_expert is not None:
-            return [[self.extent(part) for part in parts] for parts in per_expert]
-        whole = self.extent(hf_name)
-        size = whole.nbytes // num_experts
-        return [[Extent(whole.fd, whole.offset + e * size, size, whole.dtype)] for e in range(num_experts)]
 
 
 def _aligned(nbytes: int) -> int:
@@ -205,9 +212,7 @@ class WeightStreamer:
         for name, param in model.layers[i].named_parameters():
             if ".experts." in name or not param.is_meta:  # routed experts: the ring; norms: resident
                 continue
-            sources = hf_sources(f"layers.{i}.{name}", self._index)
-            extents = [self._index.extent(src) for src in sources]
-            self._index.check_shape(f"layers.{i}.{name}", sources, param.shape)
+            extents = self._index.param_extents(f"layers.{i}.{name}", param.shape)
             module_name, _, attr = name.rpartition(".")
             plan.append(_Binding(model.layers[i].get_submodule(module_name), attr, param, offset, extents))
             offset = _aligned(offset + _nbytes(param))
@@ -224,10 +229,7 @@ class WeightStreamer:
                     host = torch.empty(param.shape, dtype=param.dtype)
                     staged.append((param, host))
                 view = memoryview(host.view(-1).view(torch.uint8).numpy())
-                sources = hf_sources(name, self._index)
-                extents = [self._index.extent(src) for src in sources]
-                self._index.check_shape(name, sources, param.shape)
-                copies += self._back_to_back(extents, view, 0)
+                copies += self._back_to_back(self._index.param_extents(name, param.shape), view, 0)
         _wait(self._submit(copies))
         for param, host in staged:
             param.detach().copy_(host)
@@ -264,10 +266,9 @@ class WeightStreamer:
         shapes = {"gate_up_proj": (moe.num_experts, 2 * moe.intermediate_size, hidden),
                   "down_proj": (moe.num_experts, hidden, moe.intermediate_size)}
         for i, block in blocks:  # self._experts: layer -> (gate_up extents, down extents) per expert
-            names = {kind: f"model.layers.{i}.mlp.experts.{kind}" for kind in shapes}
-            self._experts[i] = tuple(self._index.expert_extents(name, moe.num_experts) for name in names.values())
-            for kind, name in names.items():
-                self._index.check_experts(name, moe.num_experts, shapes[kind])
+            self._experts[i] = tuple(self._index.expert_extents(f"model.layers.{i}.mlp.experts.{kind}",
+                                                                moe.num_experts, shape)
+                                     for kind, shape in shapes.items())
             block.experts = StreamedExperts(self, i, moe.num_experts)
         self._gate_up_bytes = 2 * moe.intermediate_size * hidden * self._element
         # Routed experts, read per step into the ring's host halves, or (host_copy) held per layer.
