@@ -70,6 +70,13 @@ def weights_fingerprint(files: list[Path]) -> str:
     return digest.hexdigest()
 
 
+def alias_tied_embedding(tensors: dict, tied: bool) -> None:
+    """A tied model may store its one matrix as `lm_head.weight` alone (transformers loads it
+    into both): read the embedding from it."""
+    if tied and "model.embed_tokens.weight" not in tensors and "lm_head.weight" in tensors:
+        tensors["model.embed_tokens.weight"] = tensors["lm_head.weight"]
+
+
 def refuse_twice(seen: dict, name: str, path: Path) -> None:
     """Two weight files holding one tensor (a stale copy beside the model): which is meant?"""
     if name in seen:
@@ -80,7 +87,7 @@ def refuse_twice(seen: dict, name: str, path: Path) -> None:
 class _Checkpoint:
     """Tensors by HF name across all shards, read lazily (memory-mapped)."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, tied: bool):
         files = safetensors_files(model_dir)
         self._handles = [_open(f) for f in files]
         self._where: dict[str, tuple] = {}
@@ -88,6 +95,7 @@ class _Checkpoint:
             for name in handle.keys():
                 refuse_twice(self._where, canonical_name(name), path)
                 self._where[canonical_name(name)] = (handle, name)
+        alias_tied_embedding(self._where, tied)
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -190,7 +198,7 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
     """The model, its weights read; with `lora` (a PEFT adapter directory) merged into them."""
     model_dir = Path(model_dir)
     model = build_model(model_dir, device, dtype)
-    checkpoint = _Checkpoint(model_dir)
+    checkpoint = _Checkpoint(model_dir, model.spec.tie_word_embeddings)
     with torch.no_grad():
         for name, param in model.named_parameters():  # tied weights are listed once
             if ".experts." in name:  # MoE: [experts, ...], however the checkpoint stores them

@@ -38,8 +38,8 @@ from torch import nn
 
 from kernels import expert_ffn
 from kernels.moe import combine, sort_by_expert
-from runtime.loader import (STORED_FLOATS, canonical_name, hf_sources, offset_norms, refuse_twice,
-                            safetensors_files)
+from runtime.loader import (STORED_FLOATS, alias_tied_embedding, canonical_name, hf_sources, offset_norms,
+                            refuse_twice, safetensors_files)
 from runtime.model import CausalLM
 from runtime.moe import SparseMoeBlock, per_expert_names
 
@@ -68,7 +68,7 @@ class Extent:
 class _Index:
     """Where each stored tensor's bytes are, from the safetensors headers."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, tied: bool):
         self.model_dir = model_dir
         self.fds: list[int] = []
         weakref.finalize(self, _close_all, self.fds)
@@ -85,6 +85,7 @@ class _Index:
                     refuse_twice(self._tensors, canonical_name(name), path)
                     self._tensors[canonical_name(name)] = (fd, 8 + size + start, end - start, meta["dtype"],
                                                            tuple(meta["shape"]))
+        alias_tied_embedding(self._tensors, tied)
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -161,7 +162,7 @@ class WeightStreamer:
         spec = model.spec
         self.dtype = model.embed_tokens.weight.dtype
         self._element = torch.empty((), dtype=self.dtype).element_size()
-        self._index = _Index(Path(model_dir))
+        self._index = _Index(Path(model_dir), spec.tie_word_embeddings)
         self.bytes_read = 0
         self._count_lock = threading.Lock()  # reader threads add to bytes_read
         self._local = threading.local()  # a reader's staging buffer

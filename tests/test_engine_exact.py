@@ -515,6 +515,38 @@ def test_a_tensor_stored_in_two_weight_files_is_refused(tiny, tmp_path, streamin
         make_engine(model, **({"weight_budget_bytes": 1 << 30} if streaming else {}))
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_tied_model_storing_its_matrix_as_the_lm_head_alone_loads(tiny, tmp_path, streaming):
+    """transformers reads such a checkpoint's one matrix into the embedding and the head."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "head-only"
+    shutil.copytree(tiny.dir("smollm"), model)
+    tensors = load_file(model / "model.safetensors")
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    prompt = random_prompts([9], seed=4)[0]
+    engine = make_engine(model, **({"weight_budget_bytes": 1 << 30} if streaming else {}))
+    [completion] = engine.generate(greedy_requests([prompt], 6))
+    assert completion.token_ids == hf_greedy(tiny.hf("smollm"), prompt, 6)[0]
+
+
+def test_an_untied_model_missing_its_embedding_is_refused(tiny, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "no-embedding"
+    shutil.copytree(tiny.dir("qwen2"), model)
+    tensors = load_file(model / "model.safetensors")
+    del tensors["model.embed_tokens.weight"]
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(KeyError, match="model.embed_tokens.weight"):
+        make_engine(model)
+
+
 def test_a_path_that_is_not_a_model_directory_says_so(tmp_path):
     from runtime import Engine
 
