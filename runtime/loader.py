@@ -1,8 +1,10 @@
 """Load an HF safetensors directory into our CausalLM, packing q|k|v and gate|up (and stacking
 MoE experts)."""
 
+import dataclasses
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -11,6 +13,8 @@ from safetensors import safe_open
 from runtime.config import load_hf_config, model_spec, rope_cos_sin
 from runtime.model import CausalLM, Linear, RMSNorm
 from runtime.moe import read_experts
+
+_log = logging.getLogger(__name__)
 
 # Our packed parameter -> the HF parameters concatenated (along dim 0) to form it.
 _PACKED = {
@@ -158,6 +162,8 @@ def build_model(model_dir: str | Path, device: torch.device | str = "cpu",
     resident, so Gemma's 1 + weight is added once, not on every read)."""
     config = load_hf_config(model_dir)
     spec = model_spec(config)
+    if spec.tie_word_embeddings and _stores_its_own_head(Path(model_dir)):
+        spec = dataclasses.replace(spec, tie_word_embeddings=False)
     rope_tables = rope_cos_sin(config, spec.head_dim, spec.max_position_embeddings)
     with torch.device("meta"):
         model = CausalLM(spec, rope_tables).to(dtype)
@@ -176,6 +182,20 @@ def build_model(model_dir: str | Path, device: torch.device | str = "cpu",
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()
+
+
+def _stores_its_own_head(model_dir: Path) -> bool:
+    """A checkpoint whose config ties the head to the embedding but which stores a head that
+    differs from it: transformers then keeps the two apart, and so do we."""
+    checkpoint = _Checkpoint(model_dir, tied=False)
+    embedding, head = "model.embed_tokens.weight", "lm_head.weight"
+    if embedding not in checkpoint or head not in checkpoint:
+        return False
+    if torch.equal(checkpoint.get(embedding), checkpoint.get(head)):
+        return False
+    _log.warning("%s: the config ties lm_head.weight to the embedding, but the checkpoint stores a "
+                 "different one; using the stored head, as transformers does", model_dir)
+    return True
 
 
 def offset_norms(model: CausalLM, offset: float) -> None:

@@ -533,6 +533,30 @@ def test_a_tied_model_storing_its_matrix_as_the_lm_head_alone_loads(tiny, tmp_pa
     assert completion.token_ids == hf_greedy(tiny.hf("smollm"), prompt, 6)[0]
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("differs", [False, True])
+def test_a_tied_model_storing_a_head_of_its_own_uses_it_as_transformers_does(tiny, tmp_path, streaming, differs):
+    """Both matrices stored: tied where they are equal, apart (transformers warns) where not."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "own-head"
+    shutil.copytree(tiny.dir("smollm"), model)
+    tensors = load_file(model / "model.safetensors")
+    embedding = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = torch.randn_like(embedding) if differs else embedding.clone()
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    prompt = random_prompts([9], seed=4)[0]
+    engine = make_engine(model, **({"weight_budget_bytes": 1 << 30} if streaming else {}))
+    [completion] = engine.generate(greedy_requests([prompt], 6))
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    assert completion.token_ids == hf_greedy(oracle, prompt, 6)[0]
+    tied = engine.model.lm_head.weight is engine.model.embed_tokens.weight
+    assert tied == (not differs)
+
+
 def test_an_untied_model_missing_its_embedding_is_refused(tiny, tmp_path):
     import shutil
 
