@@ -533,10 +533,8 @@ class Engine:
         p = seq.params
         if not p.adjusts_logits:
             return SampleRow(p, seq.generator)
-        banned = ()
-        if seq.num_generated < p.min_tokens:  # EOS too under ignore_eos, as vLLM bans it
-            ending = {*p.stop_token_ids, *self.stop_rule.eos_token_ids}
-            banned = sorted(t for t in ending if t < self.spec.vocab_size)
+        # EOS too under ignore_eos, as vLLM bans it
+        banned = seq.ending_ids if seq.num_generated < p.min_tokens else None
         split = seq.num_prompt_tokens
         allowed = None if seq.grammar is None else allowed_tokens(seq.grammar, self.spec.vocab_size)
         return SampleRow(p, seq.generator, seq.token_ids[:split], seq.token_ids[split:], banned, allowed,

@@ -195,7 +195,9 @@ class SampleRow:
     # Its tokens so far, for penalties: the prompt, then what it generated.
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
-    banned_ids: Sequence[int] = ()  # may not be chosen now (they would end it before min_tokens)
+    # Tokens that may not be chosen now (they would end it before min_tokens); ids past the
+    # vocabulary are left out here.
+    banned: torch.Tensor | None = None
     allowed: torch.Tensor | None = None  # the only tokens its output's grammar allows now (a bitmask)
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # its logit_bias_tensors, made once
 
@@ -245,8 +247,9 @@ def adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
 
     if row.allowed is not None:
         keep_allowed(logits, row.allowed)
-    if row.banned_ids:
-        banned = ids(row.banned_ids)
+    if row.banned is not None:
+        banned = row.banned.to(logits.device)
+        banned = banned[banned < logits.shape[-1]]
         before = logits[banned]
         logits[banned] = float("-inf")
         if torch.isneginf(logits).all():  # the grammar allows only tokens that end it: as vLLM,

@@ -123,6 +123,16 @@ class Sequence:
         """Its params' logit bias as tensors, made at its first sampled step, not every step."""
         return logit_bias_tensors(self.params.logit_bias) if self.params.logit_bias else None
 
+    @functools.cached_property
+    def _stop_token_ids(self) -> frozenset[int]:
+        return frozenset(self.params.stop_token_ids)  # a long tuple would be scanned every token
+
+    @functools.cached_property
+    def ending_ids(self) -> torch.Tensor:
+        """The tokens that would end it (its stop_token_ids and EOS), which min_tokens bans at
+        each step before it: made once, as a long list takes milliseconds to turn into one."""
+        return torch.tensor(sorted({*self.params.stop_token_ids, *self.stop_rule.eos_token_ids}), dtype=torch.long)
+
     # ---- the coroutine -------------------------------------------------------------------
     def send(self, event: Event, payload=None) -> Status:
         if self.status not in _ALLOWED[event]:
@@ -179,7 +189,7 @@ class Sequence:
         p, rule = self.params, self.stop_rule
         eos = not p.ignore_eos and token in rule.eos_token_ids
         grammar_done = self.grammar is not None and self.grammar.is_stopped()
-        if (eos or token in p.stop_token_ids) and (self.num_generated >= p.min_tokens or grammar_done):
+        if (eos or token in self._stop_token_ids) and (self.num_generated >= p.min_tokens or grammar_done):
             # (the sampler kept them out before min_tokens, unless the grammar allowed nothing
             # else: then too they end the sequence as themselves). vLLM's text leaves the ending
             # token's out, unless asked to keep the stop: then a stop string its text completes

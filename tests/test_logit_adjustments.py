@@ -101,6 +101,11 @@ def test_min_tokens_matches_transformers_min_new_tokens(tiny):
         tokens, logprobs = hf_generate(hf, prompt, min_new_tokens=6, sequence_bias=[[[EOS], 30.0]])
         assert_matches(completion, tokens, logprobs, max_tokens=MAX_TOKENS)
         assert len(tokens) == 7 and tokens[-1] == EOS
+    # Stop ids past the vocabulary can never come, so there is nothing of them to ban.
+    past = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=6, logit_bias=eos_bias, logprobs=0,
+                          stop_token_ids=[10**6, EOS])
+    again = engine.generate([Request(f"p{i}", prompt_token_ids=p, params=past) for i, p in enumerate(PROMPTS)])
+    assert [c.token_ids for c in again] == [c.token_ids for c in completions]
     [early] = engine.generate([Request("no-min", prompt_token_ids=PROMPTS[0], params=SamplingParams(
         max_tokens=MAX_TOKENS, logit_bias=eos_bias))])
     assert early.token_ids == [EOS]
@@ -311,7 +316,7 @@ def test_min_tokens_lets_through_the_only_tokens_a_grammar_allows():
     allowed = torch.zeros(1, dtype=torch.int32)
     allowed[0] = 1 << 3  # the grammar allows token 3 only ...
     logits = torch.arange(10, dtype=torch.float32)
-    row = SampleRow(SamplingParams(min_tokens=2, regex="x"), banned_ids=[3, 9], allowed=allowed)
+    row = SampleRow(SamplingParams(min_tokens=2, regex="x"), banned=torch.tensor([3, 9]), allowed=allowed)
     adjust_logits(logits, row)  # ... which min_tokens bans
     assert logits[3] == 3 and torch.isneginf(logits[torch.arange(10) != 3]).all()
     [token] = sample(torch.arange(10, dtype=torch.float32)[None], [row])
