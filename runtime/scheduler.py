@@ -128,8 +128,10 @@ class Scheduler:
             # A prompt being scored needs every token's hidden state: no cached prefix for it.
             cached, hashes = ([], []) if seq.scores_prompt else self.blocks.match_prefix(seq.token_ids)
             num = min(seq.num_tokens - len(cached) * self.blocks.block_size, budget)
-            fresh = self.blocks.blocks_needed(len(cached) * self.blocks.block_size + num) - len(cached)
-            if not self._fits(fresh):
+            # Admitted only once blocks for all its tokens and the first it generates are free,
+            # not just its first chunk's: else its later chunks would preempt it, most recent of
+            # the running, and it would recompute over and over.
+            if not self._fits(self.blocks.blocks_needed(seq.num_tokens + 1) - len(cached)):
                 self.blocks.release(cached)
                 break
             self.waiting.pop(0)

@@ -277,6 +277,20 @@ def test_preemption_combined_with_chunked_prefill_and_prefix_sharing(tiny):
     assert_idle_and_clean(engine)
 
 
+def test_a_prompt_is_admitted_when_all_of_it_fits_not_its_first_chunk(tiny):
+    """Prompts that fit the cache only one or two at a time, prefilled in chunks: admitted on
+    its first chunk, a prompt was preempted by its own later chunks (it is the most recent)
+    and recomputed again and again (3.4x the prompt tokens here)."""
+    family = "llama"
+    prompts = random_prompts((100, 120, 90, 130), seed=3)
+    engine = make_engine(tiny.dir(family), num_blocks=10, max_num_batched_tokens=24,
+                         preemption="evict", enable_prefix_caching=False)
+    completions = engine.generate(greedy_requests(prompts, 20))
+    check_all(tiny, family, prompts, completions, 20)
+    assert engine.stats.prefill_tokens <= 1.25 * sum(len(p) for p in prompts)
+    assert_idle_and_clean(engine)
+
+
 def test_max_num_seqs_bounds_the_running_set(tiny):
     engine = make_engine(tiny.dir("qwen2"), max_num_seqs=2)
     spy = BatchSpy(engine)
