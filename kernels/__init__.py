@@ -4,7 +4,7 @@ run CPU tensors. kernels/backend.py picks one per call, by device (and BATCHGEN_
 `prepare(device)` builds the C++ kernels ahead of use."""
 
 from kernels import activation, attention, cpu_kernels as cpp, matmul, moe, norm, rope, sampling
-from kernels.backend import bf16_matmul_is_fast, decode_stack_runs, dispatch, prepare
+from kernels.backend import TRITON_DTYPES, bf16_matmul_is_fast, decode_stack_runs, dispatch, prepare
 from kernels.cpu_kernels import KernelBuildError, decode_stack  # decode_stack: CPU only
 from kernels.moe import route  # softmax and top-k: torch's own kernels on every device
 
@@ -51,5 +51,6 @@ __all__ = [
     "rms_norm_fp32_scale",
     "route",
     "silu_and_mul",
+    "TRITON_DTYPES",
     "write_kv",
 ]

@@ -22,6 +22,7 @@ from kernels import cpu_kernels as cpp
 
 _forced = False
 CPU_KERNELS_VAR = "BATCHGEN_CPU_KERNELS"
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the Triton kernels have tiles for these
 
 
 def backend_for(device: torch.device) -> str:

@@ -202,6 +202,9 @@ class Engine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device!r}: this torch ({torch.__version__}) sees no CUDA device "
                              f"(a CPU build, or no GPU or driver)")
+        if self.device.type == "cuda" and dtype not in kernels.TRITON_DTYPES:
+            raise ValueError(f"dtype={dtype}: CUDA runs the Triton kernels, which take "
+                             f"{', '.join(map(str, kernels.TRITON_DTYPES))}")
         streaming = weight_budget_bytes is not None
         if weights_in_host_memory and not streaming:
             raise ValueError("weights_in_host_memory streams weights: give weight_budget_bytes too")

@@ -686,3 +686,11 @@ def test_a_cuda_device_torch_cannot_see_is_refused_naming_it(tiny, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="device='cuda': this torch .* sees no CUDA device"):
         make_engine(tiny.dir("llama"), device="cuda")
+
+
+def test_a_dtype_the_triton_kernels_have_no_tiles_for_is_refused_on_cuda(tiny, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before any CUDA call
+    with pytest.raises(ValueError, match="dtype=torch.float64: CUDA runs the Triton kernels, which take"):
+        make_engine(tiny.dir("llama"), device="cuda", dtype=torch.float64)

@@ -156,6 +156,29 @@ def test_write_kv(kt, dtype, block_size):
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
 
 
+def test_index_tensors_and_weights_may_be_strided_views(kt):
+    """Block tables, context lengths, slots and the norm weight as views with gaps (the torch
+    and C++ ops take them): read by their strides, not as dense rows."""
+    g = gen(11)
+    k, v = torch.randn(12, 4, 2, 16, generator=g), torch.randn(12, 4, 2, 16, generator=g)
+    tables = torch.tensor([[3, -1, 7, -1, 1, -1], [5, -1, 2, -1, 0, -1]])[:, ::2]
+    lens = torch.tensor([[10, 99], [9, 99]])[:, 0]
+    q = torch.randn(2, 4, 16, generator=g)
+    torch.testing.assert_close(kt.paged_decode_attention(q, k, v, tables, lens, 0.25),
+                               attention.paged_decode_attention(q, k, v, tables.contiguous(), lens.contiguous(), 0.25))
+    chunk = torch.randn(5, 4, 16, generator=g)
+    torch.testing.assert_close(kt.paged_prefill_attention(chunk, k, v, tables[0], 5, 0.25),
+                               attention.paged_prefill_attention(chunk, k, v, tables[0].contiguous(), 5, 0.25))
+    slots = torch.tensor([5, -1, 17, -1, 30, -1])[::2]
+    new_k, new_v = torch.randn(2, 3, 2, 16, generator=g)
+    caches, expected = [k.clone(), v.clone()], [k.clone(), v.clone()]
+    kt.write_kv(*caches, slots, new_k, new_v)
+    attention.write_kv(*expected, slots.contiguous(), new_k, new_v)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    x, weight = torch.randn(3, 8, generator=g), torch.randn(16, generator=g)[::2]
+    torch.testing.assert_close(kt.rms_norm(x, weight, 1e-6), norm.rms_norm(x, weight, 1e-6))
+
+
 # ---- attention over the paged cache ----------------------------------------------------------
 
 class PagedCache:
@@ -171,6 +194,13 @@ class PagedCache:
         width = max(map(len, rows))
         self.tables = torch.tensor([r + [-1] * (width - len(r)) for r in rows])
         self.used = sorted(b for r in rows for b in r)
+
+
+def test_a_dtype_without_tiles_is_not_implemented(kt):
+    cache = PagedCache([5], kv_heads=1)
+    q, k, v = (t.double() for t in (torch.randn(1, 2, 16, generator=gen(3)), cache.k, cache.v))
+    with pytest.raises(NotImplementedError, match="the Triton kernels run .* not torch.float64"):
+        kt.paged_decode_attention(q, k, v, cache.tables, torch.tensor([5]), 0.3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import Tiles, check_launchable, dot, dot_dtype, tile
+from kernels.triton.common import Tiles, check_launchable, dot, dot_dtype, tile, tiles_for
 
 # Query rows per program (a GQA group's heads x queries) and cached positions per softmax step,
 # from benchmarks.triton_tiles on an H200 (results/triton_tiles.json). fp32 dots run on CUDA
@@ -49,8 +49,8 @@ def _write_kv_kernel(k, v, k_cache, v_cache, slots, heads, k_token_stride, k_hea
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store k, v ([tokens, kv_heads, head_dim], strided views allowed) at flat slots
-    (kernels.attention.write_kv)."""
+    """Store k, v ([tokens, kv_heads, head_dim]) at flat slots (kernels.attention.write_kv);
+    any of the three may be a strided view."""
     check_launchable(k_cache)
     assert k_cache.stride() == v_cache.stride()
     tokens, heads, head_dim = k.shape
@@ -58,6 +58,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
         k = k.contiguous()
     if v.stride(2) != 1:
         v = v.contiguous()
+    slot_mapping = slot_mapping.contiguous()  # read as a dense vector
     if tokens:
         _write_kv_kernel[(tokens,)](
             k, v, k_cache, v_cache, slot_mapping, heads, k.stride(0), k.stride(1), v.stride(0),
@@ -140,6 +141,8 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """q: [seqs, queries, heads, head_dim], the last `queries` positions of each sequence's
     context; block_tables: [seqs, max_blocks]; context_lens: [seqs]."""
     check_launchable(q)
+    # The kernel indexes these as dense rows (a view's strides would be ignored).
+    block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
     seqs, num_queries, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
@@ -167,7 +170,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (kernels.attention.paged_decode_attention); block table entries past the context are never
     read, so any padding value works. `tiles` overrides DECODE_TILES (benchmarks.triton_tiles)."""
     return _attend(q[:, None], k_cache, v_cache, block_tables, context_lens, scale,
-                   sliding_window, softcap, tiles or DECODE_TILES[q.dtype])[:, 0]
+                   sliding_window, softcap, tiles or tiles_for(DECODE_TILES, q.dtype))[:, 0]
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -179,4 +182,4 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     `tiles` overrides PREFILL_TILES (benchmarks.triton_tiles)."""
     context = torch.full((1,), start_pos + q.shape[0], dtype=torch.int32, device=q.device)
     return _attend(q[None], k_cache, v_cache, block_table[None], context, scale, sliding_window,
-                   softcap, tiles or PREFILL_TILES[q.dtype])[0]
+                   softcap, tiles or tiles_for(PREFILL_TILES, q.dtype))[0]

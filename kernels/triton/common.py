@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.backend import TRITON_DTYPES
+
 # Fixed when the kernels are decorated: from here on they are interpreted, or compiled for a GPU.
 INTERPRETED = triton.knobs.runtime.interpret
 
@@ -29,6 +31,13 @@ class Tiles:
 
     def block_m(self, rows: int) -> int:
         return tile(min(rows, self.max_block_m), at_least=16)
+
+
+def tiles_for(table: dict[torch.dtype, Tiles], dtype: torch.dtype) -> Tiles:
+    """A kernel's tiles for inputs of `dtype`, from its table (one entry per TRITON_DTYPES)."""
+    if dtype not in table:
+        raise NotImplementedError(f"the Triton kernels run {', '.join(map(str, TRITON_DTYPES))}, not {dtype}")
+    return table[dtype]
 
 
 def tile(n: int, at_least: int = 1) -> int:

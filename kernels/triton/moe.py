@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import Tiles, check_launchable, dot, dot_dtype
+from kernels.triton.common import Tiles, check_launchable, dot, dot_dtype, tiles_for
 
 # Pairs per tile, output columns per program, reduction step. fp32 from benchmarks.triton_tiles
 # on an H200 (results/triton_tiles.json): 4.87 ms where 64-column tiles took 5.37.
@@ -106,7 +106,7 @@ def grouped_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     if tokens == 0:
         return torch.zeros_like(hidden), counts
 
-    tiles = tiles or TILES[hidden.dtype]
+    tiles = tiles or tiles_for(TILES, hidden.dtype)
     block_m = tiles.block_m(int(counts.max()))
     schedule = _schedule(counts, block_m).to(hidden.device)
     hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()

@@ -32,6 +32,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _launch(x, residual, weight, eps):
     check_launchable(x)
+    weight = weight.contiguous()  # read as a dense vector
     size = x.shape[-1]
     rows = _rows(x)
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
