@@ -21,6 +21,7 @@ queue, running set, counters and migrations, and `idle(start, end)` the time it 
 """
 
 import multiprocessing
+import pickle
 import queue
 import threading
 import time
@@ -40,6 +41,20 @@ SPLITS = ("shared", "static")
 STEAL_BELOW = 0.5  # an engine takes work once its load is under this fraction of another's
 DECLINED_PAUSE = 0.5  # seconds before asking an engine again that had nothing worth giving
 HISTORY = 100_000  # samples kept per engine for timeline() and idle()
+
+
+def _unsendable(requests: list[Request]) -> dict[str, str]:
+    """Why each request that cannot be pickled (a message carrying a function, say) cannot go
+    to an engine process, by id. Checked here because an inbox pickles on its feeder thread,
+    which drops a failing command, and every request in it, with only a traceback on stderr."""
+    errors = {}
+    for request in requests:
+        try:
+            pickle.dumps(request)
+        except Exception as exc:
+            errors[request.id] = (f"the request cannot be sent to an engine process: it does not "
+                                  f"pickle ({type(exc).__name__}: {exc})")
+    return errors
 
 
 def idle_seconds(transitions, start: float, end: float) -> tuple[float, float]:
@@ -197,6 +212,7 @@ class EnginePool:
                 raise ValueError('engines can be named only with split="static"')
             if len(engines) != len(requests) or not all(0 <= e < len(self._engines) for e in engines):
                 raise ValueError(f"need one engine index in [0, {len(self._engines)}) per request")
+        unsendable = _unsendable(requests)
         with self._lock:
             self._raise_failure()
             clash = [r.id for r in requests if r.id in self._params]
@@ -206,6 +222,12 @@ class EnginePool:
                 self._params[request.id] = request.params
                 if waiter is not None:
                     self._waiters[request.id] = waiter
+            for request_id, error in unsendable.items():
+                self._complete(None, Completion.failed(request_id, error))
+            if unsendable:
+                kept = [i for i, r in enumerate(requests) if r.id not in unsendable]
+                requests = [requests[i] for i in kept]
+                engines = None if engines is None else [engines[i] for i in kept]
             if self.split == "shared":
                 self._queue.extend(requests)
                 self._dispatch()
@@ -320,7 +342,8 @@ class EnginePool:
         engine.timeline.append({k: report[k] for k in ("t", "busy", "waiting", "running", "suspended",
                                                        "remaining_tokens")})
 
-    def _complete(self, index: int, completion: Completion) -> None:
+    def _complete(self, index: int | None, completion: Completion) -> None:
+        """`index`: the engine that ran it; None for one the pool could not send to any."""
         params = self._params.pop(completion.id, None)
         if params is None:
             self._failure = f"request {completion.id!r} completed twice (last by engine {index})"

@@ -227,6 +227,17 @@ def test_static_split_round_robin_by_default(static_pool, single):
         static_pool.reallocate = True
 
 
+def test_a_request_that_does_not_pickle_fails_alone(static_pool, single):
+    """An engine's inbox pickles on a feeder thread, which drops a failing command whole: the
+    request sent with it was lost and generate() waited forever."""
+    good = skewed_requests("pickles")[0]
+    odd = Request("odd", messages=[{"role": "user", "content": "Hi", "meta": lambda: None}])
+    got = static_pool.generate([good, odd], engines=[0, 0])
+    assert_same_outputs(got[:1], single.generate([good]))
+    assert got[1].finish_reason == "error" and "does not pickle" in got[1].error
+    assert not static_pool.has_unfinished()
+
+
 def test_shared_queue_hands_out_longest_first_within_each_engines_slots(shared_pool, single):
     requests = skewed_requests("shared", sampled={8})
     got = shared_pool.generate(requests)
