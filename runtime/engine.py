@@ -807,7 +807,7 @@ class Engine:
                 seq.send(Event.MIGRATED)
             return {"request_id": request_id, "weights": self.weights_id,
                     "prompt_tokens": state.prompt_tokens, "n": state.n,
-                    "submitted": state.timings.submitted, "outputs": dict(state.outputs),
+                    "timings": state.timings.carried(), "outputs": dict(state.outputs),
                     "scored_prompt": state.scored_prompt, "sequences": exported}
 
     def _export_kv(self, seq: Sequence) -> torch.Tensor | None:
@@ -824,7 +824,7 @@ class Engine:
         self._check_migrated(migrated)
         request_id = migrated["request_id"]
         state = _RequestState(request_id, migrated["prompt_tokens"], migrated["n"],
-                              Timings(submitted=time.perf_counter()), outputs=dict(migrated["outputs"]),
+                              Timings.arrived(migrated["timings"]), outputs=dict(migrated["outputs"]),
                               scored_prompt=migrated.get("scored_prompt"))
         renamed = [{**s, "request_id": request_id, "seq_id": _seq_id(request_id, s["sample_index"])}
                    for s in migrated["sequences"]]

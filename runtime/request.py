@@ -39,6 +39,21 @@ class Timings:
     first_token: float | None = None
     finished: float | None = None
 
+    def carried(self) -> dict[str, float | None]:
+        """What a migrated request takes along: its age and its times since submission, which
+        another process's clock (another machine's too) rebuilds them from (`arrived`)."""
+        since = {name: None if value is None else value - self.submitted
+                 for name, value in (("first_scheduled", self.first_scheduled), ("first_token", self.first_token))}
+        return {"age": time.perf_counter() - self.submitted, **since}
+
+    @classmethod
+    def arrived(cls, carried: dict[str, float | None]) -> "Timings":
+        """The timings of a request that arrived with `carried`, on this process's clock; the
+        time it spent in transit is not counted."""
+        submitted = time.perf_counter() - carried["age"]
+        return cls(submitted, *(None if carried[name] is None else submitted + carried[name]
+                                for name in ("first_scheduled", "first_token")))
+
 
 @dataclass
 class Completion:

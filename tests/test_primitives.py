@@ -312,6 +312,21 @@ def test_migrate_in_refuses_a_request_that_ran_on_other_weights(tiny, tmp_path, 
     assert collect(same)["r0"].token_ids == ran_on.token_ids
 
 
+def test_a_migrated_request_keeps_its_timings_from_before_the_move(tiny):
+    """Its submission, first scheduling and first token happened at the source: carried as
+    ages, so the target's clock (another machine's) places them before the move (give or take
+    the move itself, not counted)."""
+    source, target = make_engine(tiny.dir("qwen2")), make_engine(tiny.dir("qwen2"))
+    source.submit(greedy_requests(PROMPTS[1:2], 8)[0])
+    for _ in range(3):
+        source.step()
+    time.sleep(0.05)  # a gap the move takes far less than
+    before_move = time.perf_counter()
+    target.migrate_in(pickle.loads(pickle.dumps(source.migrate_out("r0"))))
+    timings = collect(target)["r0"].timings
+    assert timings.submitted < timings.first_scheduled < timings.first_token < before_move < timings.finished
+
+
 def test_migrate_in_refuses_kv_in_blocks_of_another_size(tiny):
     model = tiny.dir("qwen2")
     source, target = make_engine(model), make_engine(model, block_size=8)
