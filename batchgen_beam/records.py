@@ -126,6 +126,8 @@ _OPENAI_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream
 # Body keys we cannot honour, accepted only at the value that makes them a no-op.
 _OPENAI_NO_OP = {"echo": False, "best_of": 1, "suffix": "", "stream": False, "tools": [],
                  "tool_choice": "none", "modalities": ["text"]}
+# A body may carry vLLM's request fields as well (files written for vLLM), on the same terms.
+_BODY_NO_OP = {**_NATIVE_NO_OP, **_OPENAI_NO_OP}
 
 
 @dataclass
@@ -357,9 +359,13 @@ def _check_no_ops(record: Mapping) -> None:
                            f"json_schema, regex or choice")
     for key, no_op in _NATIVE_NO_OP.items():
         value = record.get(key)
-        if is_missing(value) or _same(value, no_op) or _is_empty(value) and _is_empty(no_op):
-            continue  # (an empty numpy array from Parquet compares to [] as no bool)
-        raise _Invalid(f"{key}: not supported (only {no_op!r} is), got {_show(value)}")
+        if not is_missing(value) and not _is_no_op(value, no_op):
+            raise _Invalid(f"{key}: not supported (only {no_op!r} is), got {_show(value)}")
+
+
+def _is_no_op(value: Any, no_op: Any) -> bool:
+    # (an empty numpy array from Parquet compares to [] as no bool)
+    return _same(value, no_op) or _is_empty(value) and _is_empty(no_op)
 
 
 def _is_empty(value: Any) -> bool:
@@ -367,9 +373,11 @@ def _is_empty(value: Any) -> bool:
 
 
 def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
-    # A record of ours must have an id, which OpenAI lines never have at the top level; checking
-    # for it lets our records carry passthrough fields named "body" or "custom_id".
-    openai = "id" not in record and ("custom_id" in record or "body" in record)
+    # A record of ours must have an id, which OpenAI lines never have at the top level (or have
+    # as null: a Parquet file of both kinds); checking for it lets our records carry passthrough
+    # fields named "body" or "custom_id".
+    openai = is_missing(record.get("id")) and not (is_missing(record.get("custom_id"))
+                                                   and is_missing(record.get("body")))
     id_key, consumed = ("custom_id", _OPENAI_KEYS) if openai else ("id", _NATIVE_KEYS)
     unwritable = {k: p for k, v in record.items()
                   if (p := _unwritable(k, f"key {_show(k)}") or _unwritable(v, str(k)))}
@@ -583,9 +591,9 @@ def _openai_fields(record: Mapping) -> dict:
         raise _Invalid(f"body.{input_key}: missing (required by {url})")
     given = {k: v for k, v in body.items() if not is_missing(v) and k not in _OPENAI_IGNORED}
     for key, value in given.items():
-        if key in _OPENAI_NO_OP:
-            if not _same(value, _OPENAI_NO_OP[key]):
-                raise _Invalid(f"body.{key}: not supported (only {_OPENAI_NO_OP[key]!r} is), "
+        if key in _BODY_NO_OP:
+            if not _is_no_op(value, _BODY_NO_OP[key]):
+                raise _Invalid(f"body.{key}: not supported (only {_BODY_NO_OP[key]!r} is), "
                                f"got {_show(value)}")
         elif key not in endpoint_keys and key not in _OPENAI_SAMPLING and key not in _OPENAI_FORMATS:
             raise _Invalid(f"body.{key}: not supported for {url}")

@@ -12,13 +12,14 @@ from typing import NamedTuple
 
 import apache_beam as beam
 import numpy as np
-
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from batchgen_beam.records import (MAX_NESTING, OUTPUT_SCHEMA, Parsed, Rejected, arrow_to_rows, check_defaults,
                                    completion_row, error_row, parse_record, row_from_json,
                                    row_to_arrow_dict, row_to_json, rows_to_arrow)
+from batchgen_beam.io import parquet_records
 from runtime.request import Completion, Request, SampleOutput, Timings
 from runtime.sampling import SamplingParams
 
@@ -697,6 +698,30 @@ def test_openai_completions_line_with_vllm_extras():
     assert (got.id, got.prompt, got.messages) == ("c2", "Once", None)
     assert got.params == SamplingParams(max_tokens=12, temperature=0.6, logprobs=2, top_k=20,
                                         ignore_eos=True, stop_token_ids=(5,), repetition_penalty=1.1)
+
+
+def test_openai_bodies_take_vllms_request_fields_at_their_no_op_values():
+    """Files written for vLLM may spell out its defaults; other values still say why not."""
+    defaults = {"add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": {},
+                "use_beam_search": False, "length_penalty": 1.0, "bad_words": []}
+    assert parse_record(chat_line(defaults)).params == parse_record(chat_line({})).params
+    assert parse_record(completions_line(use_beam_search=False, allowed_token_ids=[])).prompt == "Once"
+    refused = parse_record(chat_line({"continue_final_message": True}))
+    assert refused.error == "body.continue_final_message: not supported (only False is), got True"
+
+
+def test_openai_lines_with_a_null_id_as_parquet_mixes_them_with_ours():
+    """pyarrow fills a column a row lacks with nulls: OpenAI rows get id null, ours custom_id
+    and body null."""
+    ours = rec()
+    line = chat_line({})
+    mixed = pa.concat_tables([pa.Table.from_pylist([ours]), pa.Table.from_pylist([line])],
+                             promote_options="default")
+    got = [parse_record(row) for row in parquet_records(mixed)]
+    assert [type(g) for g in got] == [Parsed, Parsed] and [g.id for g in got] == ["r1", "c1"]
+    assert got[1].messages == [{"role": "user", "content": "Hi"}]
+    missing = parse_record({"id": None, "prompt": "Hi", "custom_id": None, "body": None})
+    assert missing.error.startswith("id: missing")
 
 
 def test_logit_bias_from_json_objects_and_parquet_maps():
