@@ -213,14 +213,21 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     chosen_from = logits  # what tokens are chosen from: the logits, adjusted where asked
+    failed: dict[int, str] = {}
     if any(r.params.adjusts_logits for r in rows):
         chosen_from = logits.clone()
         for i, row in enumerate(rows):
             if row.params.adjusts_logits:
-                adjust_logits(chosen_from[i], row)
+                try:
+                    adjust_logits(chosen_from[i], row)
+                except Exception as exc:  # noqa: BLE001 - the engine fails this row's request alone
+                    failed[i] = f"{type(exc).__name__}: {exc}"
     greedy_ids = kernels.argmax(chosen_from).tolist()
     out = []
     for i, row in enumerate(rows):
+        if i in failed:
+            out.append(SampledToken(-1, error=failed[i]))
+            continue
         try:
             out.append(_sample_row(i, row, chosen_from, greedy_ids, logprobs))
         except Exception as exc:  # noqa: BLE001 - the engine fails this row's request alone

@@ -166,19 +166,21 @@ def test_a_chat_template_kept_only_in_the_processor_file_is_used(tiny_chat, tmp_
     assert chat.prompt_logprobs == ids.prompt_logprobs
 
 
-def test_a_request_whose_sampling_fails_ends_alone_as_an_error(tiny, monkeypatch):
+@pytest.mark.parametrize("failing_part", ["_sample_one", "adjust_logits"])
+def test_a_request_whose_sampling_fails_ends_alone_as_an_error(tiny, monkeypatch, failing_part):
     import runtime.sampling
-    real = runtime.sampling._sample_one
+    real = getattr(runtime.sampling, failing_part)
 
-    def failing(logits, params, generator):
+    def failing(logits, *args):
+        params = args[0] if failing_part == "_sample_one" else args[0].params
         if params.seed == 13:
             raise RuntimeError("boom")
-        return real(logits, params, generator)
+        return real(logits, *args)
 
-    monkeypatch.setattr(runtime.sampling, "_sample_one", failing)
+    monkeypatch.setattr(runtime.sampling, failing_part, failing)
     engine = make_engine(tiny.dir(FAMILY))
     prompts = random_prompts([7, 19, 11], seed=8)
-    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=13, n=3)
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=13, n=3, repetition_penalty=1.2)
     bad, *good = engine.generate([Request("bad", prompt_token_ids=prompts[0], params=sampled)]
                                  + greedy_requests(prompts[1:], MAX_TOKENS))
     assert bad.error == "sampling failed (RuntimeError: boom)" and bad.finish_reason == "error"
