@@ -36,9 +36,11 @@ class LogitScreen:
     def of(cls, weight: torch.Tensor) -> "LogitScreen":
         weight = weight.detach()
         weight_bf16 = weight.to(torch.bfloat16)
-        # In fp32 (an fp64 copy of a large vocabulary's head would be gigabytes), rounded up by
+        # Summed in fp32 whatever the head's dtype (a bf16 norm rounds by far more than the
+        # margin; an fp64 copy of a large vocabulary's head would be gigabytes), rounded up by
         # more than a K-term fp32 sum of squares can be off.
-        norm = weight.norm(dim=1).max().item() * (1 + weight.shape[1] * 2.0 ** -22)
+        norm = torch.linalg.vector_norm(weight, dim=1, dtype=torch.float32).max().item()
+        norm *= 1 + weight.shape[1] * 2.0 ** -22
         return cls(weight_bf16, pack_bf16_weight(weight_bf16), norm)
 
 
@@ -59,9 +61,12 @@ def screened_argmax(hidden: torch.Tensor, weight: torch.Tensor, screen: LogitScr
     tokens = ids.gather(1, where[:, None])[:, 0]
     kth = top.values[:, -1].float()
     slack = 2.0 ** -8 + 2 * size * 2.0 ** -23
-    bound = finish(kth + 2.0 ** -8 * kth.abs() + slack * hidden.norm(dim=1) * screen.max_row_norm)
-    # NaN anywhere fails the comparison: such rows take the full path, argmax's NaN rule.
-    cleared = best > bound if k < vocab else ~exact.isnan().any(dim=1)
+    hidden_norm = torch.linalg.vector_norm(hidden, dim=1, dtype=torch.float32)
+    bound = finish(kth + 2.0 ** -8 * kth.abs() + slack * hidden_norm * screen.max_row_norm)
+    # NaN anywhere fails the comparison: such rows take the full path, argmax's NaN rule. So
+    # does a best candidate that overflowed (fp16): tokens outside the candidates may too, and
+    # argmax takes the lowest id of those.
+    cleared = (best > bound) & best.isfinite() if k < vocab else ~exact.isnan().any(dim=1)
     missed = (~cleared).nonzero()[:, 0]
     if len(missed):
         tokens[missed] = fp32_logits(hidden[missed]).argmax(dim=1)

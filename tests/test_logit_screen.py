@@ -83,6 +83,26 @@ def test_a_row_with_nan_takes_the_full_logits(backend):
     assert torch.equal(tokens, reference)
 
 
+def test_fp16_logits_past_its_range_take_the_full_logits(backend):
+    """Forty tokens overflow to inf in fp16, the larger ids by more: the screen's bf16 finds
+    them apart, but argmax over fp16 logits takes the lowest id of the infs."""
+    size = 16
+    weight = torch.zeros(64, size)
+    for token in range(40):
+        weight[token] = (66000 + 100 * token) / size
+    weight[40:] = torch.randn(24, size, generator=torch.Generator().manual_seed(4)) * 0.01
+    weight = weight.half()
+    hidden = torch.ones(2, size, dtype=torch.float16)
+    tokens, misses, reference = screen_and_reference(hidden, weight)
+    assert tokens.tolist() == reference.tolist() == [0, 0] and misses == 2
+
+
+def test_the_row_norm_bound_is_summed_in_fp32_for_a_half_head():
+    """A bf16 norm rounds by up to 2^-9: the bound needs the norm rounded up, never down."""
+    weight = (torch.randn(1000, 64, generator=torch.Generator().manual_seed(0)) * 0.1).bfloat16()
+    assert LogitScreen.of(weight).max_row_norm >= weight.double().norm(dim=1).max().item()
+
+
 @pytest.mark.parametrize("rows", [1, 7, cpu_kernels.BF16_PANEL_ROWS, 30])
 def test_bf16_weight_linear_is_within_the_bound_the_screen_assumes(backend, rows):
     """Each entry within 2^-8 |w_j|.|x| + 2^-9 |y_j| (+ fp32 accumulation) of the exact product,
