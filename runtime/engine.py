@@ -841,7 +841,8 @@ class Engine:
         # Live sequences and finished outputs make up the n samples, or sample 0 alone stands
         # for all n before it forks them.
         unforked = len(sequences) == 1 and not outputs and not sequences[0].get("forked", True)
-        if not isinstance(n, int) or n < 1 or not (unforked or sequences and len(sequences) + len(outputs) == n):
+        complete = unforked or sequences and len(sequences) + len(outputs) == n
+        if not isinstance(n, int) or n < 1 or not complete or not isinstance(migrated.get("timings"), dict):
             raise ValueError(f"migrate_in {request_id!r}: not a migrate_out state ({len(sequences)} "
                              f"sequence(s) and {len(outputs)} finished output(s) for n={n})")
         if migrated.get("weights") != self.weights_id:

@@ -39,7 +39,7 @@ class LogitScreen:
         # Summed in fp32 whatever the head's dtype (a bf16 norm rounds by far more than the
         # margin; an fp64 copy of a large vocabulary's head would be gigabytes), rounded up by
         # more than a K-term fp32 sum of squares can be off.
-        norm = torch.linalg.vector_norm(weight, dim=1, dtype=torch.float32).max().item()
+        norm = torch.linalg.vector_norm(weight, dim=1, dtype=_at_least_fp32(weight)).max().item()
         norm *= 1 + weight.shape[1] * 2.0 ** -22
         return cls(weight_bf16, pack_bf16_weight(weight_bf16), norm)
 
@@ -61,7 +61,7 @@ def screened_argmax(hidden: torch.Tensor, weight: torch.Tensor, screen: LogitScr
     tokens = ids.gather(1, where[:, None])[:, 0]
     kth = top.values[:, -1].float()
     slack = 2.0 ** -8 + 2 * size * 2.0 ** -23
-    hidden_norm = torch.linalg.vector_norm(hidden, dim=1, dtype=torch.float32)
+    hidden_norm = torch.linalg.vector_norm(hidden, dim=1, dtype=_at_least_fp32(hidden))
     bound = finish(kth + 2.0 ** -8 * kth.abs() + slack * hidden_norm * screen.max_row_norm)
     # NaN anywhere fails the comparison: such rows take the full path, argmax's NaN rule. So
     # does a best candidate that overflowed (fp16): tokens outside the candidates may too, and
@@ -71,3 +71,7 @@ def screened_argmax(hidden: torch.Tensor, weight: torch.Tensor, screen: LogitScr
     if len(missed):
         tokens[missed] = fp32_logits(hidden[missed]).argmax(dim=1)
     return tokens, len(missed)
+
+
+def _at_least_fp32(tensor: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(tensor.dtype, torch.float32)

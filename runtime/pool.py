@@ -224,12 +224,8 @@ class EnginePool:
                     self._waiters[request.id] = waiter
             for request_id, error in unsendable.items():
                 self._complete(None, Completion.failed(request_id, error))
-            if unsendable:
-                kept = [i for i, r in enumerate(requests) if r.id not in unsendable]
-                requests = [requests[i] for i in kept]
-                engines = None if engines is None else [engines[i] for i in kept]
             if self.split == "shared":
-                self._queue.extend(requests)
+                self._queue.extend(r for r in requests if r.id not in unsendable)
                 self._dispatch()
                 return
             if engines is None:
@@ -237,7 +233,8 @@ class EnginePool:
                 self._next_static += len(requests)
             batches = defaultdict(list)
             for request, index in zip(requests, engines):
-                batches[index].append(request)
+                if request.id not in unsendable:
+                    batches[index].append(request)
             for index, batch in batches.items():
                 self._send_requests(index, batch)
 

@@ -195,8 +195,8 @@ class SampleRow:
     # Its tokens so far, for penalties: the prompt, then what it generated.
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
-    # Tokens that may not be chosen now (they would end it before min_tokens); ids past the
-    # vocabulary are left out here.
+    # Tokens that may not be chosen now (they would end it before min_tokens); adjust_logits
+    # skips ids past the vocabulary.
     banned: torch.Tensor | None = None
     allowed: torch.Tensor | None = None  # the only tokens its output's grammar allows now (a bitmask)
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # its logit_bias_tensors, made once

@@ -97,6 +97,14 @@ def test_fp16_logits_past_its_range_take_the_full_logits(backend):
     assert tokens.tolist() == reference.tolist() == [0, 0] and misses == 2
 
 
+def test_an_fp64_head_screens_in_fp64(backend):
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randn(300, 32, generator=g, dtype=torch.float64)
+    hidden = torch.randn(4, 32, generator=g, dtype=torch.float64)
+    tokens, _, reference = screen_and_reference(hidden, weight)
+    assert torch.equal(tokens, reference)
+
+
 def test_the_row_norm_bound_is_summed_in_fp32_for_a_half_head():
     """A bf16 norm rounds by up to 2^-9: the bound needs the norm rounded up, never down."""
     weight = (torch.randn(1000, 64, generator=torch.Generator().manual_seed(0)) * 0.1).bfloat16()

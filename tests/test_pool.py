@@ -227,13 +227,20 @@ def test_static_split_round_robin_by_default(static_pool, single):
         static_pool.reallocate = True
 
 
-def test_a_request_that_does_not_pickle_fails_alone(static_pool, single):
+def test_a_request_that_does_not_pickle_fails_alone(static_pool, single, monkeypatch):
     """An engine's inbox pickles on a feeder thread, which drops a failing command whole: the
-    request sent with it was lost and generate() waited forever."""
-    good = skewed_requests("pickles")[0]
+    requests sent with it were lost and generate() waited forever. The others keep the engines
+    the round robin gives them."""
+    good = skewed_requests("pickles")[:2]
     odd = Request("odd", messages=[{"role": "user", "content": "Hi", "meta": lambda: None}])
-    got = static_pool.generate([good, odd], engines=[0, 0])
-    assert_same_outputs(got[:1], single.generate([good]))
+    sent, send = {}, static_pool._send_requests
+    monkeypatch.setattr(static_pool, "_send_requests",
+                        lambda index, batch: (sent.update({r.id: index for r in batch}), send(index, batch)))
+    monkeypatch.setattr(static_pool, "reallocate", False)
+    first = static_pool._next_static
+    got = static_pool.generate([good[0], odd, good[1]])
+    assert sent == {good[0].id: first % 2, good[1].id: (first + 2) % 2}
+    assert_same_outputs([got[0], got[2]], single.generate(good))
     assert got[1].finish_reason == "error" and "does not pickle" in got[1].error
     assert not static_pool.has_unfinished()
 

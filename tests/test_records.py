@@ -720,8 +720,11 @@ def test_openai_lines_with_a_null_id_as_parquet_mixes_them_with_ours():
     got = [parse_record(row) for row in parquet_records(mixed)]
     assert [type(g) for g in got] == [Parsed, Parsed] and [g.id for g in got] == ["r1", "c1"]
     assert got[1].messages == [{"role": "user", "content": "Hi"}]
-    missing = parse_record({"id": None, "prompt": "Hi", "custom_id": None, "body": None})
-    assert missing.error.startswith("id: missing")
+    for ours in ({"custom_id": None, "body": None}, {"custom_id": "crm-17", "body": "an email"},
+                 {"body": {"text": "an email"}}):  # fields of its own named like OpenAI's
+        missing = parse_record({"id": None, "prompt": "Hi", **ours})
+        assert missing.error.startswith("id: missing") and missing.id is None
+        assert missing.passthrough == ours
 
 
 def test_logit_bias_from_json_objects_and_parquet_maps():

@@ -50,7 +50,7 @@ def _write_kv_kernel(k, v, k_cache, v_cache, slots, heads, k_token_stride, k_hea
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
     """Store k, v ([tokens, kv_heads, head_dim]) at flat slots (kernels.attention.write_kv);
-    any of the three may be a strided view."""
+    k, v and slot_mapping may be strided views."""
     check_launchable(k_cache)
     assert k_cache.stride() == v_cache.stride()
     tokens, heads, head_dim = k.shape
