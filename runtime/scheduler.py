@@ -2,7 +2,7 @@
 
 Each step: running sequences first (decodes, then continuing prefill chunks), then suspended
 ones resume, then waiting ones are admitted in the configured order, each taking a prefill
-chunk of what budget is left. When KV blocks run out, the most recently admitted running
+chunk of what budget is left, once blocks for all its tokens are free. When KV blocks run out, the most recently admitted running
 sequence is preempted: suspended to the host tier if it has room (or if asked to), else evicted.
 """
 
@@ -110,7 +110,7 @@ class Scheduler:
                     budget -= num
         while self.suspended and budget and len(self.running) < self.max_num_seqs:
             seq = self.suspended[0]
-            if not self._fits(self.blocks.blocks_needed(seq.num_computed + 1)):
+            if not self._fits(self._blocks_to_finish_prefill(seq)):
                 break
             self.suspended.popleft()
             self.swap_in(seq)
@@ -128,10 +128,7 @@ class Scheduler:
             # A prompt being scored needs every token's hidden state: no cached prefix for it.
             cached, hashes = ([], []) if seq.scores_prompt else self.blocks.match_prefix(seq.token_ids)
             num = min(seq.num_tokens - len(cached) * self.blocks.block_size, budget)
-            # Admitted only once blocks for all its tokens and the first it generates are free,
-            # not just its first chunk's: else its later chunks would preempt it, most recent of
-            # the running, and it would recompute over and over.
-            if not self._fits(self.blocks.blocks_needed(seq.num_tokens + 1) - len(cached)):
+            if not self._fits(self._blocks_to_finish_prefill(seq) - len(cached)):
                 self.blocks.release(cached)
                 break
             self.waiting.pop(0)
@@ -145,6 +142,13 @@ class Scheduler:
             self._place(seq, num, batch)
             budget -= num
         return batch
+
+    def _blocks_to_finish_prefill(self, seq: Sequence) -> int:
+        """Blocks for all its tokens and the first it generates: what a sequence waits for before
+        it is admitted or swapped in, not just its next chunk's. Else its later chunks would
+        preempt it, the most recent of the running, and it would recompute (or swap out and in)
+        over and over."""
+        return self.blocks.blocks_needed(seq.num_tokens + 1)
 
     def _fits(self, num_blocks: int) -> bool:
         return num_blocks <= self.blocks.num_free

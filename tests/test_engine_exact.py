@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from helpers import (EOS, BatchSpy, CallCounter, assert_idle_and_clean, assert_matches,
+from helpers import (EOS, BatchSpy, CallCounter, assert_idle_and_clean, assert_matches, collect,
                      greedy_requests, make_engine, random_prompts)
 from runtime import Request, SamplingParams
 from tiny_models import FAMILIES, hf_greedy, image_text_config
@@ -288,6 +288,26 @@ def test_a_prompt_is_admitted_when_all_of_it_fits_not_its_first_chunk(tiny):
     completions = engine.generate(greedy_requests(prompts, 20))
     check_all(tiny, family, prompts, completions, 20)
     assert engine.stats.prefill_tokens <= 1.25 * sum(len(p) for p in prompts)
+    assert_idle_and_clean(engine)
+
+
+def test_a_resumed_sequence_swaps_in_once_all_of_it_fits(tiny):
+    """r0, held on the host mid-prefill, is resumed with room for what it computed but not for
+    its next chunk: swapped in on that room, its chunk preempted it (the most recent) back out,
+    step after step, its KV copied in and out each time."""
+    prompts = random_prompts((40, 17), seed=1)
+    engine = make_engine(tiny.dir("qwen2"), num_blocks=3, max_num_batched_tokens=15, preemption="suspend")
+    swaps = CallCounter(engine.scheduler, "swap_in")
+    held, other = greedy_requests(prompts, 6)  # 46 tokens of the 48 the cache holds
+    engine.submit(held)
+    engine.step()  # its first chunk
+    assert engine.suspend(held.id) == 1
+    engine.submit(other)
+    engine.step()
+    engine.resume(held.id)
+    done = collect(engine)
+    check_all(tiny, "qwen2", prompts, [done[held.id], done[other.id]], 6)
+    assert len(swaps) == 1
     assert_idle_and_clean(engine)
 
 
