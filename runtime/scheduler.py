@@ -111,7 +111,7 @@ class Scheduler:
                     budget -= num
         while self.suspended and budget and len(self.running) < self.max_num_seqs:
             seq = self.suspended[0]
-            if not self._fits(self._blocks_to_finish_prefill(seq)):
+            if not self._fits(self._blocks_for_all_tokens(seq)):
                 break
             self.suspended.popleft()
             self.swap_in(seq)
@@ -129,7 +129,7 @@ class Scheduler:
             # A prompt being scored needs every token's hidden state: no cached prefix for it.
             cached, hashes = ([], []) if seq.scores_prompt else self.blocks.match_prefix(seq.token_ids)
             num = min(seq.num_tokens - len(cached) * self.blocks.block_size, budget)
-            if not self._fits(self._blocks_to_finish_prefill(seq) - len(cached)):
+            if not self._fits(self._blocks_for_all_tokens(seq) - len(cached)):
                 self.blocks.release(cached)
                 break
             self.waiting.pop(0)
@@ -144,8 +144,8 @@ class Scheduler:
             budget -= num
         return batch
 
-    def _blocks_to_finish_prefill(self, seq: Sequence) -> int:
-        """Blocks for all its tokens and the first it generates: what a sequence waits for before
+    def _blocks_for_all_tokens(self, seq: Sequence) -> int:
+        """Blocks for all its tokens and the next it generates: what a sequence waits for before
         it is admitted or swapped in, not just its next chunk's. Else its later chunks would
         preempt it, the most recent of the running, and it would recompute (or swap out and in)
         over and over."""
