@@ -36,9 +36,9 @@ class LogitScreen:
     def of(cls, weight: torch.Tensor) -> "LogitScreen":
         weight = weight.detach()
         weight_bf16 = weight.to(torch.bfloat16)
-        # Summed in fp32 whatever the head's dtype (a bf16 norm rounds by far more than the
-        # margin; an fp64 copy of a large vocabulary's head would be gigabytes), rounded up by
-        # more than a K-term fp32 sum of squares can be off.
+        # Summed in fp32 (fp64 for an fp64 head) whatever the head's dtype: a bf16 norm rounds
+        # by far more than the margin, and an fp64 copy of a large vocabulary's head would be
+        # gigabytes. Rounded up by more than a K-term fp32 sum of squares can be off.
         norm = torch.linalg.vector_norm(weight, dim=1, dtype=_at_least_fp32(weight)).max().item()
         norm *= 1 + weight.shape[1] * 2.0 ** -22
         return cls(weight_bf16, pack_bf16_weight(weight_bf16), norm)
