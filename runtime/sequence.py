@@ -69,6 +69,18 @@ class StopRule:
     # None: `detokenize` decodes the whole completion each token.
     decoder: Tokenizer | None = None
 
+    def text_of(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        """A finished completion's text as vLLM's incremental decoder leaves it: a character
+        still incomplete at the end is held back, with the rest of its token's text. Decoded
+        whole; replayed token by token only where that ends in U+FFFD."""
+        text = self.detokenize(token_ids, skip_special_tokens)
+        if not text.endswith("\ufffd"):
+            return text
+        stream = TextStream(self.detokenize, skip_special_tokens, self.decoder)
+        for token in token_ids:
+            stream.add(token)
+        return stream.text
+
 
 class Sequence:
     def __init__(self, seq_id: str, request_id: str, sample_index: int, token_ids: list[int],
@@ -199,7 +211,7 @@ class Sequence:
                 return "stop"
             self.stop_reason = None if eos else token
             if rule.detokenize is not None and not p.include_stop_str_in_output:
-                self.text = rule.detokenize(self.generated_ids[:-1], p.skip_special_tokens)
+                self.text = rule.text_of(self.generated_ids[:-1], p.skip_special_tokens)
             return "stop"
         if grammar_done:
             if p.stop and self.num_generated > p.min_tokens:
@@ -234,7 +246,9 @@ class Sequence:
                  if (at := text.find(stop, max(0, new_from - len(stop) + 1))) >= 0]
         if not found:
             return False
-        end, order, at = min(found)  # the first to end, the first listed of those (vLLM's choice)
+        # The first to end, the first listed of those: the text then holds none of the stop
+        # strings (vLLM takes the first listed that the new text holds, which may end later).
+        end, order, at = min(found)
         self.stop_reason = p.stop[order]
         self.text = text[:end] if p.include_stop_str_in_output else text[:at]
         return True

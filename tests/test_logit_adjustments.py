@@ -254,6 +254,25 @@ def test_stop_strings_are_searched_in_text_decoded_as_tokens_arrive(tiny_chat):
     assert (seq.finish_reason, seq.text, decodes) == ("stop", " one two three four five ", [])
 
 
+def test_a_completion_ending_inside_a_character_leaves_it_out_as_vllm_does(tiny_chat):
+    """Its text is the incremental decoder's, which holds back a character's first bytes until
+    the rest come: at max_tokens, or at EOS right after them, they never do (decoding the
+    tokens whole gave U+FFFD for them)."""
+    engine = make_engine(tiny_chat.dir("qwen3"))
+    tokenizer = engine.tokenizer
+    first_byte = tokenizer.encode(" \U0001F600", add_special_tokens=False)[1]
+    assert tokenizer.decode([first_byte]) == "\ufffd"
+    [at_length] = engine.generate([Request("length", prompt="Hi", params=SamplingParams(
+        max_tokens=1, logit_bias={first_byte: 100}))])
+    assert (at_length.token_ids, at_length.finish_reason, at_length.text) == ([first_byte], "length", "")
+    ok = tokenizer.encode("ok", add_special_tokens=False)
+    seq = Sequence("s", "r", 0, [0], 1, SamplingParams(max_tokens=10), None, engine.stop_rule)
+    seq.send(Event.ADMITTED)
+    for token in [*ok, first_byte, tokenizer.eos_token_id]:
+        seq.send(Event.TOKEN, SampledToken(token))
+    assert (seq.finish_reason, seq.text) == ("stop", "ok")
+
+
 def test_text_that_a_stray_byte_rewrites_is_followed_by_decoding_it_whole():
     """Byte fallback (Llama, Mistral, Gemma): a lone continuation byte after the bytes of a
     character turns them all into U+FFFD; the incremental decoder raises on it, and the
