@@ -38,6 +38,19 @@ _ENGINE_GONE = (EOFError, ConnectionError, BrokenPipeError, OSError)
 MAX_ENGINE_DEATHS = 3
 
 
+def _drop_this_threads_connection(service) -> None:
+    """Close the connection this thread's proxy calls to the engine go over, so the next call
+    opens another. A call interrupted while it waited leaves its reply unread on it: the next
+    call would read that reply as its own, or fail as if the engine were gone and then hang
+    rejoining over the same connection (multiprocessing's proxies share it per thread and
+    server, whichever proxy object calls)."""
+    local = service.get_auto_proxy_object()._tls
+    connection = getattr(local, "connection", None)
+    if connection is not None:
+        del local.connection
+        connection.close()
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """What identifies an engine: the same config on one machine means the same engine."""
@@ -372,6 +385,9 @@ class EngineClient:
             return getattr(service, method)(*args)
         except _ENGINE_GONE as gone:
             cause = gone
+        except BaseException:  # interrupted (a notebook's stop button): the reply is still due
+            _drop_this_threads_connection(service)
+            raise
         # The engine process died; a new one may die again (a request that crashes it is
         # resubmitted with the others until it has been in flight through MAX_ENGINE_DEATHS).
         for _ in range(MAX_ENGINE_DEATHS + 1):

@@ -335,6 +335,24 @@ def test_a_failed_batch_leaves_nothing_behind(model_dir, monkeypatch):
     lease.release()
 
 
+def test_a_call_interrupted_while_it_waits_leaves_the_client_working(model_dir):
+    """A notebook's stop button (KeyboardInterrupt) during a poll: its reply is still due on
+    the thread's connection to the engine, which the next call must not read as its own (it
+    failed as if the engine had died, then hung rejoining over the same connection)."""
+    import _thread
+    import threading
+
+    client = EngineClient(EngineConfig.of(str(model_dir), **{**ENGINE_ARGS, "max_num_seqs": 7})).connect()
+    pid = client.info()["pid"]
+    threading.Timer(0.5, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        client._pull(5.0)  # nothing submitted: the engine answers after 5 s
+    assert client.info()["pid"] == pid and client.restarts == 0
+    client.submit([Request("after", prompt="Hi", params=SamplingParams(max_tokens=2))])
+    assert client.wait_all(["after"])["after"].error is None
+    client._leave()
+
+
 def test_a_pinned_client_keeps_its_engine(model_dir):
     config = EngineConfig.of(str(model_dir), **{**ENGINE_ARGS, "max_num_seqs": 6})
     pid = EngineClient.shared(config).info()["pid"]
