@@ -385,8 +385,9 @@ class EngineClient:
             return getattr(service, method)(*args)
         except _ENGINE_GONE as gone:
             cause = gone
-        except BaseException:  # interrupted (a notebook's stop button): the reply is still due
-            _drop_this_threads_connection(service)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # interrupted (a notebook's stop button): its reply is due
+                _drop_this_threads_connection(service)
             raise
         # The engine process died; a new one may die again (a request that crashes it is
         # resubmitted with the others until it has been in flight through MAX_ENGINE_DEATHS).
