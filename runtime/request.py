@@ -39,11 +39,13 @@ class Timings:
     first_token: float | None = None
     finished: float | None = None
 
+    _CARRIED = ("first_scheduled", "first_token")  # what a request in flight has passed
+
     def carried(self) -> dict[str, float | None]:
         """What a migrated request takes along: its age and its times since submission, which
         another process's clock (another machine's too) rebuilds them from (`arrived`)."""
-        since = {name: None if value is None else value - self.submitted
-                 for name, value in (("first_scheduled", self.first_scheduled), ("first_token", self.first_token))}
+        since = {name: None if getattr(self, name) is None else getattr(self, name) - self.submitted
+                 for name in self._CARRIED}
         return {"age": time.perf_counter() - self.submitted, **since}
 
     @classmethod
@@ -51,8 +53,8 @@ class Timings:
         """The timings of a request that arrived with `carried`, on this process's clock; the
         time it spent in transit is not counted."""
         submitted = time.perf_counter() - carried["age"]
-        return cls(submitted, *(None if carried[name] is None else submitted + carried[name]
-                                for name in ("first_scheduled", "first_token")))
+        return cls(submitted, **{name: None if carried[name] is None else submitted + carried[name]
+                                 for name in cls._CARRIED})
 
 
 @dataclass
