@@ -325,6 +325,7 @@ class EngineClient:
         self._resident: dict[str, Request | dict] = {}
         self._done: dict[str, Completion] = {}
         self._taken: list[str] = []  # taken here since the last poll: acknowledged with the next
+        self._unwanted: set[str] = set()  # cancelled after they finished: acknowledged on arrival
         self.restarts = 0
         self._deaths: Counter[str] = Counter()  # engine deaths each resident request was in flight for
         self.last_info: dict | None = None  # the engine's counters as of the last poll
@@ -480,6 +481,24 @@ class EngineClient:
                 self._done.pop(request_id, None)
                 self._forget(request_id)
 
+    def cancel(self, prefix: str) -> None:
+        """Drop this process's requests whose ids start with `prefix` (a job that is over): the
+        running ones leave the engine, and finished ones' completions are acknowledged unread."""
+        with self._lock:
+            ids = [rid for rid in self._resident if rid.startswith(prefix)]
+        if not ids:
+            return
+        taken_out = self.migrate_out(ids)
+        with self._lock:
+            for request_id in ids:
+                if request_id in taken_out:
+                    continue
+                self._forget(request_id)
+                if self._done.pop(request_id, None) is None:
+                    self._unwanted.add(request_id)  # finished, its completion on the way
+                else:
+                    self._taken.append(request_id)
+
     def knows(self, request_id: str) -> bool:
         """Submitted by this process and its result not yet taken."""
         return request_id in self._resident
@@ -533,10 +552,14 @@ class EngineClient:
             for request_id in taken:  # another process collects these now
                 self._forget(request_id)
                 self._done.pop(request_id, None)
+                self._unwanted.discard(request_id)
         for completion in completions:
             with self._lock:
                 if completion.id in self._resident:  # else: a result already taken
                     self._done[completion.id] = completion
+                elif completion.id in self._unwanted:
+                    self._unwanted.remove(completion.id)
+                    self._taken.append(completion.id)
 
     def info(self) -> dict:
         return self._call("info")

@@ -21,6 +21,7 @@ others, and each record still gets exactly one row: from the first stage or from
 
 import dataclasses
 import math
+import threading
 import time
 import uuid
 import zlib
@@ -111,6 +112,35 @@ class EngineMetrics:
         self._seen = (steps, tokens)
 
 
+class _LiveJobs:
+    """The Generate transforms (by namespace) with DoFns set up in this process, and how many.
+
+    A job's DoFns are torn down when it ends, failed or not. A failed job leaves its requests in
+    the engine, where a retried bundle of the same job (the same namespace: it was pickled with
+    the DoFn) picks them up. Once another job sets up here while none of the failed job's DoFns
+    live, no retry is coming (a notebook re-running a fixed cell): its requests are cancelled
+    rather than left running ahead of the new job's."""
+
+    _lock = threading.Lock()
+    _alive: dict[str, tuple[EngineConfig, int]] = {}
+
+    @classmethod
+    def set_up(cls, namespace: str, config: EngineConfig) -> None:
+        with cls._lock:
+            over = {ns: cfg for ns, (cfg, alive) in cls._alive.items() if not alive and ns != namespace}
+            for ns in over:
+                del cls._alive[ns]
+            cls._alive[namespace] = (config, cls._alive.get(namespace, (config, 0))[1] + 1)
+        for ns, cfg in over.items():
+            EngineClient.shared(cfg).cancel(f"{ns}:")
+
+    @classmethod
+    def torn_down(cls, namespace: str) -> None:
+        with cls._lock:
+            config, alive = cls._alive[namespace]
+            cls._alive[namespace] = (config, alive - 1)
+
+
 class _GenerateFn(beam.DoFn):
     """A stage's logic, over its state (`pending`: the records, Parsed or Continuation, whose
     rows are not out yet, each with its event timestamp) and its window-end timer (`flush`);
@@ -125,9 +155,13 @@ class _GenerateFn(beam.DoFn):
         self._shard_suffix = shard_suffix  # records are keyed by shard_of(id + this), and named so
 
     def setup(self):
+        _LiveJobs.set_up(self._namespace, self._config)  # first: teardown follows even a failed setup
         self._client = EngineClient.shared(self._config).connect()
         self._metrics = EngineMetrics()
         self._recovered: set[int] = set()
+
+    def teardown(self):
+        _LiveJobs.torn_down(self._namespace)
 
     def _request_id(self, item: Parsed | Continuation) -> str:
         # Two Generate transforms may share an engine and reuse record ids; the second stage's

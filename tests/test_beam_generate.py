@@ -617,6 +617,43 @@ def test_requests_in_flight_through_repeated_engine_deaths_end_as_errors(monkeyp
     assert client.wait_all(["later"])["later"].error is None
 
 
+class ServiceFinishingInTurn:
+    """A stand-in engine process whose requests have all finished, delivered one per poll in
+    submission order; it records what each poll acknowledged."""
+
+    def __init__(self):
+        self.undelivered, self.acknowledged = [], []
+
+    def submit(self, client_id, requests):
+        self.undelivered += [r.id for r in requests]
+
+    def migrate_out(self, client_id, request_ids):
+        return {}  # all finished: none to take out
+
+    def poll(self, client_id, timeout, acknowledged):
+        self.acknowledged += acknowledged
+        done, self.undelivered = self.undelivered[:1], self.undelivered[1:]
+        return [Completion(rid, [SampleOutput(0, [1], "x", "stop")], 1, Timings(submitted=0.0))
+                for rid in done], [], {}
+
+
+def test_cancelled_requests_that_had_finished_are_acknowledged_unread(monkeypatch):
+    """Cancelling finished requests, whether their completions were already pulled or are still
+    on their way, acknowledges them to the engine (which holds each until then) and never hands
+    them out; other requests are untouched."""
+    service = ServiceFinishingInTurn()
+    monkeypatch.setattr(EngineClient, "_connect", lambda self: service)
+    client = EngineClient(EngineConfig.of(None))
+    client.submit([Request(rid, prompt="Hi") for rid in ("old:1", "old:2", "new:1")])
+    assert client.done_ids() == {"old:1"}
+    client.cancel("old:")
+    assert not client.knows("old:1") and not client.knows("old:2")
+    assert list(client.wait_all(["new:1"])) == ["new:1"]
+    client.done_ids()
+    assert sorted(service.acknowledged) == ["new:1", "old:1", "old:2"]
+    assert client.done_ids() == set()
+
+
 def test_an_id_submitted_again_right_after_it_was_taken_runs_again(model_dir, bare_engine):
     """Taking a completion is acknowledged to the engine only at the client's next poll; a
     record identical to one whose row just went out reuses its id before that."""
@@ -733,6 +770,62 @@ def test_records_left_in_state_are_resubmitted_by_a_restarted_worker(model_dir, 
     assert bag.items == []
     expected = {c.id: c.token_ids for c in bare_engine.generate([p.to_request() for p in records])}
     assert {row["id"]: row["token_ids"] for row in rows} == expected
+
+
+def test_a_failed_jobs_requests_are_cancelled_when_another_job_starts(model_dir, good, monkeypatch):
+    """A job fails (here at its window-end flush) with records in the engine. The same process
+    then runs another job (a notebook re-running the fixed cell): the failed job's requests are
+    cancelled instead of running ahead of the new job's, and its finished completions, which no
+    one will take, are dropped."""
+    client = EngineClient.shared(EngineConfig.of(str(model_dir), **ENGINE_ARGS))
+    records = [dict(r, max_tokens=30, ignore_eos=True) for r in good[:12]]
+
+    def downstream_bug(self, pending, window):
+        raise RuntimeError("a bug downstream")
+        yield
+
+    def run(records):
+        pipeline = beam.Pipeline(options=PipelineOptions(IN_MEMORY))
+        _ = (pipeline | beam.Create(records, reshuffle=False)
+             | Generate(str(model_dir), engine_args=ENGINE_ARGS, num_shards=2))
+        pipeline.run().wait_until_finish()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_GenerateFn, "_flush", downstream_bug)
+        with pytest.raises(Exception, match="a bug downstream"):
+            run(records)
+    assert client._has_resident(), "the failed job left nothing in the engine: nothing to test"
+
+    run([dict(r, max_tokens=2) for r in good[:2]])
+    assert not client._has_resident() and client.done_ids() == set()
+    info = client.info()
+    assert info["running"] == info["waiting"] == 0
+
+
+def test_a_retried_bundle_of_the_same_job_keeps_its_requests(model_dir, good, bare_engine, monkeypatch):
+    """Only another job cancels a job whose DoFns were all torn down: a retry of the same job
+    (the same namespace) finds its requests still in the engine, and each row comes out once."""
+    monkeypatch.setattr(EngineClient, "_instances", {})
+    config = EngineConfig.of(str(model_dir), **ENGINE_ARGS)
+    records = [parse_record(r, {"max_tokens": 16, "ignore_eos": True}) for r in good[:5]]
+    stage = stateful_stage(_GenerateFn, "retry")
+    bag, rows = Bag(), []
+    first = stage(config, num_shards=1, max_in_flight=1024, namespace="job-r")
+    first.setup()
+    for parsed in records:
+        rows.extend(first.process((0, parsed), window=GlobalWindow(), timestamp=STAMP, pending=bag,
+                                  flush=Timer()))
+    held = [first._request_id(record) for record, _ in bag.items]
+    assert held, "every row came out before the failure: nothing to retry"
+    first.teardown()  # the bundle failed
+
+    retry = stage(config, num_shards=1, max_in_flight=1024, namespace="job-r")
+    retry.setup()
+    assert all(retry._client.knows(request_id) for request_id in held)
+    rows.extend(retry.flush(pending=bag, window=GlobalWindow()))
+    retry.teardown()
+    assert sorted(row.value["id"] for row in rows) == sorted(p.id for p in records)
+    assert bag.items == []
 
 
 def test_on_an_unbounded_input_finished_rows_leave_before_the_window_ends(model_dir, good, bare_engine,
