@@ -51,8 +51,10 @@ def decode_stack_runs(x: torch.Tensor) -> bool:
     its span the stack still runs, on its panel linears: one C++ call for the whole step beats
     the Python layers on MKL's few-row linears there (Xeon, SmolLM2, decode steps at context 16:
     1 row 20.8 against 25.5 ms, 4 rows 23.3 against 40.1 ms)."""
+    if not uses_cpp(x.device):  # first: the plan builds and times the C++ kernels
+        return False
     panel_rows = cpp.linear_plan().panel_rows
-    return uses_cpp(x.device) and bool(panel_rows) and x.shape[0] < panel_rows.stop
+    return bool(panel_rows) and x.shape[0] < panel_rows.stop
 
 
 def decode_attention_pads(device: torch.device) -> bool:

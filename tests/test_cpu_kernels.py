@@ -688,6 +688,18 @@ def test_the_decode_stack_runs_below_the_panel_span_too(tiny, monkeypatch):
     assert len(PROMPTS) < 8 and engine.model._decode_stack  # built: a step of < 8 rows wanted it
 
 
+@pytest.mark.parametrize("device,setting", [("cuda", "cpp"), ("cpu", "torch")])
+def test_asking_whether_the_decode_stack_runs_builds_nothing_where_cpp_is_unused(device, setting,
+                                                                                 monkeypatch):
+    """On CUDA (or with BATCHGEN_CPU_KERNELS=torch) the answer is no without building or timing
+    the C++ kernels: a GPU box without a compiler would fail its first decode step."""
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", setting)
+    monkeypatch.setattr(linear_rows, "_plan", None)
+    monkeypatch.setattr(linear_rows, "_resolve", lambda *args: pytest.fail("planned the C++ kernels"))
+    hidden = SimpleNamespace(device=torch.device(device), shape=(1, 64))  # a CUDA tensor's face
+    assert kernels.backend.decode_stack_runs(hidden) is False
+
+
 def test_the_decode_stack_runs_only_with_the_cpp_kernels_and_the_panel_rows(tiny, monkeypatch):
     monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "torch")
     engine = make_engine(tiny.dir("llama"))
