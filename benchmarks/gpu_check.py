@@ -179,8 +179,12 @@ def check_engine() -> list[dict]:
         for family in ("llama", "qwen2_moe"):
             model = _tiny_model(family, Path(tmp) / family)
             # A small step budget prefills the longer prompts in chunks.
+            # On a machine of several GPUs, the last while device 0 is current: the Triton
+            # kernels must launch on the engine's device, not the current one.
+            cuda = f"cuda:{torch.cuda.device_count() - 1}"
             engines = {device: Engine(model, device=device, kv_cache_bytes=64 << 20, max_num_batched_tokens=64)
-                       for device in ("cpu", "cuda")}
+                       for device in ("cpu", cuda)}
+            engines["cuda"] = engines.pop(cuda)
             expected = [c.token_ids for c in engines["cpu"].generate(requests)]
             start = time.perf_counter()
             got = [c.token_ids for c in engines["cuda"].generate(requests)]

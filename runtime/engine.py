@@ -2,6 +2,7 @@
 over sequence coroutines. Callers submit from any thread and collect completions as they finish;
 the sequence primitives (suspend, resume, evict, migrate; fork happens for n > 1) are public."""
 
+import contextlib
 import json
 import logging
 import operator
@@ -205,6 +206,8 @@ class Engine:
         if self.device.type == "cuda" and dtype not in kernels.TRITON_DTYPES:
             raise ValueError(f"dtype={dtype}: CUDA runs the Triton kernels, which take "
                              f"{', '.join(map(str, kernels.TRITON_DTYPES))}")
+        if self.device.type == "cuda" and self.device.index is None:  # the one current now, for good
+            self.device = torch.device("cuda", torch.cuda.current_device())
         streaming = weight_budget_bytes is not None
         if weights_in_host_memory and not streaming:
             raise ValueError("weights_in_host_memory streams weights: give weight_budget_bytes too")
@@ -415,9 +418,14 @@ class Engine:
                         params, generator, self.stop_rule, grammar)
 
     # ---- the loop ------------------------------------------------------------------------
+    def _on_device(self):
+        """Triton launches a kernel on the current CUDA device, not its tensors': make it the
+        engine's for a step, on whichever thread steps."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def step(self) -> bool:
         """Run one scheduling step. False when there was nothing to run."""
-        with self._lock.step():
+        with self._lock.step(), self._on_device():
             self._drain_inbox()
             batch = self.scheduler.schedule()
             if not batch:
