@@ -51,7 +51,6 @@ import os
 import posixpath
 import re
 import sys
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import apache_beam as beam
@@ -60,8 +59,8 @@ from apache_beam.io import fileio
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.fileio import EmptyMatchTreatment
 from apache_beam.io.filesystems import FileSystems
-from apache_beam.io.parquetio import ReadFromParquetBatched, WriteToParquet
-from apache_beam.io.textio import ReadFromText, WriteToText
+from apache_beam.io.parquetio import ReadFromParquetBatched, WriteToParquet, _ParquetSink
+from apache_beam.io.textio import ReadFromText, WriteToText, _TextSink
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -124,8 +123,12 @@ def check_output(prefix: str) -> None:
     or written."""
     if not prefix.strip():
         raise ValueError("output prefix is empty; give one, e.g. out/generations")
+    if "[" in prefix:  # Beam's writers find their temporary files by a glob of it
+        raise ValueError(f"output prefix {prefix!r} holds '[', which Beam's file writers cannot "
+                         f"finish under (the job would run, then fail to write); rename it")
     if "://" in prefix:
         return  # gs://: the bucket's permissions are known when the job writes
+    prefix = os.path.expanduser(prefix)
     if prefix.endswith(("/", os.sep)) or os.path.isdir(prefix):
         raise ValueError(f"output prefix {prefix!r} is a directory; give a file name prefix in it, "
                          f"e.g. {os.path.join(prefix, 'generations')!r}")
@@ -390,13 +393,49 @@ def _cell(column: str | bytes, cell: str):
     return value
 
 
+def shards_under(prefix: str, suffix: str) -> list[str]:
+    """The files named as WriteRows names its shards under `prefix`, any count, by absolute path."""
+    prefix = absolute_path(prefix)
+    shard = re.compile(re.escape(prefix) + r"-\d{5,}-of-\d{5,}" + re.escape(suffix))
+    found = FileSystems.match([f"{prefix}-*-of-*{suffix}"])[0].metadata_list
+    return sorted(path for path in map(absolute_path, (m.path for m in found)) if shard.fullmatch(path))
+
+
+class _ReplacesEarlierShards:
+    """A Beam file sink that, before renaming this run's shards into place, deletes every shard
+    an earlier run left under the prefix, whatever their count. Beam's own deletes only those
+    of the count that got data, and it keeps an existing shard whose checksum (on local disk,
+    its size) equals the new one's: a rerun could keep an earlier run's rows, or lose its own."""
+
+    def pre_finalize(self, init_result, writer_results):
+        earlier = shards_under(self.file_path_prefix.get(), self.file_name_suffix.get())
+        if earlier:
+            FileSystems.delete(earlier)
+
+
+class _ReplacingTextSink(_ReplacesEarlierShards, _TextSink):
+    pass
+
+
+class _ReplacingParquetSink(_ReplacesEarlierShards, _ParquetSink):
+    pass
+
+
+def _replacing_earlier_shards(write: WriteToText | WriteToParquet, sink: type):
+    """`write` with its sink made `sink`, a subclass of the one it built that adds no state."""
+    assert type(write._sink) in sink.__bases__, (type(write._sink), sink)
+    write._sink.__class__ = sink
+    return write
+
+
 class WriteRows(beam.PTransform):
     """Output rows → ``<prefix>-SSSSS-of-NNNNN.parquet`` (`OUTPUT_SCHEMA`) or ``.jsonl`` files
-    (one JSON object per line). Returns the names of the files written."""
+    (one JSON object per line), replacing the shards an earlier run left under the prefix (any
+    count). Returns the names of the files written."""
 
     def __init__(self, prefix: str, format: str = "parquet", num_shards: int = 0):
         super().__init__()
-        self.prefix = prefix
+        self.prefix = absolute_path(prefix)
         self.format = _check_format(format, OUTPUT_FORMATS)
         if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 0:
             raise ValueError(f"num_shards must be an integer >= 0 (0: the runner decides), got {num_shards!r}")
@@ -406,28 +445,21 @@ class WriteRows(beam.PTransform):
     def suffix(self) -> str:
         return "." + self.format
 
-    def earlier_shards(self, written: Iterable[str]) -> list[str]:
-        """Files under this prefix named as this transform names its shards, other than those
-        written: an earlier run's, with another shard count, which a reader of
-        `<prefix>-*` would take for this run's."""
-        prefix = absolute_path(self.prefix)
-        shard = re.compile(re.escape(prefix) + r"-\d{5,}-of-\d{5,}" + re.escape(self.suffix))
-        found = FileSystems.match([f"{prefix}-*-of-*{self.suffix}"])[0].metadata_list
-        written = {absolute_path(path) for path in written}
-        return sorted(path for path in map(absolute_path, (m.path for m in found))
-                      if shard.fullmatch(path) and path not in written)
+    def existing_shards(self) -> list[str]:
+        """The shards under this prefix now (an earlier run's, before this one writes)."""
+        return shards_under(self.prefix, self.suffix)
 
     def expand(self, rows):
         if self.format == "parquet":
+            write = WriteToParquet(self.prefix, OUTPUT_SCHEMA, file_name_suffix=self.suffix,
+                                   num_shards=self.num_shards)
             return (rows
                     | "ToArrow" >> beam.Map(row_to_arrow_dict)
-                    | "WriteParquet" >> WriteToParquet(self.prefix, OUTPUT_SCHEMA,
-                                                       file_name_suffix=self.suffix,
-                                                       num_shards=self.num_shards))
+                    | "WriteParquet" >> _replacing_earlier_shards(write, _ReplacingParquetSink))
+        write = WriteToText(self.prefix, file_name_suffix=self.suffix, num_shards=self.num_shards)
         return (rows
                 | "ToJson" >> beam.Map(row_to_json)
-                | "WriteJsonl" >> WriteToText(self.prefix, file_name_suffix=self.suffix,
-                                              num_shards=self.num_shards))
+                | "WriteJsonl" >> _replacing_earlier_shards(write, _ReplacingTextSink))
 
 
 def absolute_path(path: str) -> str:

@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="input format, if the extension does not say")
     io.add_argument("--output", default=DEFAULT_OUTPUT,
                     help="output prefix, local or gs://; files are <output>-SSSSS-of-NNNNN.<format> "
-                         "(shards an earlier run left under it, with another count, are removed)")
+                         "(it replaces the shards an earlier run left under it)")
     io.add_argument("--format", choices=OUTPUT_FORMATS, default="parquet", help="output format")
     io.add_argument("--output_shards", type=int, default=0,
                     help="number of output files (0: the runner decides)")
@@ -388,6 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
     write = WriteRows(args.output, args.format, num_shards=args.output_shards)
     check_input(input_pattern, input_format)  # after the flags: their mistakes are named first
     check_output(args.output)
+    earlier = write.existing_shards()  # the write replaces them
 
     pipeline = beam.Pipeline(options=options)
     records = pipeline | "Read" >> ReadRecords(input_pattern, input_format)
@@ -423,10 +424,7 @@ def main(argv: list[str] | None = None) -> dict:
         counters, sets = _metrics(result)
     pipeline_s = time.perf_counter() - run_started
     written = sets.get("output_files", set())
-    # What this run wrote is known: the rest of the prefix's shards are stale.
-    removed = write.earlier_shards(written) if written and str(result.state) == "DONE" else []
-    if removed:
-        FileSystems.delete(removed)
+    removed = sorted(set(earlier) - set(written)) if str(result.state) == "DONE" else []
 
     completion_tokens = counters.get("tokens_generated", 0)
     summary = {

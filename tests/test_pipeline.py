@@ -16,12 +16,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import apache_beam as beam
 import pytest
+from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.util import assert_that, equal_to
 
 from batchgen_beam.io import (MalformedRow, ReadRecords, WriteRows, _fixed_dir, delimited_rows,
                               infer_format, text_lines)
-from batchgen_beam.records import OUTPUT_SCHEMA, row_from_arrow_dict, row_from_json, rows_to_arrow
-from beam_helpers import ENGINE_ARGS, chat_model_dir
+from batchgen_beam.records import OUTPUT_SCHEMA, error_row, row_from_arrow_dict, row_from_json, rows_to_arrow
+from beam_helpers import ENGINE_ARGS, IN_MEMORY, chat_model_dir
 from pipelines import generate as cli
 
 ENGINE_FLAGS = ["--kv_cache_mb", str(ENGINE_ARGS["kv_cache_bytes"] >> 20),
@@ -390,7 +391,8 @@ def test_output_that_could_not_be_written_is_refused_before_it_runs(tmp_path):
     (tmp_path / "a-file").write_text("")
     for output, problem in (("", "output prefix is empty"),
                             (f"{tmp_path}/", "is a directory; give a file name prefix in it"),
-                            (str(tmp_path / "a-file" / "gen"), "its folder cannot be made")):
+                            (str(tmp_path / "a-file" / "gen"), "its folder cannot be made"),
+                            (str(tmp_path / "runs[2024]" / "gen"), "holds '\\[', which Beam's file writers")):
         with pytest.raises(ValueError, match=problem):
             cli.main(["--input", str(tmp_path / "recs.jsonl"), "--no_progress", "--output", output])
 
@@ -432,6 +434,36 @@ def test_a_rerun_leaves_only_its_own_shards(chat_model, jsonl_input, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [os.path.basename(second["output_files"][0]), "gen-v2-00000-of-00002.parquet"])
     assert "removed 3 shard file(s)" in cli.format_summary(second)
+
+
+@pytest.mark.parametrize("format", ["parquet", "jsonl"])
+def test_a_rerun_of_as_many_shards_of_the_same_size_replaces_them(format, tmp_path):
+    """Beam keeps an existing shard whose checksum (on local disk, its size) equals the new
+    one's: a rerun whose rows differ only in a tag of the same length kept the earlier run's;
+    and it deletes only the earlier shards of the count that got data, so a rerun with shards
+    left empty kept (or lost) some."""
+    prefix = str(tmp_path / "out" / "gen")
+    for tag in ("RUN_A", "RUN_B") * 4:  # which shards get rows, and so their sizes, vary by run
+        rows = [error_row(f"r{i}", "a bad record", {"tag": tag}) for i in range(4)]
+        with beam.Pipeline(options=PipelineOptions(IN_MEMORY)) as pipeline:
+            _ = pipeline | beam.Create(rows) | WriteRows(prefix, format, num_shards=3)
+        shards = sorted((tmp_path / "out").iterdir())
+        assert [p.name for p in shards] == [f"gen-0000{i}-of-00003.{format}" for i in range(3)]
+        if format == "parquet":
+            read = [json.loads(row["passthrough"]) for shard in shards for row in pq.read_table(shard).to_pylist()]
+        else:
+            read = [json.loads(line)["passthrough"] for shard in shards for line in open(shard)]
+        assert read == [{"tag": tag}] * 4
+
+
+def test_an_output_prefix_under_home_is_written_there(chat_model, jsonl_input, tmp_path, monkeypatch):
+    """"--output=~/..." reaches the program unexpanded (no shell expands "~" after "=")."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    summary = run(chat_model, "--input", str(jsonl_input), "--output=~/out/gen")
+    assert summary["output_files"] and all(
+        f.startswith(str(tmp_path / "home" / "out" / "gen-")) for f in summary["output_files"])
+    assert not (tmp_path / "~").exists()
 
 
 def test_argument_handling():
