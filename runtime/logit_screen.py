@@ -55,14 +55,18 @@ def screened_argmax(hidden: torch.Tensor, weight: torch.Tensor, screen: LogitScr
     top = bf16_weight_linear(hidden, screen.weight_bf16, screen.packed).topk(k, dim=1)
     # Sorted by token id, so the first of tied fp32 logits is the lowest id, as argmax has it.
     ids, _ = top.indices.sort(dim=1)
-    # In fp32 before `finish`, as the full path applies it (a soft cap in bf16 would tie many).
-    exact = finish(torch.einsum("rkh,rh->rk", weight[ids], hidden).float())
+    # Finished in the model's dtype, then fp32, as the full path has them (a soft cap in bf16
+    # ties many: the bound below then clears fewer rows, never a wrong one).
+    exact = finish(torch.einsum("rkh,rh->rk", weight[ids], hidden)).float()
     best, where = exact.max(dim=1)
     tokens = ids.gather(1, where[:, None])[:, 0]
     kth = top.values[:, -1].float()
     slack = 2.0 ** -8 + 2 * size * 2.0 ** -23
     hidden_norm = torch.linalg.vector_norm(hidden, dim=1, dtype=_at_least_fp32(hidden))
-    bound = finish(kth + 2.0 ** -8 * kth.abs() + slack * hidden_norm * screen.max_row_norm)
+    # Rounded to the model's dtype before `finish`, as a logit outside the candidates is: a
+    # value of that dtype under the fp32 bound is under its rounding too (rounding is monotone).
+    raw_bound = kth + 2.0 ** -8 * kth.abs() + slack * hidden_norm * screen.max_row_norm
+    bound = finish(raw_bound.to(hidden.dtype)).float()
     # NaN anywhere fails the comparison: such rows take the full path, argmax's NaN rule. So
     # does a best candidate that overflowed (fp16): tokens outside the candidates may too, and
     # argmax takes the lowest id of those.

@@ -299,7 +299,8 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.finish_logits(self.lm_head(hidden).float())
+        """fp32 logits, rounded where transformers rounds them: finished in the model's dtype."""
+        return self.finish_logits(self.lm_head(hidden)).float()
 
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The lm_head's output as the model's logits: scaled (Granite), soft-capped (Gemma 2)."""

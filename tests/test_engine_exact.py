@@ -409,6 +409,7 @@ def test_gemma_norms_in_half_precision_round_once_as_transformers_does(tiny, fam
     ("olmo2", {}), ("olmo3", {}),  # norms scale the fp32 normalised x; q, k rotate in fp32
     ("mixtral", {}),  # router weights stay fp32
     ("qwen3_moe", {"num_experts_per_tok": 4}),  # a token's k expert outputs summed, rounded once
+    ("granite", {}), ("gemma2", {}),  # logits scaled / soft-capped in the model's dtype
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_rounds_where_transformers_rounds(tiny, monkeypatch, family, overrides, dtype):

@@ -158,8 +158,9 @@ def test_the_engine_screens_only_greedy_rows_without_logprobs(tiny):
 
 
 def test_a_half_precision_engine_screens_to_the_tokens_it_gives_unscreened(tiny):
-    """The candidates' logits turn fp32 before the soft cap, as the full path's do: capped in
-    bf16, tanh rounds them to a few values near the cap, and the lowest id of the ties won."""
+    """The candidates' logits are soft-capped in bf16, as the full path's are (transformers'
+    rounding): tanh rounds them to a few values near the cap, and the lowest id of the ties
+    must win, as argmax has it, whether or not it was a candidate."""
     model_dir = tiny.dir("gemma2", final_logit_softcapping=0.5)
     prompts = random_prompts((20, 23, 26, 29), seed=6)
 
