@@ -277,8 +277,9 @@ class Sequence:
     @property
     def scores_prompt(self) -> bool:
         """Whether prompt logprobs are still to be collected: its prefill must then compute every
-        prompt token (no cached prefix) and hand back their hidden states."""
-        return self.params.prompt_logprobs is not None and \
+        prompt token (no cached prefix) and hand back their hidden states. Sample 0 alone
+        collects them; the samples forked from it report none."""
+        return self.params.prompt_logprobs is not None and self.sample_index == 0 and \
             len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     # ---- migration -----------------------------------------------------------------------

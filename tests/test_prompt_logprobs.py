@@ -91,6 +91,25 @@ def test_samples_share_one_scored_prompt(tiny):
     assert_scored(tiny, "qwen3", PROMPTS[4], done)
 
 
+def test_evicted_samples_recompute_no_more_than_unscored_ones(tiny):
+    """Only sample 0 reports the prompt's logprobs: the other samples, evicted after the fork,
+    take the prompt from the prefix cache as sample 0 does, instead of rescoring it."""
+    prefill, texts = [], []
+    for prompt_logprobs in (None, TOP):
+        engine = make_engine(tiny.dir("llama"), block_size=4)
+        engine.submit(Request("s", prompt_token_ids=PROMPTS[4], params=SamplingParams(
+            max_tokens=12, n=3, temperature=1.0, seed=2, ignore_eos=True, prompt_logprobs=prompt_logprobs)))
+        for _ in range(4):
+            engine.step()
+        assert engine.evict("s") == 3
+        done = collect(engine)["s"]
+        prefill.append(engine.stats.prefill_tokens)
+        texts.append([sample.token_ids for sample in done.outputs])
+        assert_idle_and_clean(engine)
+    assert_scored(tiny, "llama", PROMPTS[4], done)
+    assert texts[0] == texts[1] and prefill[0] == prefill[1]
+
+
 def test_prompt_logprobs_zero_gives_no_top_and_too_many_are_refused(tiny):
     engine = make_engine(tiny.dir("llama"))
     [done] = engine.generate([Request("z", prompt_token_ids=PROMPTS[3],
