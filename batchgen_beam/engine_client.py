@@ -253,12 +253,25 @@ class EngineService:
                 if self._owner.get(request_id) == client_id:
                     del self._owner[request_id]
                     self._delivered.pop(request_id, None)
+                    self._outboxes[client_id].pop(request_id, None)  # handed out again (reconcile)
             self._ready.wait_for(lambda: self._outboxes[client_id] or self._taken[client_id], timeout)
             finished = self._outboxes.pop(client_id, {})
             self._delivered.update(finished)
             taken_over = self._taken.pop(client_id, [])
         # info() takes the engine lock: never inside _ready, which a replacement takes inside it.
         return list(finished.values()), taken_over, self.info(wait=False)
+
+    def reconcile(self, client_id: str, request_ids: list[str]) -> tuple[list[str], list[str]]:
+        """After a call of this client's was interrupted, its reply lost: hand out again its
+        completions not yet acknowledged, and say which of `request_ids` no client has in flight
+        (lost with the reply: to start again) and which other clients have taken over."""
+        with self._ready:
+            for request_id in [rid for rid in self._delivered if self._owner.get(rid) == client_id]:
+                self._outboxes[client_id][request_id] = self._delivered.pop(request_id)
+            self._ready.notify_all()
+            owners = {request_id: self._owner.get(request_id) for request_id in request_ids}
+        return ([rid for rid, owner in owners.items() if owner is None],
+                [rid for rid, owner in owners.items() if owner not in (None, client_id)])
 
     def info(self, wait: bool = True) -> dict:
         """The engine's counters; without `wait`, the last ones read while another call holds
@@ -326,6 +339,7 @@ class EngineClient:
         self._done: dict[str, Completion] = {}
         self._taken: list[str] = []  # taken here since the last poll: acknowledged with the next
         self._unwanted: set[str] = set()  # cancelled after they finished: acknowledged on arrival
+        self._reconcile_due = False  # a call was interrupted: what its reply carried is lost
         self.restarts = 0
         self._deaths: Counter[str] = Counter()  # engine deaths each resident request was in flight for
         self.last_info: dict | None = None  # the engine's counters as of the last poll
@@ -380,15 +394,20 @@ class EngineClient:
             return service
         raise RuntimeError(f"the engine process was gone each time it was joined: {cause!r}") from cause
 
-    def _call(self, method: str, *args):
+    def _call(self, method: str, *args, restart: bool = True):
+        """The engine's `method`; where its process is gone, a new one's (unless not `restart`:
+        then the error is raised)."""
         service = self._connected()
         try:
             return getattr(service, method)(*args)
         except _ENGINE_GONE as gone:
+            if not restart:
+                raise
             cause = gone
         except BaseException as exc:
             if not isinstance(exc, Exception):  # interrupted (a notebook's stop button): its reply is due
                 _drop_this_threads_connection(service)
+                self._reconcile_due = True
             raise
         # The engine process died; a new one may die again (a request that crashes it is
         # resubmitted with the others until it has been in flight through MAX_ENGINE_DEATHS).
@@ -483,21 +502,28 @@ class EngineClient:
 
     def cancel(self, prefix: str) -> None:
         """Drop this process's requests whose ids start with `prefix` (a job that is over): the
-        running ones leave the engine, and finished ones' completions are acknowledged unread."""
+        running ones leave the engine, and finished ones' completions are acknowledged unread.
+        An engine that is gone is not restarted for it: nothing runs them any more."""
         with self._lock:
             ids = [rid for rid in self._resident if rid.startswith(prefix)]
+            engine_up = self._service is not None
         if not ids:
             return
-        taken_out = self.migrate_out(ids)
+        taken_out = {}
+        if engine_up:
+            try:
+                taken_out = self._call("migrate_out", self.client_id, ids, restart=False)
+            except _ENGINE_GONE:
+                engine_up = False
         with self._lock:
             for request_id in ids:
+                self._forget(request_id)
                 if request_id in taken_out:
                     continue
-                self._forget(request_id)
-                if self._done.pop(request_id, None) is None:
-                    self._unwanted.add(request_id)  # finished, its completion on the way
-                else:
+                if self._done.pop(request_id, None) is not None:
                     self._taken.append(request_id)
+                elif engine_up:
+                    self._unwanted.add(request_id)  # finished, its completion on the way
 
     def knows(self, request_id: str) -> bool:
         """Submitted by this process and its result not yet taken."""
@@ -544,7 +570,28 @@ class EngineClient:
             pending -= got.keys()
         return results
 
+    def _reconcile(self) -> None:
+        """After an interrupted call, whose reply (completions, migrated states) is lost: have the
+        engine hand this client's completions out again, start again the requests no client has
+        any more, and forget those another process took over."""
+        with self._lock:
+            self._reconcile_due = False
+            ids = [rid for rid in self._resident if rid not in self._done]
+        lost, taken_over = self._call("reconcile", self.client_id, ids)
+        with self._lock:
+            for request_id in taken_over:
+                self._forget(request_id)
+            again = [self._resident[rid] for rid in lost if rid in self._resident]
+        requests = [item for item in again if isinstance(item, Request)]
+        states = [item for item in again if not isinstance(item, Request)]
+        if requests:
+            self._call("submit", self.client_id, requests)
+        if states:
+            self._call("resume", self.client_id, states)
+
     def _pull(self, timeout: float) -> None:
+        if self._reconcile_due:
+            self._reconcile()
         with self._lock:
             acknowledged, self._taken = self._taken, []
         completions, taken, self.last_info = self._call("poll", self.client_id, timeout, acknowledged)

@@ -24,7 +24,9 @@ import math
 import threading
 import time
 import uuid
+import weakref
 import zlib
+from collections import Counter, defaultdict
 from typing import Any
 
 import apache_beam as beam
@@ -113,32 +115,42 @@ class EngineMetrics:
 
 
 class _LiveJobs:
-    """The Generate transforms (by namespace) with DoFns set up in this process, and how many.
+    """The batch jobs (by a token of their pipeline) with Generate DoFns set up in this process,
+    how many, and the namespaces of their Generate transforms (with their engines).
 
-    A job's DoFns are torn down when it ends, failed or not. A failed job leaves its requests in
-    the engine, where a retried bundle of the same job (the same namespace: it was pickled with
-    the DoFn) picks them up. Once another job sets up here while none of the failed job's DoFns
-    live, no retry is coming (a notebook re-running a fixed cell): its requests are cancelled
-    rather than left running ahead of the new job's."""
+    A batch job's DoFns are torn down when it ends, failed or not. A failed job leaves its
+    requests in the engine, where a retried bundle of the same job picks them up. Once another
+    job sets up here while none of the failed job's DoFns live, no retry is coming (a notebook
+    re-running a fixed cell): its requests are cancelled rather than left running ahead of the
+    new job's. Streaming jobs take no part: the DirectRunner runs them on a runner that sets
+    DoFns up and tears them down around every bundle, so none alive does not mean over."""
 
-    _lock = threading.Lock()
-    _alive: dict[str, tuple[EngineConfig, int]] = {}
-
-    @classmethod
-    def set_up(cls, namespace: str, config: EngineConfig) -> None:
-        with cls._lock:
-            over = {ns: cfg for ns, (cfg, alive) in cls._alive.items() if not alive and ns != namespace}
-            for ns in over:
-                del cls._alive[ns]
-            cls._alive[namespace] = (config, cls._alive.get(namespace, (config, 0))[1] + 1)
-        for ns, cfg in over.items():
-            EngineClient.shared(cfg).cancel(f"{ns}:")
+    _lock = threading.Lock()  # held while cancelling: a retry setting up meanwhile resubmits after
+    _alive: Counter[str] = Counter()
+    _namespaces: defaultdict[str, dict[str, EngineConfig]] = defaultdict(dict)
 
     @classmethod
-    def torn_down(cls, namespace: str) -> None:
+    def set_up(cls, job: str, namespace: str, config: EngineConfig) -> None:
         with cls._lock:
-            config, alive = cls._alive[namespace]
-            cls._alive[namespace] = (config, alive - 1)
+            for over in [j for j in cls._namespaces if j != job and not cls._alive[j]]:
+                for ns, cfg in cls._namespaces.pop(over).items():
+                    EngineClient.shared(cfg).cancel(f"{ns}:")
+            cls._alive[job] += 1
+            cls._namespaces[job][namespace] = config
+
+    @classmethod
+    def torn_down(cls, job: str) -> None:
+        with cls._lock:
+            cls._alive[job] -= 1
+
+
+_job_tokens: "weakref.WeakKeyDictionary[beam.Pipeline, str]" = weakref.WeakKeyDictionary()
+
+
+def _job_of(pipeline: beam.Pipeline) -> str:
+    """A token for the job this pipeline runs, shared by its Generate transforms; running the
+    same Pipeline object again retries the same job."""
+    return _job_tokens.setdefault(pipeline, uuid.uuid4().hex[:8])
 
 
 class _GenerateFn(beam.DoFn):
@@ -148,20 +160,23 @@ class _GenerateFn(beam.DoFn):
     record's processing or which timer emits it."""
 
     def __init__(self, config: EngineConfig, num_shards: int, max_in_flight: int, namespace: str,
-                 straggler_timeout_s: float | None = None, shard_suffix: str = ""):
+                 straggler_timeout_s: float | None = None, shard_suffix: str = "", job: str | None = None):
         self._config, self._num_shards = config, num_shards
         self._max_in_flight, self._namespace = max_in_flight, namespace
         self._straggler_timeout_s = straggler_timeout_s  # None: wait for all (the last stage)
         self._shard_suffix = shard_suffix  # records are keyed by shard_of(id + this), and named so
+        self._job = job  # a batch job's token (_LiveJobs); None: not tracked
 
     def setup(self):
-        _LiveJobs.set_up(self._namespace, self._config)  # first: teardown follows even a failed setup
+        if self._job is not None:  # first: teardown follows even a failed setup
+            _LiveJobs.set_up(self._job, self._namespace, self._config)
         self._client = EngineClient.shared(self._config).connect()
         self._metrics = EngineMetrics()
         self._recovered: set[int] = set()
 
     def teardown(self):
-        _LiveJobs.torn_down(self._namespace)
+        if self._job is not None:
+            _LiveJobs.torn_down(self._job)
 
     def _request_id(self, item: Parsed | Continuation) -> str:
         # Two Generate transforms may share an engine and reuse record ids; the second stage's
@@ -371,12 +386,14 @@ class Generate(beam.PTransform):
             return (shard_of(str(parsed.id), shards), parsed)
 
         validated = records | "Validate" >> beam.Map(keyed).with_output_types(KV[int, Any])
+        streaming = not records.is_bounded or records.pipeline.options.view_as(StandardOptions).streaming
+        job = None if streaming else _job_of(records.pipeline)
         first_stage_args = (self._config, shards, self._max_in_flight, namespace, self._straggler_timeout_s)
-        if not records.is_bounded or records.pipeline.options.view_as(StandardOptions).streaming:
+        if streaming:
             first_stage = stateful_stage(_StreamingGenerateFn, names)(
                 *first_stage_args, poll_interval_s=self._poll_interval_s)
         else:
-            first_stage = stateful_stage(_GenerateFn, names)(*first_stage_args)
+            first_stage = stateful_stage(_GenerateFn, names)(*first_stage_args, job=job)
         if self._straggler_timeout_s is None:
             return validated | "Generate" >> beam.ParDo(first_stage)
         first = validated | "Generate" >> beam.ParDo(first_stage).with_outputs(CONTINUATIONS, main="rows")
@@ -385,5 +402,5 @@ class Generate(beam.PTransform):
                      | "Rekey" >> beam.Map(lambda c: (shard_of(c.parsed.id + CONTINUED, shards), c)
                                            ).with_output_types(KV[int, Any])
                      | "Continue" >> beam.ParDo(stateful_stage(_GenerateFn, names + "_continued")(
-                         self._config, shards, self._max_in_flight, namespace, None, CONTINUED)))
+                         self._config, shards, self._max_in_flight, namespace, None, CONTINUED, job)))
         return (first.rows, continued) | "Rows" >> beam.Flatten()

@@ -10,7 +10,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import apache_beam as beam
@@ -23,7 +23,7 @@ from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.timestamp import Timestamp
 
 from batchgen_beam.engine_client import EngineClient, EngineConfig, EngineService
-from batchgen_beam.generate import Generate, _GenerateFn, _StreamingGenerateFn, stateful_stage
+from batchgen_beam.generate import Generate, _GenerateFn, _LiveJobs, _StreamingGenerateFn, stateful_stage
 from batchgen_beam.records import parse_record, row_to_json
 from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, MULTI_PROCESSING, bundled_prompts,
                           chat_model_dir, counter, distribution, gone, run_pipeline, worker_pythonpath)
@@ -709,6 +709,50 @@ def test_a_completion_pulled_but_not_taken_goes_to_the_process_that_took_it_over
     assert not first.knows(request.id)
 
 
+class ReplyLost:
+    """A client's connection to the engine whose reply to `method` is lost (a notebook's stop
+    button during the call): the engine carried the call out, the caller got KeyboardInterrupt."""
+
+    def __init__(self, service, method: str):
+        self.service, self.method, self.result = service, method, None
+
+    def __getattr__(self, name):
+        if name != self.method:
+            return getattr(self.service, name)
+
+        def lose_reply(*args):
+            self.result = getattr(self.service, name)(*args)
+            raise KeyboardInterrupt
+        return lose_reply
+
+
+@pytest.mark.parametrize("method", ["poll", "migrate_out"])
+def test_what_an_interrupted_calls_lost_reply_carried_is_recovered(model_dir, bare_engine, method):
+    """The completions of a poll whose reply was lost are handed out again; requests a lost
+    migrate_out reply took out of the engine run again. Either way every request completes
+    (they were waited on forever, by this job's re-run and by any other job of the process)."""
+    client = EngineClient(EngineConfig.of(str(model_dir), **ENGINE_ARGS))
+    requests = engine_requests(bundled_prompts(bare_engine.tokenizer, 3, CONTEXT - 40 - 1), f"lost-{method}-")
+    ids = [r.id for r in requests]
+    before = client.info()["finished"]
+    client.submit(requests)
+    if method == "poll":
+        while client.info()["finished"] < before + len(ids):  # all in the engine's outbox
+            time.sleep(0.05)
+    real = client._connected()
+    client._service = lossy = ReplyLost(real, method)
+    with pytest.raises(KeyboardInterrupt):
+        client.done_ids() if method == "poll" else client.migrate_out(ids)
+    client._service = real
+    assert lossy.result, "the call carried nothing: nothing to lose"
+    waiting = threading.Thread(target=lambda: done.update(client.wait_all(ids)), daemon=True)
+    done = {}
+    waiting.start()
+    waiting.join(60)
+    assert sorted(done) == sorted(ids) and all(c.error is None for c in done.values())
+    assert client.take(ids, timeout=0.5) == {} and not any(client.knows(rid) for rid in ids)
+
+
 class Bag:
     """BagState stand-in: what the runner keeps per key across bundles and workers."""
 
@@ -810,7 +854,7 @@ def test_a_retried_bundle_of_the_same_job_keeps_its_requests(model_dir, good, ba
     records = [parse_record(r, {"max_tokens": 16, "ignore_eos": True}) for r in good[:5]]
     stage = stateful_stage(_GenerateFn, "retry")
     bag, rows = Bag(), []
-    first = stage(config, num_shards=1, max_in_flight=1024, namespace="job-r")
+    first = stage(config, num_shards=1, max_in_flight=1024, namespace="job-r", job="retried")
     first.setup()
     for parsed in records:
         rows.extend(first.process((0, parsed), window=GlobalWindow(), timestamp=STAMP, pending=bag,
@@ -819,7 +863,7 @@ def test_a_retried_bundle_of_the_same_job_keeps_its_requests(model_dir, good, ba
     assert held, "every row came out before the failure: nothing to retry"
     first.teardown()  # the bundle failed
 
-    retry = stage(config, num_shards=1, max_in_flight=1024, namespace="job-r")
+    retry = stage(config, num_shards=1, max_in_flight=1024, namespace="job-r", job="retried")
     retry.setup()
     assert all(retry._client.knows(request_id) for request_id in held)
     rows.extend(retry.flush(pending=bag, window=GlobalWindow()))
@@ -896,3 +940,74 @@ def test_generate_polls_only_on_unbounded_inputs(model_dir):
     unbounded = test_stream.TestStream().add_elements([{"id": "a", "prompt": "Hi"}])
     streaming = beam.Pipeline(options=PipelineOptions(["--streaming"]))
     assert issubclass(first_stage(streaming, unbounded), _StreamingGenerateFn)
+
+
+def test_the_stages_of_one_batch_job_share_its_token_and_streaming_jobs_have_none(model_dir):
+    """A failed batch job's requests are cancelled only by another job (_LiveJobs): every
+    Generate stage of a pipeline carries the pipeline's token. The DirectRunner sets a streaming
+    job's DoFns up and tears them down around each bundle, so none alive does not mean over:
+    streaming stages are not tracked (two streaming Generates cancelled each other's requests)."""
+    def stage_jobs(pipeline, source, name):
+        rows = pipeline | f"in {name}" >> source | name >> Generate(
+            str(model_dir), engine_args=ENGINE_ARGS, straggler_timeout_s=1.0)
+        first, continued = rows.producer.inputs
+        return [pcoll.producer.transform.fn._job for pcoll in (first, continued)]
+
+    pipeline = beam.Pipeline()
+
+    def records():
+        return beam.Create([{"id": "a", "prompt": "Hi"}])
+
+    jobs = stage_jobs(pipeline, records(), "A") + stage_jobs(pipeline, records(), "B")
+    assert jobs[0] is not None and set(jobs) == {jobs[0]}
+    assert stage_jobs(beam.Pipeline(), records(), "A") != jobs[:2]  # another job
+    unbounded = test_stream.TestStream().add_elements([{"id": "a", "prompt": "Hi"}])
+    streaming = beam.Pipeline(options=PipelineOptions(["--streaming"]))
+    assert stage_jobs(streaming, unbounded, "S") == [None, None]
+
+
+def test_a_retry_setting_up_while_its_job_is_cancelled_waits_for_the_cancel(monkeypatch):
+    """Its records' ids are known to the client until the cancel forgets them: a retry that
+    looked before then would resubmit none, and wait for them for ever."""
+    monkeypatch.setattr(_LiveJobs, "_alive", Counter())
+    monkeypatch.setattr(_LiveJobs, "_namespaces", defaultdict(dict))
+    events = []
+
+    class SlowClient:
+        def cancel(self, prefix):
+            events.append(f"cancel {prefix}")
+            time.sleep(0.3)
+            events.append("cancelled")
+
+    monkeypatch.setattr(EngineClient, "shared", lambda config: SlowClient())
+    config = EngineConfig.of(None)
+    _LiveJobs.set_up("failed", "ns-f", config)
+    _LiveJobs.torn_down("failed")
+    another = threading.Thread(target=_LiveJobs.set_up, args=("another", "ns-a", config))
+    another.start()
+    while not events:
+        time.sleep(0.01)
+    _LiveJobs.set_up("failed", "ns-f", config)  # the failed job's retry
+    events.append("retry set up")
+    another.join()
+    assert events == ["cancel ns-f:", "cancelled", "retry set up"]
+
+
+def test_cancelling_never_restarts_a_dead_engine(monkeypatch):
+    """A new job cancels a failed job's requests: if the failed job's engine is gone (what
+    failed it, often), nothing runs them any more, and starting a new engine just to take them
+    out cost a model load and kept that engine up for the life of the process."""
+    class GoneService:
+        def submit(self, client_id, requests):
+            pass
+
+        def migrate_out(self, client_id, request_ids):
+            raise EOFError("the engine process died")
+
+    started = []
+    monkeypatch.setattr(EngineClient, "_connect", lambda self: started.append(GoneService()) or started[-1])
+    client = EngineClient(EngineConfig.of(None))
+    client.submit([Request(rid, prompt="Hi") for rid in ("old:1", "old:2")])
+    client.cancel("old:")
+    assert len(started) == 1 and not client.knows("old:1") and not client.knows("old:2")
+    assert client._unwanted == set()
