@@ -22,6 +22,7 @@ import traceback
 import uuid
 import weakref
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
 
 from apache_beam.utils.multi_process_shared import MultiProcessShared
@@ -38,17 +39,19 @@ _ENGINE_GONE = (EOFError, ConnectionError, BrokenPipeError, OSError)
 MAX_ENGINE_DEATHS = 3
 
 
-def _drop_this_threads_connection(service) -> None:
-    """Close the connection this thread's proxy calls to the engine go over, so the next call
-    opens another. A call interrupted while it waited leaves its reply unread on it: the next
-    call would read that reply as its own, or fail as if the engine were gone and then hang
-    rejoining over the same connection (multiprocessing's proxies share it per thread and
-    server, whichever proxy object calls)."""
-    local = service.get_auto_proxy_object()._tls
-    connection = getattr(local, "connection", None)
-    if connection is not None:
-        del local.connection
-        connection.close()
+def _finishes_when_interrupted(method):
+    """Run this client method where an interrupt cannot cut it short. KeyboardInterrupt (a
+    notebook's stop button) reaches only the main thread: there, a call to the engine cut short
+    would lose its reply (the completions or states it carried, which the engine counts as
+    handed over), leave that reply unread on the connection, or leave the client's records half
+    updated. So from the main thread the method runs on the client's own thread and the caller
+    waits for it: an interrupt stops the wait, not the work."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            return method(self, *args, **kwargs)
+        return self._worker.submit(method, self, *args, **kwargs).result()
+    return run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,25 +256,12 @@ class EngineService:
                 if self._owner.get(request_id) == client_id:
                     del self._owner[request_id]
                     self._delivered.pop(request_id, None)
-                    self._outboxes[client_id].pop(request_id, None)  # handed out again (reconcile)
             self._ready.wait_for(lambda: self._outboxes[client_id] or self._taken[client_id], timeout)
             finished = self._outboxes.pop(client_id, {})
             self._delivered.update(finished)
             taken_over = self._taken.pop(client_id, [])
         # info() takes the engine lock: never inside _ready, which a replacement takes inside it.
         return list(finished.values()), taken_over, self.info(wait=False)
-
-    def reconcile(self, client_id: str, request_ids: list[str]) -> tuple[list[str], list[str]]:
-        """After a call of this client's was interrupted, its reply lost: hand out again its
-        completions not yet acknowledged, and say which of `request_ids` no client has in flight
-        (lost with the reply: to start again) and which other clients have taken over."""
-        with self._ready:
-            for request_id in [rid for rid in self._delivered if self._owner.get(rid) == client_id]:
-                self._outboxes[client_id][request_id] = self._delivered.pop(request_id)
-            self._ready.notify_all()
-            owners = {request_id: self._owner.get(request_id) for request_id in request_ids}
-        return ([rid for rid, owner in owners.items() if owner is None],
-                [rid for rid, owner in owners.items() if owner not in (None, client_id)])
 
     def info(self, wait: bool = True) -> dict:
         """The engine's counters; without `wait`, the last ones read while another call holds
@@ -339,7 +329,6 @@ class EngineClient:
         self._done: dict[str, Completion] = {}
         self._taken: list[str] = []  # taken here since the last poll: acknowledged with the next
         self._unwanted: set[str] = set()  # cancelled after they finished: acknowledged on arrival
-        self._reconcile_due = False  # a call was interrupted: what its reply carried is lost
         self.restarts = 0
         self._deaths: Counter[str] = Counter()  # engine deaths each resident request was in flight for
         self.last_info: dict | None = None  # the engine's counters as of the last poll
@@ -348,11 +337,14 @@ class EngineClient:
         self._service = None
         self._handle: MultiProcessShared | None = None  # the engine process's, to stop it
         self._pinned = False  # got through shared(): stays for the life of this process
+        # Runs the methods the main thread calls (_finishes_when_interrupted), one at a time.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgen-client")
 
     def _has_resident(self) -> bool:
         with self._lock:
             return bool(self._resident)
 
+    @_finishes_when_interrupted
     def _leave(self) -> None:
         """Tell the engine this process no longer uses it; the last client to leave stops its
         process (a client joining meanwhile finds it gone and starts another)."""
@@ -367,6 +359,7 @@ class EngineClient:
         except _ENGINE_GONE:  # stopped, or it died: nothing left to stop
             pass
 
+    @_finishes_when_interrupted
     def connect(self) -> "EngineClient":
         """Start (or find) the machine's engine process now rather than on first use."""
         self._connected()
@@ -404,11 +397,6 @@ class EngineClient:
             if not restart:
                 raise
             cause = gone
-        except BaseException as exc:
-            if not isinstance(exc, Exception):  # interrupted (a notebook's stop button): its reply is due
-                _drop_this_threads_connection(service)
-                self._reconcile_due = True
-            raise
         # The engine process died; a new one may die again (a request that crashes it is
         # resubmitted with the others until it has been in flight through MAX_ENGINE_DEATHS).
         for _ in range(MAX_ENGINE_DEATHS + 1):
@@ -459,6 +447,7 @@ class EngineClient:
         """Continue migrated-out requests (`migrate_out` states) not already resident."""
         self._start("resume", states, lambda state: state["request_id"])
 
+    @_finishes_when_interrupted
     def _start(self, method: str, items: Iterable, id_of) -> None:
         with self._lock:
             fresh = []
@@ -479,6 +468,7 @@ class EngineClient:
         if reused:
             self._pull(0.0)
 
+    @_finishes_when_interrupted
     def migrate_out(self, request_ids: Iterable[str]) -> dict[str, dict]:
         """Take these requests, if still running, out of the engine: their states by id. They
         are no longer this client's; the others' completions arrive as usual."""
@@ -493,6 +483,7 @@ class EngineClient:
         self._resident.pop(request_id, None)
         self._deaths.pop(request_id, None)
 
+    @_finishes_when_interrupted
     def abandon(self, request_ids: Iterable[str]) -> None:
         """No longer wait for these requests, nor resubmit them after a restart."""
         with self._lock:
@@ -500,6 +491,7 @@ class EngineClient:
                 self._done.pop(request_id, None)
                 self._forget(request_id)
 
+    @_finishes_when_interrupted
     def cancel(self, prefix: str) -> None:
         """Drop this process's requests whose ids start with `prefix` (a job that is over): the
         running ones leave the engine, and finished ones' completions are acknowledged unread.
@@ -550,16 +542,21 @@ class EngineClient:
         deadline = time.monotonic() + timeout
         wait = 0.0
         while True:
-            self._pull(wait)
-            with self._lock:
-                found = {rid: self._done.pop(rid) for rid in wanted & self._done.keys()}
-                for rid in found:
-                    self._forget(rid)
-                self._taken.extend(found)
+            found = self._take_done(wanted, wait)
             remaining = deadline - time.monotonic()
             if found or remaining <= 0 or not wanted:
                 return found
             wait = min(remaining, 0.5)
+
+    @_finishes_when_interrupted
+    def _take_done(self, wanted: set[str], wait: float) -> dict[str, Completion]:
+        self._pull(wait)
+        with self._lock:
+            found = {rid: self._done.pop(rid) for rid in wanted & self._done.keys()}
+            for rid in found:
+                self._forget(rid)
+            self._taken.extend(found)
+        return found
 
     def wait_all(self, request_ids: Iterable[str]) -> dict[str, Completion]:
         """Block until every id is done."""
@@ -570,28 +567,8 @@ class EngineClient:
             pending -= got.keys()
         return results
 
-    def _reconcile(self) -> None:
-        """After an interrupted call, whose reply (completions, migrated states) is lost: have the
-        engine hand this client's completions out again, start again the requests no client has
-        any more, and forget those another process took over."""
-        with self._lock:
-            self._reconcile_due = False
-            ids = [rid for rid in self._resident if rid not in self._done]
-        lost, taken_over = self._call("reconcile", self.client_id, ids)
-        with self._lock:
-            for request_id in taken_over:
-                self._forget(request_id)
-            again = [self._resident[rid] for rid in lost if rid in self._resident]
-        requests = [item for item in again if isinstance(item, Request)]
-        states = [item for item in again if not isinstance(item, Request)]
-        if requests:
-            self._call("submit", self.client_id, requests)
-        if states:
-            self._call("resume", self.client_id, states)
-
+    @_finishes_when_interrupted
     def _pull(self, timeout: float) -> None:
-        if self._reconcile_due:
-            self._reconcile()
         with self._lock:
             acknowledged, self._taken = self._taken, []
         completions, taken, self.last_info = self._call("poll", self.client_id, timeout, acknowledged)
@@ -608,13 +585,16 @@ class EngineClient:
                     self._unwanted.remove(completion.id)
                     self._taken.append(completion.id)
 
+    @_finishes_when_interrupted
     def info(self) -> dict:
         return self._call("info")
 
+    @_finishes_when_interrupted
     def reset_prefix_cache(self) -> int:
         """The engine's Engine.reset_prefix_cache (shared by every client of this machine)."""
         return self._call("reset_prefix_cache")
 
+    @_finishes_when_interrupted
     def check_params(self, params) -> None:
         """The engine's Engine.check_params: ValueError for values it cannot honour."""
         self._call("check_params", params)

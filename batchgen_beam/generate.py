@@ -132,11 +132,11 @@ class _LiveJobs:
     @classmethod
     def set_up(cls, job: str, namespace: str, config: EngineConfig) -> None:
         with cls._lock:
-            for over in [j for j in cls._namespaces if j != job and not cls._alive[j]]:
+            cls._alive[job] += 1  # first: its teardown follows, whatever the cancels do
+            cls._namespaces[job][namespace] = config
+            for over in [j for j in cls._namespaces if not cls._alive[j]]:
                 for ns, cfg in cls._namespaces.pop(over).items():
                     EngineClient.shared(cfg).cancel(f"{ns}:")
-            cls._alive[job] += 1
-            cls._namespaces[job][namespace] = config
 
     @classmethod
     def torn_down(cls, job: str) -> None:
@@ -168,14 +168,15 @@ class _GenerateFn(beam.DoFn):
         self._job = job  # a batch job's token (_LiveJobs); None: not tracked
 
     def setup(self):
-        if self._job is not None:  # first: teardown follows even a failed setup
-            _LiveJobs.set_up(self._job, self._namespace, self._config)
         self._client = EngineClient.shared(self._config).connect()
         self._metrics = EngineMetrics()
         self._recovered: set[int] = set()
+        self._tracked = self._job is not None  # a failed setup may have no teardown
+        if self._tracked:
+            _LiveJobs.set_up(self._job, self._namespace, self._config)
 
     def teardown(self):
-        if self._job is not None:
+        if getattr(self, "_tracked", False):
             _LiveJobs.torn_down(self._job)
 
     def _request_id(self, item: Parsed | Continuation) -> str:

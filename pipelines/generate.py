@@ -424,7 +424,8 @@ def main(argv: list[str] | None = None) -> dict:
         counters, sets = _metrics(result)
     pipeline_s = time.perf_counter() - run_started
     written = sets.get("output_files", set())
-    removed = sorted(set(earlier) - set(written)) if str(result.state) == "DONE" else []
+    # Replaced by this run's shards of the same names, or removed (unknown if none were reported).
+    removed = sorted(set(earlier) - set(written)) if written and str(result.state) == "DONE" else []
 
     completion_tokens = counters.get("tokens_generated", 0)
     summary = {
