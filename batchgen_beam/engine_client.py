@@ -542,21 +542,16 @@ class EngineClient:
         deadline = time.monotonic() + timeout
         wait = 0.0
         while True:
-            found = self._take_done(wanted, wait)
+            self._pull(wait)  # an interrupt during it leaves what it pulled here, to be taken
+            with self._lock:  # on the caller's thread: what it takes is the caller's
+                found = {rid: self._done.pop(rid) for rid in wanted & self._done.keys()}
+                for rid in found:
+                    self._forget(rid)
+                self._taken.extend(found)
             remaining = deadline - time.monotonic()
             if found or remaining <= 0 or not wanted:
                 return found
             wait = min(remaining, 0.5)
-
-    @_finishes_when_interrupted
-    def _take_done(self, wanted: set[str], wait: float) -> dict[str, Completion]:
-        self._pull(wait)
-        with self._lock:
-            found = {rid: self._done.pop(rid) for rid in wanted & self._done.keys()}
-            for rid in found:
-                self._forget(rid)
-            self._taken.extend(found)
-        return found
 
     def wait_all(self, request_ids: Iterable[str]) -> dict[str, Completion]:
         """Block until every id is done."""
@@ -571,7 +566,12 @@ class EngineClient:
     def _pull(self, timeout: float) -> None:
         with self._lock:
             acknowledged, self._taken = self._taken, []
-        completions, taken, self.last_info = self._call("poll", self.client_id, timeout, acknowledged)
+        try:
+            completions, taken, self.last_info = self._call("poll", self.client_id, timeout, acknowledged)
+        except BaseException:  # maybe not sent: acknowledged again with the next (the engine minds not)
+            with self._lock:
+                self._taken[:0] = acknowledged
+            raise
         with self._lock:
             for request_id in taken:  # another process collects these now
                 self._forget(request_id)

@@ -758,6 +758,29 @@ def test_a_call_the_main_thread_is_interrupted_in_still_completes(monkeypatch, m
         assert client.take(ids) == {} and engine.held == []
 
 
+def test_a_failed_poll_keeps_its_acknowledgements_for_the_next(monkeypatch):
+    """A poll that raised may never have reached the engine, which holds a taken request's id
+    until it is acknowledged: an id held so would never run again when submitted again."""
+    engine = SlowToAnswer(delay=0.0)
+    failing = []
+
+    def poll(client_id, timeout, acknowledged):
+        if failing.pop() if failing else False:
+            raise RuntimeError("the call failed")
+        return SlowToAnswer.poll(engine, client_id, timeout, acknowledged)
+
+    monkeypatch.setattr(engine, "poll", poll)
+    monkeypatch.setattr(EngineClient, "_connect", lambda self: engine)
+    client = EngineClient(EngineConfig.of(None))
+    client.submit([Request("a:1", prompt="Hi")])
+    assert list(client.wait_all(["a:1"])) == ["a:1"]
+    failing.append(True)
+    with pytest.raises(RuntimeError, match="the call failed"):
+        client.done_ids()
+    client.done_ids()
+    assert engine.acknowledged == ["a:1"]
+
+
 class Bag:
     """BagState stand-in: what the runner keeps per key across bundles and workers."""
 
