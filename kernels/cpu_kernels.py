@@ -82,7 +82,9 @@ def _load():
     except Exception as error:
         raise KernelBuildError(
             f"building the C++ CPU kernels ({SOURCES[0].parent}) failed: {error}. They need g++, "
-            "ninja and the Python headers; or set BATCHGEN_CPU_KERNELS=torch to run the torch "
+            f"ninja, the Python headers and a writable build folder ({directory}; "
+            "TORCH_EXTENSIONS_DIR moves it); or set BATCHGEN_CPU_KERNELS=torch where the engine "
+            "runs (on a remote runner, in the workers' environment) to run the torch "
             "implementations instead") from error
     finally:
         if path is None:

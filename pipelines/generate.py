@@ -30,7 +30,7 @@ import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 from apache_beam.metrics.metric import MetricsFilter
-from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+from apache_beam.options.pipeline_options import PipelineOptions, PortableOptions, StandardOptions
 
 import batchgen_beam
 from batchgen_beam.engine_client import EngineClient, EngineConfig
@@ -369,6 +369,28 @@ def _is_local(runner: str | None) -> bool:
     return str(runner).rsplit(".", 1)[-1].lower() in LOCAL_RUNNERS
 
 
+def _workers_see_this_disk(runner: str | None, options: PipelineOptions) -> bool:
+    """Whether the workers read and write this machine's files: a local runner's do, and a
+    portable runner's (Flink) whose SDK workers run here (LOOPBACK); Dataflow's never."""
+    if _is_local(runner):
+        return True
+    name = str(runner).rsplit(".", 1)[-1].lower()
+    return name != "dataflowrunner" and \
+        (options.view_as(PortableOptions).environment_type or "").upper() == "LOOPBACK"
+
+
+def check_paths_for_workers(paths: dict[str, str], runner: str | None, options: PipelineOptions) -> None:
+    """ValueError for a local path where the workers run elsewhere: they would read no such
+    file (a JSONL or Parquet input then yields no records, and the job succeeds empty) or
+    write to their own disks."""
+    if _workers_see_this_disk(runner, options):
+        return
+    for flag, path in paths.items():
+        if "://" not in path:
+            raise ValueError(f"{flag} {path!r} is a local path, which the workers of {runner} "
+                             f"(running elsewhere) cannot reach: give a gs:// one")
+
+
 def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     args, beam_args = parse_args(argv)
@@ -386,12 +408,20 @@ def main(argv: list[str] | None = None) -> dict:
     # The launcher's progress client must talk to the engine the workers use.
     assert generate._config == config, (generate._config, config)
     write = WriteRows(args.output, args.format, num_shards=args.output_shards)
-    check_input(input_pattern, input_format)  # after the flags: their mistakes are named first
+    # After the flags: their mistakes are named first.
+    check_paths_for_workers({"--output": args.output, **({} if bundled else {"--input": args.input})},
+                            runner, options)
+    check_input(input_pattern, input_format)
     check_output(args.output)
+    # The bundled prompts travel in the pipeline to workers elsewhere.
+    ship_prompts = bundled and not _workers_see_this_disk(runner, options)
     earlier = write.existing_shards()  # the write replaces them
 
     pipeline = beam.Pipeline(options=options)
-    records = pipeline | "Read" >> ReadRecords(input_pattern, input_format)
+    if ship_prompts:
+        records = pipeline | "Read" >> beam.Create(BUNDLED_PROMPTS.read_bytes().splitlines())
+    else:
+        records = pipeline | "Read" >> ReadRecords(input_pattern, input_format)
     if chat:
         records = records | "Chat" >> beam.Map(as_chat)
     (records

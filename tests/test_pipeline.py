@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import apache_beam as beam
 import pytest
-from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.testing.util import assert_that, equal_to
 
 from batchgen_beam.io import (MalformedRow, ReadRecords, WriteRows, _fixed_dir, delimited_rows,
@@ -505,6 +505,34 @@ def test_argument_handling():
             cli.parse_args(["--input", "x.jsonl", *mistyped, "--direct_num_workers=2"])
     with pytest.raises(ValueError, match="temperature"):
         cli.main(["--input", "x.jsonl", "--temperature", "-1", "--no_progress"])
+
+
+@pytest.mark.parametrize("runner_flags,remote", [
+    (["--runner=DataflowRunner"], True),
+    (["--runner=FlinkRunner", "--environment_type=DOCKER"], True),
+    (["--runner=PortableRunner", "--environment_type=PROCESS"], True),
+    (["--runner=FlinkRunner", "--environment_type=LOOPBACK"], False),  # the SDK workers run here
+    (["--runner=DirectRunner"], False)])
+def test_local_paths_are_refused_where_the_workers_run_elsewhere(tmp_path, runner_flags, remote):
+    """Workers elsewhere read no such file: a JSONL or Parquet input gave no records, and the
+    job succeeded empty; its output went to the workers' own disks."""
+    options = PipelineOptions(runner_flags)
+    runner = options.view_as(StandardOptions).runner
+    assert cli._workers_see_this_disk(runner, options) is not remote
+    cli.check_paths_for_workers({"--input": "gs://b/in.jsonl", "--output": "gs://b/out"}, runner, options)
+    if remote:
+        with pytest.raises(ValueError, match=r"--input .*in.jsonl' is a local path, which the workers of"):
+            cli.check_paths_for_workers({"--input": str(tmp_path / "in.jsonl")}, runner, options)
+        with pytest.raises(ValueError, match="--output 'out/gen' is a local path"):
+            cli.main(["--input", "gs://b/in.jsonl", "--output", "out/gen", "--no_progress", *runner_flags])
+
+
+def test_the_bundled_prompts_travel_in_the_pipeline_to_workers_elsewhere(chat_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "_workers_see_this_disk", lambda runner, options: False)
+    monkeypatch.setattr(cli, "check_paths_for_workers", lambda paths, runner, options: None)
+    monkeypatch.setattr(cli, "ReadRecords", lambda *args: pytest.fail("read the launcher's file"))
+    summary = run(chat_model, "--output", str(tmp_path / "gen"))
+    assert summary["records"] == 255  # (the tiny model's context is too short for some: error rows)
 
 
 class _FakeClient:
