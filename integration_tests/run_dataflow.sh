@@ -4,7 +4,7 @@
 #   integration_tests/run_dataflow.sh [extra pipeline flags, e.g. --model gs://my-bucket/models/x]
 # Workers install this package from setup.py; one engine process per worker VM serves every
 # SDK process on it, so pick a machine type by memory for the model plus its KV cache.
-# Paths in the flags are read from the caller's directory (the launcher does not cd).
+# Paths in the flags are gs:// ones: the workers cannot reach this machine's files.
 set -euo pipefail
 : "${PROJECT:?set PROJECT}" "${REGION:?set REGION}" "${BUCKET:?set BUCKET (gs://...)}"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"

@@ -380,9 +380,9 @@ def _workers_see_this_disk(runner: str | None, options: PipelineOptions) -> bool
 
 
 def check_paths_for_workers(paths: dict[str, str], runner: str | None, options: PipelineOptions) -> None:
-    """ValueError for a local path where the workers run elsewhere: they would read no such
-    file (a JSONL or Parquet input then yields no records, and the job succeeds empty) or
-    write to their own disks."""
+    """ValueError for a local path where the workers run elsewhere: they would find no such
+    model or file (a JSONL or Parquet input then yields no records, and the job succeeds
+    empty), or write to their own disks."""
     if _workers_see_this_disk(runner, options):
         return
     for flag, path in paths.items():
@@ -409,8 +409,8 @@ def main(argv: list[str] | None = None) -> dict:
     assert generate._config == config, (generate._config, config)
     write = WriteRows(args.output, args.format, num_shards=args.output_shards)
     # After the flags: their mistakes are named first.
-    check_paths_for_workers({"--output": args.output, **({} if bundled else {"--input": args.input})},
-                            runner, options)
+    paths = {"--input": args.input, "--output": args.output, "--model": args.model, "--lora": args.lora}
+    check_paths_for_workers({flag: path for flag, path in paths.items() if path is not None}, runner, options)
     check_input(input_pattern, input_format)
     check_output(args.output)
     # The bundled prompts travel in the pipeline to workers elsewhere.

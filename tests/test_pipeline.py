@@ -525,6 +525,8 @@ def test_local_paths_are_refused_where_the_workers_run_elsewhere(tmp_path, runne
             cli.check_paths_for_workers({"--input": str(tmp_path / "in.jsonl")}, runner, options)
         with pytest.raises(ValueError, match="--output 'out/gen' is a local path"):
             cli.main(["--input", "gs://b/in.jsonl", "--output", "out/gen", "--no_progress", *runner_flags])
+        with pytest.raises(ValueError, match="--model 'my-model' is a local path"):
+            cli.main(["--model", "my-model", "--output", "gs://b/out", "--no_progress", *runner_flags])
 
 
 def test_the_bundled_prompts_travel_in_the_pipeline_to_workers_elsewhere(chat_model, tmp_path, monkeypatch):
