@@ -454,6 +454,7 @@ class EngineClient:
             for item in items:
                 if id_of(item) not in self._resident:  # nor given earlier in this call
                     self._resident[id_of(item)] = item
+                    self._unwanted.discard(id_of(item))  # abandoned, now wanted again
                     fresh.append(item)
         if fresh:
             self._acknowledge_before_reuse([id_of(item) for item in fresh])
@@ -485,11 +486,18 @@ class EngineClient:
 
     @_finishes_when_interrupted
     def abandon(self, request_ids: Iterable[str]) -> None:
-        """No longer wait for these requests, nor resubmit them after a restart."""
+        """No longer wait for these requests, nor resubmit them after a restart; they run on, so
+        that the same ids submitted again (a retried batch) pick them up. Their completions are
+        acknowledged, here or on arrival, or the engine would hold them for good."""
         with self._lock:
             for request_id in request_ids:
-                self._done.pop(request_id, None)
+                if request_id not in self._resident:
+                    continue
                 self._forget(request_id)
+                if self._done.pop(request_id, None) is not None:
+                    self._taken.append(request_id)
+                else:
+                    self._unwanted.add(request_id)
 
     @_finishes_when_interrupted
     def cancel(self, prefix: str) -> None:
@@ -543,11 +551,13 @@ class EngineClient:
         wait = 0.0
         while True:
             self._pull(wait)  # an interrupt during it leaves what it pulled here, to be taken
-            with self._lock:  # on the caller's thread: what it takes is the caller's
-                found = {rid: self._done.pop(rid) for rid in wanted & self._done.keys()}
+            with self._lock:  # on the caller's thread, so what it takes is the caller's; in an
+                # order an interrupt may cut short: acknowledged (one step) before any is dropped
+                found = {rid: self._done[rid] for rid in wanted & self._done.keys()}
+                self._taken.extend(found)
                 for rid in found:
                     self._forget(rid)
-                self._taken.extend(found)
+                    del self._done[rid]
             remaining = deadline - time.monotonic()
             if found or remaining <= 0 or not wanted:
                 return found

@@ -654,6 +654,24 @@ def test_cancelled_requests_that_had_finished_are_acknowledged_unread(monkeypatc
     assert client.done_ids() == set()
 
 
+def test_abandoned_requests_are_acknowledged_and_run_again_when_submitted_again(monkeypatch):
+    """A failed RunInference batch abandons its requests: their completions, pulled already or
+    on their way, are acknowledged (the engine held them for good), and the batch's retry
+    submitting the same ids gets them run."""
+    service = ServiceFinishingInTurn()
+    monkeypatch.setattr(EngineClient, "_connect", lambda self: service)
+    client = EngineClient(EngineConfig.of(None))
+    requests = [Request(rid, prompt="Hi") for rid in ("b:1", "b:2")]
+    client.submit(requests)
+    assert client.done_ids() == {"b:1"}
+    client.abandon(["b:1", "b:2"])
+    client.done_ids()
+    client.done_ids()
+    assert sorted(service.acknowledged) == ["b:1", "b:2"] and client.done_ids() == set()
+    client.submit(requests)  # the retry
+    assert sorted(client.wait_all(["b:1", "b:2"])) == ["b:1", "b:2"]
+
+
 def test_an_id_submitted_again_right_after_it_was_taken_runs_again(model_dir, bare_engine):
     """Taking a completion is acknowledged to the engine only at the client's next poll; a
     record identical to one whose row just went out reuses its id before that."""
