@@ -328,7 +328,8 @@ class EngineClient:
         self._resident: dict[str, Request | dict] = {}
         self._done: dict[str, Completion] = {}
         self._taken: list[str] = []  # taken here since the last poll: acknowledged with the next
-        self._unwanted: set[str] = set()  # cancelled after they finished: acknowledged on arrival
+        # Cancelled or abandoned, their completions on the way: acknowledged on arrival.
+        self._unwanted: set[str] = set()
         self.restarts = 0
         self._deaths: Counter[str] = Counter()  # engine deaths each resident request was in flight for
         self.last_info: dict | None = None  # the engine's counters as of the last poll
