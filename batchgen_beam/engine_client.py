@@ -492,13 +492,8 @@ class EngineClient:
         acknowledged, here or on arrival, or the engine would hold them for good."""
         with self._lock:
             for request_id in request_ids:
-                if request_id not in self._resident:
-                    continue
-                self._forget(request_id)
-                if self._done.pop(request_id, None) is not None:
-                    self._taken.append(request_id)
-                else:
-                    self._unwanted.add(request_id)
+                if request_id in self._resident:
+                    self._let_go(request_id, completion_coming=True)
 
     @_finishes_when_interrupted
     def cancel(self, prefix: str) -> None:
@@ -517,14 +512,17 @@ class EngineClient:
             except _ENGINE_GONE:
                 engine_up = False
         with self._lock:
-            for request_id in ids:
-                self._forget(request_id)
-                if request_id in taken_out:
-                    continue
-                if self._done.pop(request_id, None) is not None:
-                    self._taken.append(request_id)
-                elif engine_up:
-                    self._unwanted.add(request_id)  # finished, its completion on the way
+            for request_id in ids:  # those not taken out had finished
+                self._let_go(request_id, completion_coming=engine_up and request_id not in taken_out)
+
+    def _let_go(self, request_id: str, completion_coming: bool) -> None:
+        """No longer this client's; its completion is acknowledged unread: now if it is here,
+        on arrival if one is coming (call with the lock held)."""
+        self._forget(request_id)
+        if self._done.pop(request_id, None) is not None:
+            self._taken.append(request_id)
+        elif completion_coming:
+            self._unwanted.add(request_id)
 
     def knows(self, request_id: str) -> bool:
         """Submitted by this process and its result not yet taken."""
