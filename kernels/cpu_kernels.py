@@ -10,14 +10,19 @@ g++, ninja and the Python headers) and caches the build in TORCH_EXTENSIONS_DIR 
 ~/.cache/torch_extensions; one directory per Python and torch version and checkout), so later
 processes only load it. Processes take turns at the build through an OS file lock, which dies
 with its holder: torch's own lock is a file that a process killed mid-build leaves behind, and
-every later load then waited on it forever. A failed build raises KernelBuildError: the torch
-ops are an explicit opt-out (BATCHGEN_CPU_KERNELS=torch), never a silent fallback.
+every later load then waited on it forever. A build directory this process cannot write (one
+built into a container image that runs read-only or as another user) is copied, with its files'
+times, under the temp folder first: ninja finds the copy up to date and only loads it (or
+rebuilds there if the sources changed). A failed build raises KernelBuildError: the torch ops are
+an explicit opt-out (BATCHGEN_CPU_KERNELS=torch), never a silent fallback.
 """
 
 import fcntl
 import hashlib
 import os
+import shutil
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -63,12 +68,16 @@ def _load():
     import ninja
     from torch.utils import cpp_extension
 
-    directory = build_directory()
+    directory = prebuilt = build_directory()
+    if prebuilt.is_dir() and not os.access(prebuilt, os.W_OK):
+        directory = Path(tempfile.gettempdir()) / "batchgen_cpu_kernels" / prebuilt.name
     path = os.environ.get("PATH")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with open(directory / "build.flock", "w") as turn:
             fcntl.flock(turn, fcntl.LOCK_EX)
+            if directory != prebuilt and not (directory / "build.ninja").exists():
+                _copy_build(prebuilt, directory)
             # Every builder holds this turn, so a torch lock file seen now is a dead process's.
             (directory / "lock").unlink(missing_ok=True)
             # torch runs `ninja` from PATH: always the one pip installed with this package. An
@@ -91,6 +100,14 @@ def _load():
             os.environ.pop("PATH", None)
         else:
             os.environ["PATH"] = path
+
+
+def _copy_build(source: Path, target: Path):
+    """source's build files into target with their times, which ninja's up-to-date check
+    compares (its log, .ninja_log, holds the command hashes and is copied too)."""
+    for file in source.iterdir():
+        if file.is_file() and file.name not in ("build.flock", "lock"):
+            shutil.copy2(file, target / file.name)
 
 
 def build():

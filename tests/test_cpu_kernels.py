@@ -5,6 +5,7 @@ greedy tokens with them against the torch path and transformers."""
 
 import fcntl
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -564,6 +565,49 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load():
                            cwd=Path(cpu_kernels.__file__).parent.parent)
     assert child.returncode == 0, child.stderr
     assert child.stdout.strip() == "panel_linear"
+
+
+
+
+def _read_only_mount(folder: Path) -> list[str]:
+    """A command prefix that runs its command with folder mounted read-only (in a user and mount
+    namespace: no root needed), or skips the test where this kernel allows no such namespace."""
+    prefix = ["unshare", "-r", "-m", "sh", "-c",
+              f'mount --bind "{folder}" "{folder}" && mount -o remount,bind,ro "{folder}" && exec "$@"', "sh"]
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        pytest.skip(f"unshare is not usable here: {error}")
+    if probe.returncode != 0:
+        pytest.skip(f"unshare cannot mount here: {probe.stderr.strip()}")
+    return prefix
+
+
+@pytest.mark.parametrize("unwritable", ["read-only mount", "no write access"])
+def test_a_prebuilt_build_directory_that_cannot_be_written_is_loaded_not_rebuilt(tmp_path, unwritable):
+    """A container image may carry the build (made at image build time) in a folder its workers
+    cannot write: a read-only root file system, or another user. The kernels load from a copy
+    under the temp folder; the copy's objects keep their times, so nothing is rebuilt."""
+    cpu_kernels.build()
+    prebuilt = tmp_path / "extensions" / cpu_kernels.build_directory().name
+    shutil.copytree(cpu_kernels.build_directory(), prebuilt)
+    files = sorted(path.name for path in prebuilt.iterdir())
+    (tmp_path / "tmp").mkdir()
+    load = "from kernels import cpu_kernels; print(cpu_kernels.build().__file__)"
+    if unwritable == "read-only mount":
+        command = [*_read_only_mount(prebuilt), sys.executable, "-c", load]
+    else:  # as another user would see it: os.access is what the loader asks
+        command = [sys.executable, "-c", "import os; real = os.access; os.access = lambda path, mode: "
+                   f"(mode != os.W_OK and real(path, mode)) if str(path) == {str(prebuilt)!r} else real(path, mode); " + load]
+    child = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                           cwd=Path(cpu_kernels.__file__).parent.parent,
+                           env={**os.environ, "TORCH_EXTENSIONS_DIR": str(prebuilt.parent),
+                                "TMPDIR": str(tmp_path / "tmp")})
+    assert child.returncode == 0, child.stderr
+    copy = tmp_path / "tmp" / "batchgen_cpu_kernels" / prebuilt.name
+    assert Path(child.stdout.strip()) == copy / "batchgen_cpu_kernels.so"
+    assert (copy / "batchgen_cpu_kernels.so").stat().st_mtime == (prebuilt / "batchgen_cpu_kernels.so").stat().st_mtime
+    assert sorted(path.name for path in prebuilt.iterdir()) == files
 
 
 # ---- the engine --------------------------------------------------------------------------------
