@@ -288,26 +288,72 @@ def _sample_row(i: int, row: SampleRow, logits: torch.Tensor, greedy_ids: list[i
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
-    """Temperature, then min-p, top-k and top-p (the order vLLM applies them: min-p measures
-    the tokens before top-k and top-p cut them), then a draw.
+    weights, ids = filtered_weights(logits, p)
+    return draw(weights, ids, generator)
+
+
+def filtered_weights(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The distribution one row [vocab] draws from, unnormalised: temperature, then min-p, top-k
+    and top-p (the order vLLM applies them: min-p measures the tokens before top-k and top-p cut
+    them). Returns (weights, ids): where top-k or top-p cut, the weights of the tokens they keep,
+    the largest first, and those tokens' ids; else weights over the whole vocabulary, ids None.
 
     In float64 and shifted so the largest logit is 0: any positive temperature, however small,
-    then scales to finite values or -inf, never inf or NaN (fp32 holds no 1e-300)."""
+    then scales to finite values or -inf, never inf or NaN (fp32 holds no 1e-300), and the
+    largest weight is 1."""
     scaled = (logits.double() - logits.max()) / p.temperature
-    if p.min_p > 0:
-        probs = scaled.softmax(-1)
-        scaled = scaled.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    if p.min_p > 0:  # a token's probability over the top one's is exp(its scaled logit)
+        scaled = scaled.masked_fill(scaled < math.log(p.min_p), float("-inf"))
+    values, ids = scaled, None
     if p.top_k and p.top_k < scaled.numel():
-        kth = scaled.topk(p.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        values, ids = _largest(scaled, p.top_k)
     if p.top_p < 1.0:
-        sorted_logits, order = scaled.sort(descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        total = values.logsumexp(-1)
+        if ids is None:
+            values, ids = _largest_holding(scaled, total, p.top_p)
+        mass = (values - total).exp()
         # Drop a token once the mass before it already reaches top_p; the first always stays.
-        drop = (cumulative - sorted_logits.softmax(-1)) >= p.top_p
-        scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    # Drawn on the CPU, where every sequence's generator lives: a CUDA tensor refuses a CPU
-    # generator, and a CPU one keeps the draw (and a migrated sequence's rng_state) alike on
-    # every device.
-    probs = scaled.softmax(-1).to("cpu", logits.dtype)
-    return torch.multinomial(probs, 1, generator=generator).item()
+        kept = int(((mass.cumsum(-1) - mass) < p.top_p).sum())
+        values, ids = values[:kept], ids[:kept]
+    return values.exp(), ids
+
+
+def _largest(scaled: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The count largest values, the largest first, and their ids; with every finite token tied
+    with the last of them (a cut at a value keeps its ties, as transformers' and vLLM's do)."""
+    values, ids = scaled.topk(count)
+    ties = int((scaled >= values[-1]).sum()) if values[-1] > float("-inf") else count
+    return scaled.topk(ties) if ties > count else (values, ids)
+
+
+def _largest_holding(scaled: torch.Tensor, total: torch.Tensor, mass: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens of scaled, the largest first, and their ids, among which are all those holding
+    the first `mass` of exp(scaled - total): the tokens of probability at least the largest
+    floor at which they hold it. Any other token is smaller than all of them, so the mass
+    before it is past `mass`. Sorting at most a thousand tokens (a floor of 1e-3) instead of
+    the vocabulary saves milliseconds a row."""
+    probs = (scaled - total).exp()
+    for floor in (1e-2, 1e-3, 1e-4, 1e-5, 1e-6):
+        above = probs >= floor
+        if probs.masked_fill(~above, 0).sum() >= mass:
+            ids = above.nonzero()[:, 0]
+            values, order = scaled[ids].sort(descending=True)
+            return values, ids[order]
+    return scaled.sort(descending=True)
+
+
+def draw(weights: torch.Tensor, ids: torch.Tensor | None, generator: torch.Generator) -> int:
+    """One token drawn with probability proportional to its weight (weights >= 0, largest 1).
+
+    By inverting the cumulative weights at one uniform draw: torch.multinomial draws a random
+    number per token (milliseconds a row). The uniform comes from the sequence's generator, on
+    the CPU: a CUDA tensor refuses a CPU generator, and a CPU one keeps the draw (and a
+    migrated sequence's rng_state) alike on every device."""
+    cumulative = weights.cumsum(-1)
+    point = torch.rand((), dtype=torch.float64, generator=generator).to(weights.device) * cumulative[-1]
+    # The first token whose cumulative weight passes the point: never one of weight 0.
+    index = int(torch.searchsorted(cumulative, point[None], right=True))
+    if index == cumulative.numel():  # the point rounded up to the total: the last token of weight > 0
+        index = int(torch.searchsorted(cumulative, cumulative[-1:]))
+    return index if ids is None else int(ids[index])

@@ -12,6 +12,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Temperatur
 from helpers import (EOS, CallCounter, assert_idle_and_clean, assert_matches, make_engine, random_prompt,
                      random_prompts, teacher_forced_logprobs)
 from runtime import Request, SamplingParams
+from runtime import sampling
 from runtime.sampling import SampleRow, sample
 
 FAMILY = "llama"
@@ -122,18 +123,21 @@ def test_sampling_restricted_to_one_token_equals_greedy(tiny, params):
 
 # ---- the sampler's distribution -------------------------------------------------------------
 
-def sampled_distribution(logits: torch.Tensor, params: SamplingParams, monkeypatch) -> torch.Tensor:
-    """The probabilities the sampler draws from (captured at torch.multinomial)."""
+def sampled_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The probabilities the sampler draws from, over the whole vocabulary (captured where it
+    draws)."""
     seen = []
-    real = torch.multinomial
+    real = sampling.draw
 
-    def capture(probs, num_samples, *args, **kwargs):
-        seen.append(probs.detach().clone())
-        return real(probs, num_samples, *args, **kwargs)
+    def capture(weights, ids, generator):
+        full = torch.zeros(logits.shape[-1], dtype=torch.float64)
+        full[slice(None) if ids is None else ids] = weights
+        seen.append(full / full.sum())
+        return real(weights, ids, generator)
 
-    monkeypatch.setattr(torch, "multinomial", capture)
-    sample(logits[None], [SampleRow(params, torch.Generator().manual_seed(0))])
-    monkeypatch.setattr(torch, "multinomial", real)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sampling, "draw", capture)
+        sample(logits[None], [SampleRow(params, torch.Generator().manual_seed(0))])
     [probs] = seen
     return probs
 
@@ -141,12 +145,12 @@ def sampled_distribution(logits: torch.Tensor, params: SamplingParams, monkeypat
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
     (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.3, 20, 1.0, 0.0), (1.0, 0, 0.6, 0.0), (0.8, 50, 0.9, 0.0),
     (1.5, 5, 0.3, 0.0), (1.0, 0, 1.0, 0.1), (1.4, 30, 0.95, 0.05)])
-def test_filtered_distribution_is_transformers_warpers_in_vllms_order(monkeypatch, temperature, top_k,
+def test_filtered_distribution_is_transformers_warpers_in_vllms_order(temperature, top_k,
                                                                       top_p, min_p):
     """vLLM's sampler: temperature, then min-p (a logits processor), then top-k and top-p."""
     logits = torch.randn(256, generator=torch.Generator().manual_seed(3)) * 3
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    probs = sampled_distribution(logits, params, monkeypatch)
+    probs = sampled_distribution(logits, params)
     scores = TemperatureLogitsWarper(temperature)(None, logits[None].clone())
     if min_p:
         scores = MinPLogitsWarper(min_p)(None, scores)
@@ -154,7 +158,7 @@ def test_filtered_distribution_is_transformers_warpers_in_vllms_order(monkeypatc
         scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1:
         scores = TopPLogitsWarper(top_p)(None, scores)
-    expected = scores.softmax(-1)[0]
+    expected = scores.softmax(-1)[0].double()
     assert torch.equal(probs > 0, expected > 0)
     assert torch.allclose(probs, expected, atol=1e-6)
     if top_k:
@@ -165,12 +169,12 @@ def test_top_k_minus_one_is_off_as_in_vllm():
     assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
 
 
-def test_min_p_cuts_before_top_p_measures(monkeypatch):
+def test_min_p_cuts_before_top_p_measures():
     """min_p drops 0.1 (< 0.3 x 0.4); top_p then measures the rest, renormalised: 0.4/0.9 and
     0.3/0.9 reach 0.75, so 0.2 goes too. Measured the other way round, 0.2 would stay."""
     probs = sampled_distribution(torch.tensor([0.4, 0.3, 0.2, 0.1]).log(),
-                                 SamplingParams(temperature=1.0, top_p=0.75, min_p=0.3), monkeypatch)
-    assert torch.allclose(probs, torch.tensor([4 / 7, 3 / 7, 0, 0]))
+                                 SamplingParams(temperature=1.0, top_p=0.75, min_p=0.3))
+    assert torch.allclose(probs, torch.tensor([4 / 7, 3 / 7, 0, 0], dtype=torch.float64))
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
@@ -186,6 +190,50 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     frequencies = counts / counts.sum()
     assert torch.allclose(frequencies, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.07)
 
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (0.7, 0, 0.9, 0.0), (1.0, 0, 0.95, 0.0), (1.5, 0, 0.99, 0.0), (3.0, 0, 0.5, 0.0), (0.8, 40, 0.9, 0.02),
+    (1.0, 0, 0.9, 0.0001)])
+@pytest.mark.parametrize("shape", ["flat", "peaked", "long tail"])
+def test_top_p_over_a_large_vocabulary_keeps_the_set_a_full_sort_keeps(temperature, top_k, top_p, min_p, shape):
+    """Top-p looks among the tokens above a probability floor before it sorts the whole
+    vocabulary: peaked rows stop at a high floor, flat ones at a low one, and a long tail of
+    tokens below every floor that holds more than 1 - top_p falls through to the sort."""
+    generator = torch.Generator().manual_seed(len(shape))
+    if shape == "long tail":  # 2% of the mass in 31980 tokens of probability below 1e-6
+        head, tail = torch.rand(20, generator=generator) + 1, torch.rand(31980, generator=generator) + 1
+        logits = torch.cat([(head / head.sum() * 0.98).log(), (tail / tail.sum() * 0.02).log()])
+    else:
+        logits = torch.randn(32000, generator=generator) * (4.0 if shape == "peaked" else 1.0)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    scores = TemperatureLogitsWarper(temperature)(None, logits[None].double())
+    if min_p:
+        scores = MinPLogitsWarper(min_p)(None, scores)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    expected = TopPLogitsWarper(top_p)(None, scores).softmax(-1)[0]
+    probs = sampled_distribution(logits, params)
+    assert torch.equal(probs > 0, expected > 0)
+    assert torch.allclose(probs, expected, atol=1e-9)
+
+
+def test_draws_follow_the_weights_and_never_take_a_token_of_weight_zero():
+    weights = torch.tensor([0.0, 1.0, 0.0, 0.5, 0.25, 0.0, 0.25, 0.0], dtype=torch.float64)
+    generator = torch.Generator().manual_seed(7)
+    draws = torch.tensor([sampling.draw(weights, None, generator) for _ in range(4000)])
+    frequencies = torch.bincount(draws, minlength=8).double() / 4000
+    assert torch.allclose(frequencies, weights / weights.sum(), atol=0.03)
+    assert not frequencies[weights == 0].any()
+    ids = torch.tensor([11, 3, 5])
+    assert {sampling.draw(torch.tensor([1.0, 0.0, 1e-300], dtype=torch.float64), ids, generator)
+            for _ in range(200)} == {11}
+
+
+def test_a_draw_that_rounds_up_to_the_total_takes_the_last_token_of_weight_above_zero(monkeypatch):
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.tensor(1.0, dtype=torch.float64))
+    weights = torch.tensor([1.0, 0.3, 0.25, 0.0, 0.0], dtype=torch.float64)
+    assert sampling.draw(weights, None, None) == 2
 
 def test_sampled_logprobs_are_of_the_unprocessed_distribution():
     logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
