@@ -372,7 +372,7 @@ def _is_empty(value: Any) -> bool:
     return isinstance(value, _CONTAINERS + (str,)) and len(value) == 0
 
 
-def _is_openai_line(record: Mapping) -> bool:
+def is_openai_line(record: Mapping) -> bool:
     """A record of ours must have an id, which OpenAI lines never have at the top level, or have
     as null (a Parquet file of both kinds) beside their method and body object: so our records
     may carry passthrough fields named "body" or "custom_id"."""
@@ -383,7 +383,7 @@ def _is_openai_line(record: Mapping) -> bool:
 
 
 def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
-    openai = _is_openai_line(record)
+    openai = is_openai_line(record)
     id_key, consumed = ("custom_id", _OPENAI_KEYS) if openai else ("id", _NATIVE_KEYS)
     unwritable = {k: p for k, v in record.items()
                   if (p := _unwritable(k, f"key {_show(k)}") or _unwritable(v, str(k)))}

@@ -37,7 +37,7 @@ from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.generate import METRICS_NAMESPACE, Generate
 from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, absolute_path,
                               check_input, check_output, file_records, infer_format)
-from batchgen_beam.records import SAMPLING_FIELDS, check_defaults
+from batchgen_beam.records import SAMPLING_FIELDS, check_defaults, is_missing, is_openai_line
 from runtime import SamplingParams
 
 BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"
@@ -230,12 +230,14 @@ def as_chat(record):
             record = json.loads(record)
         except (ValueError, UnicodeDecodeError, RecursionError):  # Generate says what is wrong
             return raw
-    if not isinstance(record, dict) or "custom_id" in record or "messages" in record:
+    # As Generate reads them: a field given as null (a Parquet file's other kind of row) is
+    # absent, and our records may carry a passthrough field named custom_id.
+    if not isinstance(record, dict) or is_openai_line(record) or not is_missing(record.get("messages")):
         return raw
     prompt = record.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         return raw
-    converted = {k: v for k, v in record.items() if k != "prompt"}
+    converted = {k: v for k, v in record.items() if k not in ("prompt", "messages")}
     converted["messages"] = [{"role": "user", "content": prompt}]
     return converted
 

@@ -353,6 +353,13 @@ def test_as_chat():
     wrapped = cli.as_chat(b'{"id": "a", "prompt": "hi", "seed": 3}')
     assert wrapped == {"id": "a", "seed": 3, "messages": [{"role": "user", "content": "hi"}]}
     assert cli.as_chat({"id": "a", "prompt": "hi"})["messages"][0]["content"] == "hi"
+    # A passthrough field named custom_id, and a null messages (Parquet's column of the chat
+    # rows beside this prompt row), leave it a prompt record.
+    assert cli.as_chat({"id": "a", "prompt": "hi", "custom_id": "c7"}) == {
+        "id": "a", "custom_id": "c7", "messages": [{"role": "user", "content": "hi"}]}
+    for null in (None, float("nan")):
+        assert cli.as_chat({"id": "a", "prompt": "hi", "messages": null}) == {
+            "id": "a", "messages": [{"role": "user", "content": "hi"}]}
     # Whatever would not validate, or is not a bare prompt, passes unchanged.
     for raw in (b"not json", b"\xff", {"id": "a", "prompt": ""}, {"id": "a", "prompt": 3},
                 {"id": "a", "messages": []}, {"custom_id": "a", "body": {"prompt": "x"}}, [1],
