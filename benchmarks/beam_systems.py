@@ -20,14 +20,14 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.generate import Generate
-from benchmarks.workloads import bundled_prompts, w1_output_lengths
+from benchmarks.workloads import bundled_prompts, w1_output_lengths, w1_sampling
 
 
-def w1_records(num_requests: int) -> list[dict]:
-    """W1 as records: the same prompts (chat messages) and output lengths as `workloads.w1`."""
+def w1_records(num_requests: int, sampled: bool = False) -> list[dict]:
+    """W1 as records: the same prompts (chat messages), output lengths and sampling as `workloads.w1`."""
     prompts = bundled_prompts()
     return [{"id": f"w1-{i}", "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
-             "max_tokens": length, "ignore_eos": True}
+             "max_tokens": length, "ignore_eos": True, **w1_sampling(i, sampled)}
             for i, length in enumerate(w1_output_lengths(num_requests))]
 
 

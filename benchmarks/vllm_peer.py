@@ -3,9 +3,10 @@ vllm only, since that venv does not have our package.
 
     .venv-vllm/bin/python benchmarks/vllm_peer.py WORK.json RESULT.json
 
-WORK.json: {"model": dir, "threads": n, "items": [{"id", "prompt_ids", "max_tokens"}, ...]}.
-RESULT.json: load_s, batch_completion_s and the generated ids per request. Greedy, fp32, every
-request generating exactly max_tokens (ignore_eos), all submitted at once.
+WORK.json: {"model": dir, "threads": n, "items": [{"id", "prompt_ids", "max_tokens", "sampling"}, ...]}.
+RESULT.json: load_s, batch_completion_s and the generated ids per request. fp32, greedy or each
+item's sampling (temperature, top_p, seed), every request generating exactly max_tokens
+(ignore_eos), all submitted at once.
 """
 
 import json
@@ -30,8 +31,8 @@ def main(work_path: str, result_path: str) -> None:
     load = time.perf_counter() - start
     items = work["items"]
     prompts = [TokensPrompt(prompt_token_ids=it["prompt_ids"]) for it in items]
-    params = [SamplingParams(temperature=0.0, max_tokens=it["max_tokens"], ignore_eos=True)
-              for it in items]
+    params = [SamplingParams(**{"temperature": 0.0, **it.get("sampling", {})}, max_tokens=it["max_tokens"],
+                             ignore_eos=True) for it in items]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start

@@ -2,10 +2,12 @@
 transformers padded `generate` (batch 16/32/64), transformers `generate_batch`, and `RunInference`
 with a transformers `generate` handler. Plus this machine's sgemm FLOP/s and our decode MFU.
 
-    python -m benchmarks.w1 [--quick] [--rounds N] [--tag NAME] [--systems engine generate vllm hf16 hf32 hf64 generate_batch runinference]
+    python -m benchmarks.w1 [--quick] [--sampled] [--rounds N] [--tag NAME] [--systems engine generate vllm hf16 hf32 hf64 generate_batch runinference]
 
 Same prompts, same output token counts (ignore_eos), greedy, fp32, two threads; the report checks
 every system generated exactly each request's length and counts requests token-identical to ours.
+`--sampled` samples instead (temperature 0.7, top_p 0.9, request i seeded with i; ours, Generate
+and vLLM only): Generate must still match ours token for token, vLLM draws from its own RNG.
 Batch completion time is first submit → last completion, model load excluded (reported apart).
 This machine's speed drifts by 10–20% within minutes: with `--rounds N` every system runs N times,
 in alternating order (ours first, then ours last, ...), and each keeps its best round; sgemm is
@@ -23,6 +25,7 @@ from runtime.default_model import default_model_dir
 # 256 sequences and 2,048 tokens a step: 141 s against 149 s with 64 and 512 on full W1 (AMD EPYC, 2026-12-02).
 ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 2048, "admission": "longest_first"}
 ALL_SYSTEMS = ["engine", "generate", "vllm", "hf16", "hf32", "hf64", "generate_batch", "runinference"]
+SAMPLING_SYSTEMS = ["engine", "generate", "vllm"]
 
 
 def _engine_with_decode_flops(model_dir, items) -> dict:
@@ -58,24 +61,30 @@ def _best_of_rounds(runs: dict, names: list[str], rounds: int) -> tuple[list[dic
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="64 requests instead of 256")
-    parser.add_argument("--systems", nargs="+", choices=ALL_SYSTEMS, default=ALL_SYSTEMS)
+    parser.add_argument("--sampled", action="store_true",
+                        help="temperature 0.7, top_p 0.9 and a seed per request instead of greedy")
+    parser.add_argument("--systems", nargs="+", choices=ALL_SYSTEMS)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1, help="run every system this many times, "
                         "alternating the order, and keep each one's best")
     parser.add_argument("--tag", help="write results/<workload>-<tag>.json: a run of other systems "
                         "beside the main one (ours runs in each, as the reference)")
     args = parser.parse_args(argv)
+    allowed = SAMPLING_SYSTEMS if args.sampled else ALL_SYSTEMS
+    args.systems = args.systems or allowed
+    if not set(args.systems) <= set(allowed):
+        parser.error(f"--sampled runs only {', '.join(SAMPLING_SYSTEMS)}")
 
     torch.set_num_threads(args.threads)
     model_dir = default_model_dir()
     from runtime.tokenizer import load_tokenizer
     num_requests = 64 if args.quick else 256
-    items = w1(load_tokenizer(model_dir), num_requests)
-    workload = "W1-quick" if args.quick else "W1"
+    items = w1(load_tokenizer(model_dir), num_requests, args.sampled)
+    workload = ("W1-quick" if args.quick else "W1") + ("-sampled" if args.sampled else "")
     total = sum(it.max_tokens for it in items)
     print(f"{workload}: {len(items)} requests, {total} output tokens, "
           f"longest {max(it.max_tokens for it in items)}", flush=True)
-    records = beam_systems.w1_records(num_requests)
+    records = beam_systems.w1_records(num_requests, args.sampled)
     runs = {
         "engine": lambda: _engine_with_decode_flops(model_dir, items),
         "generate": lambda: beam_systems.generate(records, ENGINE_ARGS),

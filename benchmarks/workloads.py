@@ -2,7 +2,7 @@
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PROMPTS_FILE = Path(__file__).resolve().parent.parent / "batchgen_beam" / "data" / "prompts.jsonl"
@@ -13,13 +13,23 @@ class WorkItem:
     id: str
     prompt_ids: list[int]
     max_tokens: int  # generated exactly (ignore_eos), so every system does identical work
+    sampling: dict = field(default_factory=dict)  # temperature, top_p, seed; greedy when empty
 
     def request(self, logprobs: int | None = None):
-        """This item as our engine's greedy request."""
+        """This item as our engine's request."""
         from runtime import Request, SamplingParams
 
         return Request(self.id, prompt_token_ids=self.prompt_ids,
-                       params=SamplingParams(max_tokens=self.max_tokens, ignore_eos=True, logprobs=logprobs))
+                       params=SamplingParams(max_tokens=self.max_tokens, ignore_eos=True, logprobs=logprobs,
+                                             **self.sampling))
+
+
+# W1 sampled: chat-style sampling, each request seeded by its index.
+W1_SAMPLING = {"temperature": 0.7, "top_p": 0.9}
+
+
+def w1_sampling(index: int, sampled: bool) -> dict:
+    return {**W1_SAMPLING, "seed": index} if sampled else {}
 
 
 def bundled_prompts() -> list[str]:
@@ -38,14 +48,16 @@ def w1_output_lengths(num_requests: int) -> list[int]:
     return lengths
 
 
-def w1(tokenizer, num_requests: int) -> list[WorkItem]:
-    """Request i: bundled prompt i % len(prompts), chat template applied, W1 output length."""
+def w1(tokenizer, num_requests: int, sampled: bool = False) -> list[WorkItem]:
+    """Request i: bundled prompt i % len(prompts), chat template applied, W1 output length;
+    greedy, or sampled with W1_SAMPLING and seed i."""
     prompts = bundled_prompts()
     items = []
     for i, max_tokens in enumerate(w1_output_lengths(num_requests)):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompts[i % len(prompts)]}],
                                              tokenize=False, add_generation_prompt=True)
-        items.append(WorkItem(f"w1-{i}", tokenizer.encode(text, add_special_tokens=False), max_tokens))
+        items.append(WorkItem(f"w1-{i}", tokenizer.encode(text, add_special_tokens=False), max_tokens,
+                              w1_sampling(i, sampled)))
     return items
 
 
