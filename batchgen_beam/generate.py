@@ -27,7 +27,7 @@ import uuid
 import weakref
 import zlib
 from collections import Counter, defaultdict
-from typing import Any
+from typing import Any, Callable
 
 import apache_beam as beam
 from apache_beam.pvalue import TaggedOutput
@@ -270,23 +270,23 @@ class _GenerateFn(beam.DoFn):
 class _StreamingGenerateFn(_GenerateFn):
     """The first stage on an unbounded input: besides the window-end flush, a processing-time
     timer (`poll`) emits the key's finished rows every `poll_interval_s` while any are pending,
-    so a row waits neither for its window to end nor for its key's next record."""
-    clock = staticmethod(time.time)  # what runners' processing time reads (as GroupIntoBatches has it)
+    so a row waits neither for its window to end nor for its key's next record. `clock` reads
+    the runner's processing time, which the timer is set by."""
 
-    def __init__(self, *args, poll_interval_s: float, **kwargs):
+    def __init__(self, *args, poll_interval_s: float, clock: Callable[[], float], **kwargs):
         super().__init__(*args, **kwargs)
-        self._poll_interval_s = poll_interval_s
+        self._poll_interval_s, self._clock = poll_interval_s, clock
 
     def _process(self, element, window, timestamp, pending, flush, poll):
         yield from super()._process(element, window, timestamp, pending, flush)
-        poll.set(self.clock() + self._poll_interval_s)
+        poll.set(self._clock() + self._poll_interval_s)
 
     def _poll(self, pending, poll, window):
         # The key may have moved here from a failed worker: resubmit what no engine runs.
         self._submit(_records(pending))
         yield from self._emit_done(pending, window, wait=False)
         if next(iter(pending.read()), None) is not None:
-            poll.set(self.clock() + self._poll_interval_s)
+            poll.set(self._clock() + self._poll_interval_s)
 
 
 def stateful_stage(logic: type[_GenerateFn], names: str) -> type[_GenerateFn]:
@@ -351,12 +351,16 @@ class Generate(beam.PTransform):
     `straggler_timeout_s`: at the end of input, wait at most this long for a key's records, then
     continue the unfinished ones in a second stage on other keys (module docstring); None: wait.
     `poll_interval_s`: on an unbounded input (or with the `streaming` option), how often each
-    key's finished rows are emitted between its records; bounded inputs ignore it.
+    key's finished rows are emitted between its records; bounded inputs ignore it. `clock`: the
+    runner's processing time in seconds, which that poll is timed by (as GroupIntoBatches'):
+    the wall clock, except under a TestStream, whose processing time starts at 0 and moves only
+    as it advances it (pass `clock=lambda: 0.0` there, or no poll ever fires).
     """
 
     def __init__(self, model: str | None = None, *, num_shards: int = 16, max_in_flight: int = 1024,
                  engine_args: dict | None = None, straggler_timeout_s: float | None = None,
-                 poll_interval_s: float = 1.0, **sampling_defaults):
+                 poll_interval_s: float = 1.0, clock: Callable[[], float] = time.time,
+                 **sampling_defaults):
         super().__init__()
         self._config = EngineConfig.of(model, **(engine_args or {}))
         self._defaults = sampling_defaults
@@ -371,7 +375,10 @@ class Generate(beam.PTransform):
                 or not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be a number > 0, got {poll_interval_s!r}")
         self._num_shards, self._max_in_flight = num_shards, max_in_flight
+        if not callable(clock):
+            raise ValueError(f"clock must be a function returning seconds, got {clock!r}")
         self._straggler_timeout_s, self._poll_interval_s = straggler_timeout_s, poll_interval_s
+        self._clock = clock
 
     def expand(self, records):
         _check_runner(records)
@@ -392,7 +399,7 @@ class Generate(beam.PTransform):
         first_stage_args = (self._config, shards, self._max_in_flight, namespace, self._straggler_timeout_s)
         if streaming:
             first_stage = stateful_stage(_StreamingGenerateFn, names)(
-                *first_stage_args, poll_interval_s=self._poll_interval_s)
+                *first_stage_args, poll_interval_s=self._poll_interval_s, clock=self._clock)
         else:
             first_stage = stateful_stage(_GenerateFn, names)(*first_stage_args, job=job)
         if self._straggler_timeout_s is None:

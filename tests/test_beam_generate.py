@@ -303,6 +303,7 @@ def test_passthrough_fields_come_back(rows_by_key):
     (dict(straggler_timeout_s=-1), "straggler_timeout_s must be a number >= 0"),
     (dict(straggler_timeout_s=float("nan")), "straggler_timeout_s must be a number >= 0, got nan"),
     (dict(poll_interval_s=0), "poll_interval_s must be a number > 0, got 0"),
+    (dict(clock=0.0), "clock must be a function returning seconds, got 0.0"),
     (dict(temperature=-1), "defaults: temperature: must be >= 0, got -1"),
     (dict(engine_args={"max_num_seq": 8}), r"engine_args: unknown \['max_num_seq'\]"),
 ])
@@ -927,7 +928,7 @@ def test_on_an_unbounded_input_finished_rows_leave_before_the_window_ends(model_
     bag, flush, poll, rows = Bag(), Timer(), Timer(), []
     monkeypatch.setattr(EngineClient, "_instances", {})
     fn = stateful_stage(_StreamingGenerateFn, "t")(EngineConfig.of(str(model_dir), **ENGINE_ARGS), num_shards=1,
-                              max_in_flight=1024, namespace="stream-1", poll_interval_s=0.5)
+                              max_in_flight=1024, namespace="stream-1", poll_interval_s=0.5, clock=time.time)
     fn.setup()
     for parsed in records:
         before = time.time()
@@ -948,11 +949,10 @@ def test_on_an_unbounded_input_finished_rows_leave_before_the_window_ends(model_
     assert {row["id"]: row["token_ids"] for row in rows} == expected
 
 
-def test_a_streaming_pipeline_emits_rows_before_its_window_ends(model_dir, good, bare_engine, monkeypatch):
+def test_a_streaming_pipeline_emits_rows_before_its_window_ends(model_dir, good, bare_engine):
     """An unbounded input (a TestStream, on the DirectRunner's streaming mode) runs the polling
     first stage: each record yields exactly one row, while the global window is still open (the
     DirectRunner drops, as late, rows a window-end timer emits there)."""
-    monkeypatch.setattr(_StreamingGenerateFn, "clock", staticmethod(lambda: 0.0))  # a TestStream's clock
     records = good[:6] + [{"id": "bad", "prompt": ""}]
     stream = (test_stream.TestStream().advance_watermark_to(0).add_elements(records[:4])
               .add_elements(["pause"]).advance_processing_time(10)
@@ -970,7 +970,8 @@ def test_a_streaming_pipeline_emits_rows_before_its_window_ends(model_dir, good,
     with beam.Pipeline(options=PipelineOptions(["--runner=DirectRunner", "--streaming"])) as pipeline:
         records_in = (pipeline | stream
                       | "Pause" >> beam.Filter(lambda r: r != "pause" or time.sleep(3)))
-        rows = records_in | Generate(str(model_dir), engine_args=ENGINE_ARGS, max_tokens=MAX_TOKENS)
+        rows = records_in | Generate(str(model_dir), engine_args=ENGINE_ARGS, max_tokens=MAX_TOKENS,
+                                     clock=lambda: 0.0)  # a TestStream's processing time
         assert_that(rows, check)
 
 
