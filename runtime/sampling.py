@@ -298,24 +298,25 @@ def filtered_weights(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Ten
     them). Returns (weights, ids): where top-k or top-p cut, the weights of the tokens they keep,
     the largest first, and those tokens' ids; else weights over the whole vocabulary, ids None.
 
-    In float64 and shifted so the largest logit is 0: any positive temperature, however small,
-    then scales to finite values or -inf, never inf or NaN (fp32 holds no 1e-300), and the
-    largest weight is 1."""
-    scaled = (logits.double() - logits.max()) / p.temperature
+    Shifted so the largest logit is 0, the largest weight is 1: no temperature that samples
+    (>= SAMPLING_EPS) overflows fp32, and a weight too small for it is one no draw would take."""
+    scaled = logits.float() - logits.max()
+    scaled.div_(p.temperature)
     if p.min_p > 0:  # a token's probability over the top one's is exp(its scaled logit)
-        scaled = scaled.masked_fill(scaled < math.log(p.min_p), float("-inf"))
-    values, ids = scaled, None
+        scaled.masked_fill_(scaled < math.log(p.min_p), float("-inf"))
     if p.top_k and p.top_k < scaled.numel():
         values, ids = _largest(scaled, p.top_k)
+        weights = values.exp_()
+    else:
+        weights, ids = scaled.exp_(), None
     if p.top_p < 1.0:
-        total = values.logsumexp(-1)
+        total = weights.sum()
         if ids is None:
-            values, ids = _largest_holding(scaled, total, p.top_p)
-        mass = (values - total).exp()
+            weights, ids = _largest_holding(weights, p.top_p * total)
         # Drop a token once the mass before it already reaches top_p; the first always stays.
-        kept = int(((mass.cumsum(-1) - mass) < p.top_p).sum())
-        values, ids = values[:kept], ids[:kept]
-    return values.exp(), ids
+        kept = max(1, int((weights.cumsum(-1) - weights < p.top_p * total).sum()))
+        weights, ids = weights[:kept], ids[:kept]
+    return weights, ids
 
 
 def _largest(scaled: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,34 +327,37 @@ def _largest(scaled: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tens
     return scaled.topk(ties) if ties > count else (values, ids)
 
 
-def _largest_holding(scaled: torch.Tensor, total: torch.Tensor, mass: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens of scaled, the largest first, and their ids, among which are all those holding
-    the first `mass` of exp(scaled - total): the tokens of probability at least the largest
-    floor at which they hold it. Any other token is smaller than all of them, so the mass
-    before it is past `mass`. Sorting at most a thousand tokens (a floor of 1e-3) instead of
-    the vocabulary saves milliseconds a row."""
-    probs = (scaled - total).exp()
+def _largest_holding(weights: torch.Tensor, mass: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights, the largest first, and their ids, among which are all those holding the first
+    `mass` of the total: the tokens of probability at least the largest floor at which they
+    hold it. Any other token is smaller than all of them, so the mass before it is past `mass`.
+    Sorting at most a thousand tokens (a floor of 1e-3) instead of the vocabulary saves
+    milliseconds a row."""
+    total = weights.sum()
     for floor in (1e-2, 1e-3, 1e-4, 1e-5, 1e-6):
-        above = probs >= floor
-        if probs.masked_fill(~above, 0).sum() >= mass:
+        above = weights >= floor * total
+        held = torch.where(above, weights, 0).sum()
+        if held >= mass and held > 0:  # (a top_p below fp32's smallest value makes mass 0)
             ids = above.nonzero()[:, 0]
-            values, order = scaled[ids].sort(descending=True)
+            values, order = weights[ids].sort(descending=True)
             return values, ids[order]
-    return scaled.sort(descending=True)
+    return weights.sort(descending=True)
 
 
 def draw(weights: torch.Tensor, ids: torch.Tensor | None, generator: torch.Generator) -> int:
-    """One token drawn with probability proportional to its weight (weights >= 0, largest 1).
+    """One token drawn with probability proportional to its weight (weights >= 0, not all 0).
 
     By inverting the cumulative weights at one uniform draw: torch.multinomial draws a random
     number per token (milliseconds a row). The uniform comes from the sequence's generator, on
     the CPU: a CUDA tensor refuses a CPU generator, and a CPU one keeps the draw (and a
     migrated sequence's rng_state) alike on every device."""
     cumulative = weights.cumsum(-1)
-    point = torch.rand((), dtype=torch.float64, generator=generator).to(weights.device) * cumulative[-1]
+    total = cumulative[-1:]
+    if not bool(torch.isfinite(total) & (total > 0)):  # NaN logits, or none a token may take
+        raise ValueError(f"no token can be drawn: the weights sum to {total.item()}")
+    point = torch.rand((), generator=generator).to(weights.device) * total
     # The first token whose cumulative weight passes the point: never one of weight 0.
-    index = int(torch.searchsorted(cumulative, point[None], right=True))
+    index = int(torch.searchsorted(cumulative, point, right=True))
     if index == cumulative.numel():  # the point rounded up to the total: the last token of weight > 0
-        index = int(torch.searchsorted(cumulative, cumulative[-1:]))
+        index = int(torch.searchsorted(cumulative, total))
     return index if ids is None else int(ids[index])

@@ -131,7 +131,7 @@ def sampled_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.
 
     def capture(weights, ids, generator):
         full = torch.zeros(logits.shape[-1], dtype=torch.float64)
-        full[slice(None) if ids is None else ids] = weights
+        full[slice(None) if ids is None else ids] = weights.double()
         seen.append(full / full.sum())
         return real(weights, ids, generator)
 
@@ -194,7 +194,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
     (0.7, 0, 0.9, 0.0), (1.0, 0, 0.95, 0.0), (1.5, 0, 0.99, 0.0), (3.0, 0, 0.5, 0.0), (0.8, 40, 0.9, 0.02),
-    (1.0, 0, 0.9, 0.0001)])
+    (1.0, 0, 0.9, 0.0001), (3.0, 0, 5e-324, 0.0)])
 @pytest.mark.parametrize("shape", ["flat", "peaked", "long tail"])
 def test_top_p_over_a_large_vocabulary_keeps_the_set_a_full_sort_keeps(temperature, top_k, top_p, min_p, shape):
     """Top-p looks among the tokens above a probability floor before it sorts the whole
@@ -230,9 +230,18 @@ def test_draws_follow_the_weights_and_never_take_a_token_of_weight_zero():
             for _ in range(200)} == {11}
 
 
+def test_a_row_with_nothing_to_draw_fails_alone():
+    logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
+    logits[1] = float("nan")
+    rows = [SampleRow(SamplingParams(temperature=1.0), torch.Generator().manual_seed(i)) for i in range(3)]
+    first, broken, last = sample(logits, rows)
+    assert broken.token_id == -1 and "no token can be drawn" in broken.error
+    assert first.error is None and last.error is None
+
+
 def test_a_draw_that_rounds_up_to_the_total_takes_the_last_token_of_weight_above_zero(monkeypatch):
-    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.tensor(1.0, dtype=torch.float64))
-    weights = torch.tensor([1.0, 0.3, 0.25, 0.0, 0.0], dtype=torch.float64)
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.tensor(1.0))
+    weights = torch.tensor([1.0, 0.3, 0.25, 0.0, 0.0])
     assert sampling.draw(weights, None, None) == 2
 
 def test_sampled_logprobs_are_of_the_unprocessed_distribution():
