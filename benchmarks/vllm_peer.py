@@ -5,8 +5,8 @@ vllm only, since that venv does not have our package.
 
 WORK.json: {"model": dir, "threads": n, "items": [{"id", "prompt_ids", "max_tokens", "sampling"}, ...]}.
 RESULT.json: load_s, batch_completion_s and the generated ids per request. fp32, greedy or each
-item's sampling (temperature, top_p, seed), every request generating exactly max_tokens
-(ignore_eos), all submitted at once.
+item's sampling (temperature, top_p; not its seed, below), every request generating exactly
+max_tokens (ignore_eos), all submitted at once.
 """
 
 import json
@@ -31,8 +31,11 @@ def main(work_path: str, result_path: str) -> None:
     load = time.perf_counter() - start
     items = work["items"]
     prompts = [TokensPrompt(prompt_token_ids=it["prompt_ids"]) for it in items]
-    params = [SamplingParams(**{"temperature": 0.0, **it.get("sampling", {})}, max_tokens=it["max_tokens"],
-                             ignore_eos=True) for it in items]
+    # A request's own seed fails vLLM 0.32's CPU worker ("CPU Generator does not use offset"):
+    # sampled requests draw from its engine-wide seed instead.
+    sampling = [{k: v for k, v in it.get("sampling", {}).items() if k != "seed"} for it in items]
+    params = [SamplingParams(**{"temperature": 0.0, **own}, max_tokens=it["max_tokens"], ignore_eos=True)
+              for it, own in zip(items, sampling)]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
