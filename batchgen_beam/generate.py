@@ -374,9 +374,9 @@ class Generate(beam.PTransform):
         if isinstance(poll_interval_s, bool) or not isinstance(poll_interval_s, (int, float)) \
                 or not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be a number > 0, got {poll_interval_s!r}")
-        self._num_shards, self._max_in_flight = num_shards, max_in_flight
         if not callable(clock):
             raise ValueError(f"clock must be a function returning seconds, got {clock!r}")
+        self._num_shards, self._max_in_flight = num_shards, max_in_flight
         self._straggler_timeout_s, self._poll_interval_s = straggler_timeout_s, poll_interval_s
         self._clock = clock
 
