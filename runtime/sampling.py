@@ -12,6 +12,7 @@ from runtime.structured import canonical_json_schema, check_regex, choice_regex,
 
 # Temperatures below this sample greedily (vLLM's rule): at 1e-6 a draw would only split ties.
 SAMPLING_EPS = 1e-5
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -299,9 +300,10 @@ def filtered_weights(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Ten
     the largest first, and those tokens' ids; else weights over the whole vocabulary, ids None.
 
     Shifted so the largest logit is 0, the largest weight is 1: no temperature that samples
-    (>= SAMPLING_EPS) overflows fp32, and a weight too small for it is one no draw would take."""
+    (>= SAMPLING_EPS) overflows fp32, and a weight too small for it is one no draw would take.
+    A temperature past fp32's range divides as its largest value (-inf / inf would be NaN)."""
     scaled = logits.float() - logits.max()
-    scaled.div_(p.temperature)
+    scaled.div_(min(p.temperature, _FP32_MAX))
     if p.min_p > 0:  # a token's probability over the top one's is exp(its scaled logit)
         scaled.masked_fill_(scaled < math.log(p.min_p), float("-inf"))
     if p.top_k and p.top_k < scaled.numel():
@@ -332,15 +334,17 @@ def _largest_holding(weights: torch.Tensor, total: torch.Tensor, mass: torch.Ten
     """Weights, the largest first, and their ids, among which are all those holding the first
     `mass` of their `total`: the tokens of probability at least the largest floor at which they
     hold it. Any other token is smaller than all of them, so the mass before it is past `mass`.
-    Sorting at most a thousand tokens (a floor of 1e-3) instead of the vocabulary saves
-    milliseconds a row."""
+    A floor of 1e-2 leaves at most 100 tokens to sort, 1e-3 a thousand: sorting them instead of
+    the vocabulary saves milliseconds a row."""
     for floor in (1e-2, 1e-3, 1e-4, 1e-5, 1e-6):
         above = weights >= floor * total
         held = torch.where(above, weights, 0).sum()
         if held >= mass and held > 0:  # (a top_p below fp32's smallest value makes mass 0)
             ids = above.nonzero()[:, 0]
             values, order = weights[ids].sort(descending=True)
-            return values, ids[order]
+            # The cut sums them in this order, which may round below `held`.
+            if values.cumsum(-1)[-1] >= mass:
+                return values, ids[order]
     return weights.sort(descending=True)
 
 
@@ -348,14 +352,15 @@ def draw(weights: torch.Tensor, ids: torch.Tensor | None, generator: torch.Gener
     """One token drawn with probability proportional to its weight (weights >= 0, not all 0).
 
     By inverting the cumulative weights at one uniform draw: torch.multinomial draws a random
-    number per token (milliseconds a row). The uniform comes from the sequence's generator, on
-    the CPU: a CUDA tensor refuses a CPU generator, and a CPU one keeps the draw (and a
-    migrated sequence's rng_state) alike on every device."""
-    cumulative = weights.cumsum(-1)
+    number per token (milliseconds a row). Both in float64: an fp32 uniform takes 2^24 values,
+    too coarse for a token of probability 1e-6 among 49,152. The uniform comes from the
+    sequence's generator, on the CPU: a CUDA tensor refuses a CPU generator, and a CPU one keeps
+    the draw (and a migrated sequence's rng_state) alike on every device."""
+    cumulative = weights.double().cumsum(-1)
     total = cumulative[-1:]
     if not bool(torch.isfinite(total) & (total > 0)):  # NaN logits, or none a token may take
         raise ValueError(f"no token can be drawn: the weights sum to {total.item()}")
-    point = torch.rand((), generator=generator).to(weights.device) * total
+    point = torch.rand((), dtype=torch.float64, generator=generator).to(weights.device) * total
     # The first token whose cumulative weight passes the point: never one of weight 0.
     index = int(torch.searchsorted(cumulative, point, right=True))
     if index == cumulative.numel():  # the point rounded up to the total: the last token of weight > 0

@@ -567,8 +567,6 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load():
     assert child.stdout.strip() == "panel_linear"
 
 
-
-
 def _read_only_mount(folder: Path) -> list[str]:
     """A command prefix that runs its command with folder mounted read-only (in a user and mount
     namespace: no root needed), or skips the test where this kernel allows no such namespace."""

@@ -191,7 +191,6 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert torch.allclose(frequencies, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.07)
 
 
-
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
     (0.7, 0, 0.9, 0.0), (1.0, 0, 0.95, 0.0), (1.5, 0, 0.99, 0.0), (3.0, 0, 0.5, 0.0), (0.8, 40, 0.9, 0.02),
     (1.0, 0, 0.9, 0.0001), (3.0, 0, 5e-324, 0.0)])
@@ -230,6 +229,17 @@ def test_draws_follow_the_weights_and_never_take_a_token_of_weight_zero():
             for _ in range(200)} == {11}
 
 
+@pytest.mark.parametrize("temperature", [1e39, 1e300])
+def test_a_temperature_past_fp32s_range_draws_evenly_among_the_tokens_allowed(temperature):
+    logits = torch.randn(8, generator=torch.Generator().manual_seed(0))
+    logits[[2, 5]] = float("-inf")  # banned, or masked by a grammar
+    row = SampleRow(SamplingParams(temperature=temperature), torch.Generator().manual_seed(1))
+    draws = [sample(logits[None], [row])[0] for _ in range(600)]
+    assert all(token.error is None for token in draws)
+    counts = torch.bincount(torch.tensor([token.token_id for token in draws]), minlength=8)
+    assert counts[[2, 5]].sum() == 0 and counts.min() == 0 and (counts[[0, 1, 3, 4, 6, 7]] > 60).all()
+
+
 def test_a_row_with_nothing_to_draw_fails_alone():
     logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
     logits[1] = float("nan")
@@ -240,9 +250,10 @@ def test_a_row_with_nothing_to_draw_fails_alone():
 
 
 def test_a_draw_that_rounds_up_to_the_total_takes_the_last_token_of_weight_above_zero(monkeypatch):
-    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.tensor(1.0))
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.tensor(1.0, dtype=torch.float64))
     weights = torch.tensor([1.0, 0.3, 0.25, 0.0, 0.0])
     assert sampling.draw(weights, None, None) == 2
+
 
 def test_sampled_logprobs_are_of_the_unprocessed_distribution():
     logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
