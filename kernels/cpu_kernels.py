@@ -12,8 +12,8 @@ processes only load it. Processes take turns at the build through an OS file loc
 with its holder: torch's own lock is a file that a process killed mid-build leaves behind, and
 every later load then waited on it forever. A build directory this process cannot write (one
 built into a container image that runs read-only or as another user) is copied, with its files'
-times, under the temp folder first: ninja finds the copy up to date and only loads it (or
-rebuilds there if the sources changed). A failed build raises KernelBuildError: the torch ops are
+times, into this user's own folder under the temp folder first, whole or not at all: ninja finds
+the copy up to date and only loads it (or rebuilds there if the sources changed). A failed build raises KernelBuildError: the torch ops are
 an explicit opt-out (BATCHGEN_CPU_KERNELS=torch), never a silent fallback.
 """
 
@@ -68,16 +68,14 @@ def _load():
     import ninja
     from torch.utils import cpp_extension
 
-    directory = prebuilt = build_directory()
-    if prebuilt.is_dir() and not os.access(prebuilt, os.W_OK):
-        directory = Path(tempfile.gettempdir()) / "batchgen_cpu_kernels" / prebuilt.name
+    directory = build_directory()
     path = os.environ.get("PATH")
     try:
+        if directory.is_dir() and not os.access(directory, os.W_OK):
+            directory = _private_copy(directory)
         directory.mkdir(parents=True, exist_ok=True)
         with open(directory / "build.flock", "w") as turn:
             fcntl.flock(turn, fcntl.LOCK_EX)
-            if directory != prebuilt and not (directory / "build.ninja").exists():
-                _copy_build(prebuilt, directory)
             # Every builder holds this turn, so a torch lock file seen now is a dead process's.
             (directory / "lock").unlink(missing_ok=True)
             # torch runs `ninja` from PATH: always the one pip installed with this package. An
@@ -102,12 +100,29 @@ def _load():
             os.environ["PATH"] = path
 
 
-def _copy_build(source: Path, target: Path):
-    """source's build files into target with their times, which ninja's up-to-date check
-    compares (its log, .ninja_log, holds the command hashes and is copied too)."""
-    for file in source.iterdir():
-        if file.is_file() and file.name not in ("build.flock", "lock"):
-            shutil.copy2(file, target / file.name)
+def _private_copy(prebuilt: Path) -> Path:
+    """A copy of prebuilt's build files, with their times (which ninja's up-to-date check
+    compares; its log, .ninja_log, holds the command hashes), in this user's folder under the
+    temp folder: no other user's, whose module this process would load and run. Made in a
+    staging folder and renamed into place, so a process killed mid-copy leaves no partial copy
+    that later loads would take for whole."""
+    mine = Path(tempfile.gettempdir()) / f"batchgen_cpu_kernels-{os.getuid()}"
+    mine.mkdir(mode=0o700, exist_ok=True)
+    owner = mine.stat()
+    if owner.st_uid != os.getuid() or owner.st_mode & 0o022:
+        raise PermissionError(f"{mine} is not this user's alone (owner uid {owner.st_uid}, "
+                              f"mode {owner.st_mode & 0o777:o}): its kernels will not be loaded")
+    copy = mine / prebuilt.name
+    if not copy.is_dir():
+        staging = Path(tempfile.mkdtemp(dir=mine))
+        for file in prebuilt.iterdir():
+            if file.is_file() and file.name not in ("build.flock", "lock"):
+                shutil.copy2(file, staging / file.name)
+        try:
+            staging.rename(copy)
+        except OSError:  # another process's copy went into place first
+            shutil.rmtree(staging)
+    return copy
 
 
 def build():

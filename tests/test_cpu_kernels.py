@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -602,10 +603,31 @@ def test_a_prebuilt_build_directory_that_cannot_be_written_is_loaded_not_rebuilt
                            env={**os.environ, "TORCH_EXTENSIONS_DIR": str(prebuilt.parent),
                                 "TMPDIR": str(tmp_path / "tmp")})
     assert child.returncode == 0, child.stderr
-    copy = tmp_path / "tmp" / "batchgen_cpu_kernels" / prebuilt.name
+    copy = tmp_path / "tmp" / f"batchgen_cpu_kernels-{os.getuid()}" / prebuilt.name
     assert Path(child.stdout.strip()) == copy / "batchgen_cpu_kernels.so"
     assert (copy / "batchgen_cpu_kernels.so").stat().st_mtime == (prebuilt / "batchgen_cpu_kernels.so").stat().st_mtime
     assert sorted(path.name for path in prebuilt.iterdir()) == files
+
+
+
+def test_the_copy_of_a_prebuilt_build_is_whole_and_this_users_alone(tmp_path, monkeypatch):
+    """A copy killed midway is a staging folder no load takes; a copies folder that others may
+    write (or another user made) is refused: its module would run as this user."""
+    cpu_kernels.build()
+    prebuilt = cpu_kernels.build_directory()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    mine = tmp_path / f"batchgen_cpu_kernels-{os.getuid()}"
+    mine.mkdir(mode=0o700)
+    (mine / "tmp-killed-midway").mkdir()
+    (mine / "tmp-killed-midway" / "build.ninja").write_text("")
+    copy = cpu_kernels._private_copy(prebuilt)
+    assert copy == mine / prebuilt.name
+    assert sorted(path.name for path in copy.iterdir()) == sorted(
+        path.name for path in prebuilt.iterdir() if path.name not in ("build.flock", "lock"))
+    assert cpu_kernels._private_copy(prebuilt) == copy  # made once
+    mine.chmod(0o777)
+    with pytest.raises(PermissionError, match="is not this user's alone"):
+        cpu_kernels._private_copy(prebuilt)
 
 
 # ---- the engine --------------------------------------------------------------------------------
