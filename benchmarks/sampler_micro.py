@@ -21,7 +21,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     TopPLogitsWarper)
 
 from benchmarks.report import RESULTS_DIR
-from benchmarks.workloads import bundled_prompts
+from benchmarks.workloads import bundled_prompts, w1
 from runtime.default_model import default_model_dir
 from runtime.sampling import SampleRow, SamplingParams, sample
 from runtime.tokenizer import load_tokenizer
@@ -32,18 +32,14 @@ REPEATS = 5
 
 
 def real_logits(rows: int) -> torch.Tensor:
-    """The default model's next-token logits at every position of the bundled prompts (chat
-    template applied), the first `rows` of them."""
+    """The default model's next-token logits at every position of W1's prompts (the bundled
+    ones, chat template applied), the first `rows` of them."""
     model_dir = default_model_dir()
-    tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     found = []
-    for prompt in bundled_prompts():
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-        ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    for item in w1(load_tokenizer(model_dir), len(bundled_prompts())):
         with torch.no_grad():
-            found.append(model(ids).logits[0])
+            found.append(model(torch.tensor([item.prompt_ids])).logits[0])
         if sum(len(f) for f in found) >= rows:
             break
     return torch.cat(found)[:rows].contiguous()
