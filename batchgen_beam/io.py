@@ -39,8 +39,9 @@ Compressed files (``.gz``, ``.bz2``, ...) are read transparently and the format 
 from the extension under the compression one; pass `format` for any other name.
 
 `WriteRows(prefix, format="parquet")` writes output rows as Parquet (`OUTPUT_SCHEMA`) or JSONL
-shards ``<prefix>-SSSSS-of-NNNNN.<format>`` and returns the PCollection of the written files'
-names.
+shards ``<prefix>-SSSSS-of-NNNNN.<format>``, or as OpenAI Batch API output lines (format
+``openai``, shards ``.jsonl``, `batchgen_beam/openai_batch.py`), and returns the PCollection of
+the written files' names.
 """
 
 import codecs
@@ -51,6 +52,7 @@ import os
 import posixpath
 import re
 import sys
+import time
 from dataclasses import dataclass
 
 import apache_beam as beam
@@ -64,10 +66,13 @@ from apache_beam.io.textio import ReadFromText, WriteToText, _TextSink
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from batchgen_beam.model_sources import resolve_model
+from batchgen_beam.openai_batch import response_line
 from batchgen_beam.records import SAMPLING_FIELDS, OUTPUT_SCHEMA, Rejected, row_to_arrow_dict, row_to_json
 
 INPUT_FORMATS = ("jsonl", "parquet", "text", "csv", "tsv")
-OUTPUT_FORMATS = ("parquet", "jsonl")
+OUTPUT_FORMATS = ("parquet", "jsonl", "openai")
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what OpenAI lines name the default model
 
 _EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
                ".parquet": "parquet", ".pq": "parquet",
@@ -430,20 +435,24 @@ def _replacing_earlier_shards(write: WriteToText | WriteToParquet, sink: type):
 
 class WriteRows(beam.PTransform):
     """Output rows → ``<prefix>-SSSSS-of-NNNNN.parquet`` (`OUTPUT_SCHEMA`) or ``.jsonl`` files
-    (one JSON object per line), replacing the shards an earlier run left under the prefix (any
-    count). Returns the names of the files written."""
+    (one JSON object per line; format ``openai``: one OpenAI Batch output line per row, which
+    names `model`, the model the rows came from, and decodes logprobs' tokens with its
+    tokenizer), replacing the shards an earlier run left under the prefix (any count). Returns
+    the names of the files written."""
 
-    def __init__(self, prefix: str, format: str = "parquet", num_shards: int = 0):
+    def __init__(self, prefix: str, format: str = "parquet", num_shards: int = 0, *,
+                 model: str | None = None):
         super().__init__()
         self.prefix = absolute_path(prefix)
         self.format = _check_format(format, OUTPUT_FORMATS)
         if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 0:
             raise ValueError(f"num_shards must be an integer >= 0 (0: the runner decides), got {num_shards!r}")
         self.num_shards = num_shards
+        self.model = model
 
     @property
     def suffix(self) -> str:
-        return "." + self.format
+        return ".parquet" if self.format == "parquet" else ".jsonl"
 
     def existing_shards(self) -> list[str]:
         """The shards under this prefix now (an earlier run's, before this one writes)."""
@@ -456,10 +465,34 @@ class WriteRows(beam.PTransform):
             return (rows
                     | "ToArrow" >> beam.Map(row_to_arrow_dict)
                     | "WriteParquet" >> _replacing_earlier_shards(write, _ReplacingParquetSink))
+        if self.format == "openai":
+            lines = rows | "ToOpenAI" >> beam.ParDo(_OpenAILines(self.model))
+        else:
+            lines = rows | "ToJson" >> beam.Map(row_to_json)
         write = WriteToText(self.prefix, file_name_suffix=self.suffix, num_shards=self.num_shards)
-        return (rows
-                | "ToJson" >> beam.Map(row_to_json)
-                | "WriteJsonl" >> _replacing_earlier_shards(write, _ReplacingTextSink))
+        return lines | "WriteJsonl" >> _replacing_earlier_shards(write, _ReplacingTextSink)
+
+
+class _OpenAILines(beam.DoFn):
+    """Rows → OpenAI Batch output lines. The model's tokenizer, which logprobs' token texts
+    need, is loaded on the first row that has them (the engine has fetched the model by then)."""
+
+    def __init__(self, model: str | None):
+        self._model = model
+
+    def setup(self):
+        self._token_text = None
+
+    def process(self, row):
+        name = DEFAULT_MODEL_NAME if self._model is None else self._model
+        line = response_line(row, model=name, created=int(time.time()), token_text=self._text)
+        yield json.dumps(line, ensure_ascii=False, allow_nan=False)
+
+    def _text(self, token_id: int) -> str:
+        if self._token_text is None:
+            from runtime.tokenizer import load_tokenizer, token_text  # transformers: only if needed
+            self._token_text = token_text(load_tokenizer(resolve_model(self._model)))
+        return self._token_text(token_id)
 
 
 def absolute_path(path: str) -> str:

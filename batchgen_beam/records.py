@@ -705,7 +705,8 @@ def _show(value: Any, limit: int = 60) -> str:
 def completion_row(parsed: Parsed, completion: Completion) -> dict:
     """The output row of a record the engine answered (an engine error included)."""
     if completion.error is not None or completion.finish_reason == "error":
-        return _row(parsed.id, parsed.passthrough, prompt_tokens=completion.prompt_tokens,
+        return _row(parsed.id, parsed.passthrough, chat=parsed.messages is not None,
+                    prompt_tokens=completion.prompt_tokens,
                     error=completion.error or "the engine failed without a message",
                     timings=completion.timings)
     first = completion.outputs[0]
@@ -715,7 +716,8 @@ def completion_row(parsed: Parsed, completion: Completion) -> dict:
                     **_stop_columns(o.stop_reason),
                     "logprobs": _list_or_none(o.logprobs), "top_logprobs": _ranked(o.top_logprobs)}
                    for o in completion.outputs[1:]]
-    return _row(parsed.id, parsed.passthrough, text=first.text, token_ids=first.token_ids,
+    return _row(parsed.id, parsed.passthrough, chat=parsed.messages is not None,
+                text=first.text, token_ids=first.token_ids,
                 finish_reason=first.finish_reason, stop_reason=first.stop_reason,
                 prompt_tokens=completion.prompt_tokens,
                 completion_tokens=completion.completion_tokens, samples=samples,
@@ -756,7 +758,8 @@ def error_row(rejected_or_id: Rejected | str | None, message: str | None = None,
     return _row(rejected_or_id, passthrough, error=message)
 
 
-def _row(id: str | None, passthrough: Mapping | None, *, text: str | None = None,
+def _row(id: str | None, passthrough: Mapping | None, *, chat: bool | None = None,
+         text: str | None = None,
          token_ids: Sequence[int] = (), finish_reason: str = "error",
          stop_reason: int | str | None = None, prompt_tokens: int = 0,
          completion_tokens: int = 0, error: str | None = None, samples: list[dict] | None = None,
@@ -768,7 +771,7 @@ def _row(id: str | None, passthrough: Mapping | None, *, text: str | None = None
             **_stop_columns(stop_reason), "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "error": error, "samples": samples, "logprobs": logprobs, "top_logprobs": top_logprobs,
             "prompt_logprobs": _list_or_none(prompt_logprobs), "prompt_top_logprobs": prompt_top_logprobs,
-            **_durations(timings), "passthrough": dict(passthrough or {})}
+            **_durations(timings), "chat": chat, "passthrough": dict(passthrough or {})}
 
 
 def _durations(timings: Timings | None) -> dict:
@@ -808,6 +811,7 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("queue_s", pa.float64()),
     pa.field("first_token_s", pa.float64()),
     pa.field("total_s", pa.float64()),
+    pa.field("chat", pa.bool_()),  # messages (true) or a prompt (false); null: did not parse
     # JSON text: passthrough fields differ from record to record, a column type cannot.
     pa.field("passthrough", pa.string(), nullable=False),
 ])

@@ -101,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--output", default=DEFAULT_OUTPUT,
                     help="output prefix, local or gs://; files are <output>-SSSSS-of-NNNNN.<format> "
                          "(it replaces the shards an earlier run left under it)")
-    io.add_argument("--format", choices=OUTPUT_FORMATS, default="parquet", help="output format")
+    io.add_argument("--format", choices=OUTPUT_FORMATS, default="parquet",
+                    help="output format: our rows as parquet or jsonl, or openai: OpenAI Batch API "
+                         "output lines (.jsonl), one per record, as `vllm run-batch` writes them")
     io.add_argument("--output_shards", type=int, default=0,
                     help="number of output files (0: the runner decides)")
     io.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
@@ -180,6 +182,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     if args.weights_in_host_memory and (args.device != "cuda" or args.weight_budget_mb is None):
         parser.error("--weights_in_host_memory streams weights to a GPU: it needs --device cuda "
                      "and --weight_budget_mb")
+    if args.format == "openai" and args.prompt_logprobs is not None:
+        parser.error("--prompt_logprobs: not written in --format openai, whose shape keys them "
+                     "by prompt token ids; write rows (--format jsonl or parquet) instead")
     # Beam only warns of flags no PipelineOptions knows and drops them: a mistyped sampling flag
     # (--temprature) would run the job with the default, unnoticed.
     options = PipelineOptions(beam_args).get_all_options
@@ -409,7 +414,7 @@ def main(argv: list[str] | None = None) -> dict:
                         engine_args=engine_args, straggler_timeout_s=args.straggler_timeout_s, **defaults)
     # The launcher's progress client must talk to the engine the workers use.
     assert generate._config == config, (generate._config, config)
-    write = WriteRows(args.output, args.format, num_shards=args.output_shards)
+    write = WriteRows(args.output, args.format, num_shards=args.output_shards, model=model)
     # After the flags: their mistakes are named first.
     paths = {"--input": args.input, "--output": args.output, "--model": args.model, "--lora": args.lora}
     check_paths_for_workers({flag: path for flag, path in paths.items() if path is not None}, runner, options)

@@ -34,6 +34,27 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
     return tokenizer
 
 
+def token_text(tokenizer: PreTrainedTokenizerBase | None) -> Callable[[int], str]:
+    """A token's own text, as OpenAI's logprobs show it, vLLM's rule: the token decoded alone
+    (part of a character split across tokens shows as U+FFFD), special tokens included, and the
+    leading space that a SentencePiece piece's "▁" stands for, which decoding it alone drops.
+    Without a tokenizer: "token_id:<id>", vLLM's name for a token it does not decode."""
+    texts: dict[int, str] = {}
+
+    def text(token_id: int) -> str:
+        if token_id not in texts:
+            if tokenizer is None:
+                texts[token_id] = f"token_id:{token_id}"
+            else:
+                decoded = tokenizer.decode([token_id])
+                piece = tokenizer.convert_ids_to_tokens(token_id)
+                spaced = isinstance(piece, str) and piece.startswith("▁") and not decoded.startswith(" ")
+                texts[token_id] = " " + decoded if spaced else decoded
+        return texts[token_id]
+
+    return text
+
+
 _TEMPLATE_PARSER = ImmutableSandboxedEnvironment(extensions=[loopcontrols])
 
 

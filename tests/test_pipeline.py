@@ -129,6 +129,48 @@ def test_jsonl_to_parquet_and_to_jsonl(chat_model, jsonl_input, tmp_path):
         k: r["token_ids"] for k, r in from_parquet.items()}
 
 
+def test_openai_format_answers_each_record_with_an_openai_batch_line(chat_model, jsonl_input, tmp_path):
+    summary = run(chat_model, "--input", str(jsonl_input), "--output", str(tmp_path / "oa/gen"),
+                  "--format", "openai", "--logprobs", "2")
+    assert summary["state"] == "DONE" and summary["format"] == "openai"
+    assert summary["output_files"] and all(f.endswith(".jsonl") for f in summary["output_files"])
+    lines = []
+    for name in summary["output_files"]:
+        with open(name, encoding="utf-8") as f:
+            lines += [json.loads(line) for line in f if line.strip()]
+    assert len(lines) == len(GOOD) + len(BAD) == summary["records"]
+    by_id = {line["custom_id"]: line for line in lines}
+    objects = {"a": "text_completion", "b": "chat.completion", "c": "text_completion", "d": "text_completion"}
+    for custom_id, kind in objects.items():
+        response = by_id[custom_id]["response"]
+        body = response["body"]
+        assert response["status_code"] == 200 and body["object"] == kind
+        [choice] = body["choices"]
+        text = choice["message"]["content"] if kind == "chat.completion" else choice["text"]
+        usage = body["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
+        if kind == "chat.completion":
+            tokens = [entry["token"] for entry in choice["logprobs"]["content"]]
+            assert all(len(entry["top_logprobs"]) == 2 for entry in choice["logprobs"]["content"])
+        else:
+            tokens = choice["logprobs"]["tokens"]
+            offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+            assert choice["logprobs"]["text_offset"] == offsets
+        assert len(tokens) == usage["completion_tokens"]
+        at = 0  # tokens that are whole characters appear in the text, in order (EOS: not)
+        for token in (t for t in tokens if "\ufffd" not in t and choice["finish_reason"] == "length"):
+            at = text.index(token, at) + len(token)
+    errors = [line for line in lines if line["response"]["status_code"] != 200]
+    assert len(errors) == len(BAD) and all(line["response"]["status_code"] == 400 for line in errors)
+    assert "temperature" in by_id["g"]["response"]["body"]["error"]["message"]
+
+
+def test_openai_format_refuses_prompt_logprobs_it_cannot_write(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--format", "openai", "--prompt_logprobs", "0"])
+    assert "--prompt_logprobs: not written in --format openai" in capsys.readouterr().err
+
+
 def test_text_input_ids_are_file_and_line(chat_model, tmp_path):
     data = tmp_path / "in"
     (data / "x").mkdir(parents=True)

@@ -25,7 +25,8 @@ from runtime.sampling import SamplingParams
 
 ROW_KEYS = ["id", "text", "token_ids", "finish_reason", "stop_reason", "stop_token_id",
             "prompt_tokens", "completion_tokens", "error", "samples", "logprobs", "top_logprobs",
-            "prompt_logprobs", "prompt_top_logprobs", "queue_s", "first_token_s", "total_s", "passthrough"]
+            "prompt_logprobs", "prompt_top_logprobs", "queue_s", "first_token_s", "total_s", "chat",
+            "passthrough"]
 
 
 def rec(**fields):
@@ -758,7 +759,7 @@ def test_completion_row_n1():
                    "stop_reason": None, "stop_token_id": None, "prompt_tokens": 4, "completion_tokens": 3, "error": None, "samples": None,
                    "logprobs": [-0.5, -1.25, -0.0], "top_logprobs": None, "prompt_logprobs": None,
                    "prompt_top_logprobs": None, "queue_s": 0.25,
-                   "first_token_s": 0.75, "total_s": 3.5, "passthrough": {"meta": {"k": [1]}}}
+                   "first_token_s": 0.75, "total_s": 3.5, "chat": False, "passthrough": {"meta": {"k": [1]}}}
 
 
 def test_a_scored_prompt_keeps_its_logprobs_through_parquet_and_jsonl(tmp_path):
@@ -815,7 +816,7 @@ def test_engine_error_completion_becomes_an_error_row():
                    "stop_reason": None, "stop_token_id": None, "prompt_tokens": 0, "completion_tokens": 0,
                    "error": "prompt too long: 9000 tokens", "samples": None, "logprobs": None,
                    "top_logprobs": None, "prompt_logprobs": None, "prompt_top_logprobs": None,
-                   "queue_s": None, "first_token_s": None, "total_s": 0.5,
+                   "queue_s": None, "first_token_s": None, "total_s": 0.5, "chat": False,
                    "passthrough": {"src": "x"}}
 
 
@@ -828,8 +829,22 @@ def test_error_row_from_an_id_or_a_rejected():
     assert error_row(rejected)["passthrough"] == {"raw": "{"}
     assert error_row(rejected, "replaced", {})["error"] == "replaced"
     assert error_row(rejected, "replaced", {})["passthrough"] == {}
+    assert row["chat"] is None and error_row(rejected)["chat"] is None  # did not parse
     with pytest.raises(TypeError):
         error_row("r9")
+
+
+def test_a_row_says_whether_its_record_was_a_chat():
+    done = Completion("r1", [SampleOutput(0, [5], "a", "stop")], 2, TIMINGS)
+    chat = parse_record({"id": "c", "messages": [{"role": "user", "content": "Hi"}]})
+    line = parse_record({"custom_id": "o", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"messages": [{"role": "user", "content": "Hi"}]}})
+    text = parse_record({"custom_id": "t", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": "Hi"}})
+    assert completion_row(chat, done)["chat"] is True and completion_row(line, done)["chat"] is True
+    assert completion_row(text, done)["chat"] is False
+    failed = Completion.failed("r1", "engine crashed")
+    assert completion_row(chat, failed)["chat"] is True  # an engine error: the record parsed
 
 
 def sample_rows():

@@ -1,0 +1,111 @@
+"""Output rows as OpenAI Batch API output lines: what OpenAI's Batch API and `vllm run-batch`
+write, for readers of those files.
+
+Pure Python: no Beam, no model math. A row becomes one line:
+`{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}`.
+- A chat row (`row["chat"]`) gets a `chat.completion` body, a prompt row a `text_completion`
+  one: the endpoints OpenAI Batch lines name (`/v1/chat/completions` needs messages,
+  `/v1/completions` a prompt), so a line's answer has the shape its request asked for.
+- `choices` holds the n samples; each carries vLLM's `stop_reason` (the stop string or stop
+  token id that ended it, null for EOS) beside `finish_reason`.
+- Logprobs take each endpoint's shape, with each token's text (`token_text`); a -inf logprob
+  is written as -9999.0, as vLLM writes it, since JSON has no infinity.
+- A record that failed has OpenAI's HTTP error shape: status 400 and an
+  `invalid_request_error` when the record did not parse (`chat` is null), 500 and a
+  `server_error` when the engine failed it; the row's message is `body.error.message`.
+- Prompt logprobs are not written: vLLM's shape keys them by prompt token ids, which rows do
+  not hold. A row holding them becomes a 400 line saying so, never a line without them.
+"""
+
+import uuid
+from collections.abc import Callable, Mapping
+
+_MIN_LOGPROB = -9999.0  # vLLM's stand-in for -inf
+
+
+def response_line(row: Mapping, *, model: str, created: int,
+                  token_text: Callable[[int], str] | None = None) -> dict:
+    """The OpenAI Batch output line for one output row. `token_text` gives a token's text; it is
+    called only for rows with logprobs, and a row with logprobs needs it."""
+    if row["error"] is None and row["prompt_logprobs"] is not None:
+        return _error_line(row, 400, "invalid_request_error",
+                           "prompt_logprobs: not written in OpenAI's output format, whose shape "
+                           "keys them by prompt token ids; write rows (jsonl or parquet) instead")
+    if row["error"] is not None:
+        if row["chat"] is None:
+            return _error_line(row, 400, "invalid_request_error", row["error"])
+        return _error_line(row, 500, "server_error", row["error"])
+    chat = row["chat"]
+    choice = _chat_choice if chat else _text_choice
+    samples = [row, *(row["samples"] or [])]
+    body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": model,
+            "choices": [choice(index, sample, token_text) for index, sample in enumerate(samples)],
+            "usage": {"prompt_tokens": row["prompt_tokens"],
+                      "completion_tokens": row["completion_tokens"],
+                      "total_tokens": row["prompt_tokens"] + row["completion_tokens"]}}
+    return _line(row, 200, body)
+
+
+def _line(row: Mapping, status: int, body: dict) -> dict:
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": row["id"],
+            "response": {"status_code": status, "request_id": f"req_{uuid.uuid4().hex}",
+                         "body": body},
+            "error": None}
+
+
+def _error_line(row: Mapping, status: int, kind: str, message: str) -> dict:
+    return _line(row, status, {"error": {"message": message, "type": kind, "param": None,
+                                         "code": None}})
+
+
+def _stop_reason(sample: Mapping) -> str | int | None:
+    return sample["stop_reason"] if sample["stop_reason"] is not None else sample["stop_token_id"]
+
+
+def _chat_choice(index: int, sample: Mapping, token_text) -> dict:
+    logprobs = None
+    if sample["logprobs"] is not None:
+        logprobs = {"content": [
+            {**_chat_token(token, logprob, token_text),
+             "top_logprobs": [_chat_token(top["token_id"], top["logprob"], token_text)
+                              for top in (tops or [])]}
+            for token, logprob, tops in _positions(sample)]}
+    return {"index": index, "message": {"role": "assistant", "content": sample["text"]},
+            "logprobs": logprobs, "finish_reason": sample["finish_reason"],
+            "stop_reason": _stop_reason(sample)}
+
+
+def _chat_token(token_id: int, logprob: float, token_text) -> dict:
+    text = token_text(token_id)
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def _text_choice(index: int, sample: Mapping, token_text) -> dict:
+    logprobs = None
+    if sample["logprobs"] is not None:
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        offset = 0
+        for token, logprob, tops in _positions(sample):
+            text = token_text(token)
+            tokens.append(text)
+            token_logprobs.append(_finite(logprob))
+            top_logprobs.append({token_text(top["token_id"]): _finite(top["logprob"])
+                                 for top in (tops or [])})
+            offsets.append(offset)
+            offset += len(text)
+        logprobs = {"tokens": tokens, "token_logprobs": token_logprobs,
+                    "top_logprobs": top_logprobs, "text_offset": offsets}
+    return {"index": index, "text": sample["text"], "logprobs": logprobs,
+            "finish_reason": sample["finish_reason"], "stop_reason": _stop_reason(sample)}
+
+
+def _positions(sample: Mapping):
+    """Per generated token: its id, its logprob and the top logprobs there (None: not asked)."""
+    tops = sample["top_logprobs"] or [None] * len(sample["token_ids"])
+    return zip(sample["token_ids"], sample["logprobs"], tops, strict=True)
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, _MIN_LOGPROB)

@@ -1,0 +1,158 @@
+"""Output rows as OpenAI Batch API output lines (batchgen_beam/openai_batch.py) and the token
+texts their logprobs show (runtime.tokenizer.token_text)."""
+
+import json
+import math
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from batchgen_beam.openai_batch import response_line
+from batchgen_beam.records import completion_row, error_row, parse_record
+from runtime.request import Completion, SampleOutput, Timings
+from runtime.tokenizer import token_text
+from tiny_models import make_tiny_tokenizer
+
+TIMINGS = Timings(submitted=1.0, first_scheduled=1.5, first_token=2.0, finished=3.0)
+TEXTS = {5: "Hel", 6: "lo", 7: "!", 9: " there", 11: "\ufffd"}
+
+
+def chat_record(**body):
+    return {"custom_id": "q-1", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "gpt-x", "messages": [{"role": "user", "content": "Hi"}], **body}}
+
+
+def text_record(**body):
+    return {"custom_id": "q-2", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "gpt-x", "prompt": "Say", **body}}
+
+
+def line_of(record, *outputs, prompt_tokens=4, **completion):
+    row = completion_row(parse_record(record), Completion("r", list(outputs), prompt_tokens, TIMINGS,
+                                                          **completion))
+    line = response_line(row, model="m", created=1234, token_text=TEXTS.__getitem__)
+    json.dumps(line, allow_nan=False)  # strict JSON
+    return line
+
+
+def test_a_chat_row_is_a_chat_completion_with_openai_logprobs():
+    line = line_of(chat_record(logprobs=True, top_logprobs=2),
+                   SampleOutput(0, [5, 6, 7], "Hello!", "stop", [-0.5, -0.25, -math.inf],
+                                [{5: -0.5, 9: -1.5}, {6: -0.25, 7: -2.0}, {7: -math.inf, 9: -math.inf}],
+                                stop_reason="\n"))
+    assert line["custom_id"] == "q-1" and line["error"] is None
+    assert line["id"].startswith("batch_req_")
+    response = line["response"]
+    assert response["status_code"] == 200 and response["request_id"].startswith("req_")
+    body = response["body"]
+    assert body["id"].startswith("chatcmpl-")
+    assert {k: body[k] for k in ("object", "created", "model", "usage")} == {
+        "object": "chat.completion", "created": 1234, "model": "m",
+        "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}}
+    [choice] = body["choices"]
+    assert choice["index"] == 0 and choice["message"] == {"role": "assistant", "content": "Hello!"}
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", "\n")
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["Hel", "lo", "!"]
+    assert content[0] == {"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108],
+                          "top_logprobs": [{"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108]},
+                                           {"token": " there", "logprob": -1.5,
+                                            "bytes": list(b" there")}]}
+    # JSON has no -inf: vLLM's stand-in.
+    assert content[2]["logprob"] == -9999.0
+    assert [t["logprob"] for t in content[2]["top_logprobs"]] == [-9999.0, -9999.0]
+
+
+def test_a_prompt_row_is_a_text_completion_with_legacy_logprobs():
+    line = line_of(text_record(logprobs=1, n=2, temperature=1.0),
+                   SampleOutput(0, [5, 6], "Hello", "length", [-0.5, -0.25], [{5: -0.5}, {6: -0.25}]),
+                   SampleOutput(1, [9, 11], " there\ufffd", "stop", [-1.5, -3.0], [{5: -0.5}, {11: -3.0}],
+                                stop_reason=11))
+    body = line["response"]["body"]
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    first, second = body["choices"]
+    assert (first["index"], first["text"], first["finish_reason"], first["stop_reason"]) == (0, "Hello", "length", None)
+    assert first["logprobs"] == {"tokens": ["Hel", "lo"], "token_logprobs": [-0.5, -0.25],
+                                 "top_logprobs": [{"Hel": -0.5}, {"lo": -0.25}], "text_offset": [0, 3]}
+    assert (second["index"], second["stop_reason"]) == (1, 11)  # a stop token id
+    assert second["logprobs"]["text_offset"] == [0, 6]
+
+
+def test_logprobs_without_top_ones_and_no_logprobs():
+    line = line_of(chat_record(logprobs=True), SampleOutput(0, [7], "!", "length", [-0.125]))
+    [entry] = line["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert entry["top_logprobs"] == []
+    line = line_of(text_record(logprobs=0), SampleOutput(0, [7], "!", "length", [-0.125]))
+    assert line["response"]["body"]["choices"][0]["logprobs"]["top_logprobs"] == [{}]
+
+    def untouched(token_id):
+        raise AssertionError("no logprobs: no token text needed")
+
+    row = completion_row(parse_record(chat_record()),
+                         Completion("r", [SampleOutput(0, [7], "!", "length")], 4, TIMINGS))
+    choice = response_line(row, model="m", created=0, token_text=untouched)["response"]["body"]["choices"][0]
+    assert choice["logprobs"] is None
+
+
+def test_failed_records_have_openai_s_http_error_shape():
+    rejected = parse_record(chat_record(temperature="hot"))
+    line = response_line(error_row(rejected), model="m", created=0)
+    assert line["custom_id"] == "q-1" and line["error"] is None
+    assert line["response"]["status_code"] == 400
+    error = line["response"]["body"]["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith("temperature:")
+    assert set(error) == {"message", "type", "param", "code"}
+
+    failed = completion_row(parse_record(chat_record()), Completion.failed("r", "engine crashed"))
+    line = response_line(failed, model="m", created=0)
+    assert line["response"]["status_code"] == 500
+    assert line["response"]["body"]["error"]["type"] == "server_error"
+    assert line["response"]["body"]["error"]["message"] == "engine crashed"
+
+    unparsed = parse_record(b"not json", fallback_id=None)
+    assert response_line(error_row(unparsed), model="m", created=0)["custom_id"] is None
+
+
+def test_a_row_with_prompt_logprobs_is_an_error_line_not_a_line_without_them():
+    line = line_of(text_record(prompt_logprobs=0), SampleOutput(0, [7], "!", "length"),
+                   prompt_logprobs=[None, -1.0, -2.0])
+    assert line["response"]["status_code"] == 400
+    assert line["response"]["body"]["error"]["message"].startswith("prompt_logprobs:")
+
+
+def test_each_line_has_ids_of_its_own():
+    record = chat_record()
+    lines = [line_of(record, SampleOutput(0, [7], "!", "length")) for _ in range(3)]
+    for key in (lambda l: l["id"], lambda l: l["response"]["request_id"],
+                lambda l: l["response"]["body"]["id"]):
+        assert len({key(l) for l in lines}) == 3
+
+
+# ---- token_text ----
+
+def test_token_text_of_a_byte_level_tokenizer(tmp_path):
+    tokenizer = make_tiny_tokenizer(tmp_path)
+    text = token_text(tokenizer)
+    ids = tokenizer.encode(" hello world", add_special_tokens=False)
+    assert "".join(text(i) for i in ids) == " hello world"
+    # A character split across tokens: each piece shows as U+FFFD, as vLLM shows it.
+    pieces = tokenizer.encode("漢", add_special_tokens=False)  # three bytes, no merge
+    assert len(pieces) == 3 and [text(i) for i in pieces] == ["\ufffd"] * 3
+    assert text(tokenizer.eos_token_id) == tokenizer.eos_token
+
+
+def test_token_text_keeps_a_sentencepiece_piece_s_leading_space():
+    vocab = {"<unk>": 0, "\u2581Hello": 1, "\u2581world": 2, "!": 3}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    assert tokenizer.decode([2]) == "world"  # decoding a piece alone drops its space
+    text = token_text(tokenizer)
+    assert [text(i) for i in (1, 2, 3)] == [" Hello", " world", "!"]
+
+
+def test_token_text_without_a_tokenizer_names_the_id():
+    assert token_text(None)(42) == "token_id:42"
