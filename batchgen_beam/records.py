@@ -523,7 +523,7 @@ def record_seed(job_seed: int, record_id: str) -> int:
     records with other ids (the same prompt under n ids, say) draw other samples, while a
     record always draws the same (vLLM's engine seed also gives each request its own stream)."""
     digest = hashlib.blake2b(f"{job_seed}\0{record_id}".encode(), digest_size=8)
-    return int.from_bytes(digest.digest(), "little") >> 1  # below 2**63, as torch's seeds
+    return int.from_bytes(digest.digest(), "little")  # 64 bits: the engine's generators take them all
 
 
 def _sampling_fields(fields: Mapping) -> dict:

@@ -14,6 +14,7 @@ import argparse
 import json
 import time
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
@@ -76,7 +77,7 @@ def main(argv=None) -> dict:
     results = []
     for config in CONFIGS:
         params = SamplingParams(**config)
-        rows = [SampleRow(params, torch.Generator().manual_seed(i)) for i in range(len(logits))]
+        rows = [SampleRow(params, np.random.default_rng(i)) for i in range(len(logits))]
         generator = torch.Generator().manual_seed(0)
         ours = best_seconds(lambda: sample(logits, rows))
         theirs = best_seconds(lambda: transformers_sample(logits, config, generator))

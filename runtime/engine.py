@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from jinja2 import TemplateError
 
@@ -411,8 +412,9 @@ class Engine:
     def _new_sequence(self, request_id: str, index: int, token_ids: list[int],
                       params: SamplingParams, num_prompt_tokens: int | None = None,
                       grammar=None) -> Sequence:
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        generator = torch.Generator().manual_seed((seed + index) % (1 << 63))
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        # Modulo 2**64: distinct int64 seeds draw distinct streams, as do distinct uint64 ones.
+        generator = np.random.default_rng([seed % (1 << 64), index])
         return Sequence(_seq_id(request_id, index), request_id, index, token_ids,
                         num_prompt_tokens if num_prompt_tokens is not None else len(token_ids),
                         params, generator, self.stop_rule, grammar)

@@ -4,6 +4,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 import kernels
@@ -75,8 +76,10 @@ class SamplingParams:
         _check_number("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None:
-            _check_int("seed", self.seed, minimum=0)
+        if self.seed is not None:  # int64's range (OpenAI's and vLLM's) and uint64's
+            _check_int("seed", self.seed, minimum=-(1 << 63))
+            if self.seed >= 1 << 64:
+                raise ValueError(f"seed must be < 2**64, got {self.seed}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         for token_id in self.stop_token_ids:
@@ -192,7 +195,7 @@ class SampledToken:
 class SampleRow:
     """What the sampler needs from one sequence that samples in this step."""
     params: SamplingParams
-    generator: torch.Generator | None = field(default=None)
+    generator: np.random.Generator | None = field(default=None)  # None: a greedy row
     # Its tokens so far, for penalties: the prompt, then what it generated.
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
@@ -288,7 +291,7 @@ def _sample_row(i: int, row: SampleRow, logits: torch.Tensor, greedy_ids: list[i
     return sampled
 
 
-def _sample_one(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
+def _sample_one(logits: torch.Tensor, p: SamplingParams, generator: np.random.Generator) -> int:
     weights, ids = filtered_weights(logits, p)
     return draw(weights, ids, generator)
 
@@ -348,19 +351,20 @@ def _largest_holding(weights: torch.Tensor, total: torch.Tensor, mass: torch.Ten
     return weights.sort(descending=True)
 
 
-def draw(weights: torch.Tensor, ids: torch.Tensor | None, generator: torch.Generator) -> int:
+def draw(weights: torch.Tensor, ids: torch.Tensor | None, generator: np.random.Generator) -> int:
     """One token drawn with probability proportional to its weight (weights >= 0, not all 0).
 
     By inverting the cumulative weights at one uniform draw: torch.multinomial draws a random
     number per token (milliseconds a row). Both in float64: an fp32 uniform takes 2^24 values,
     too coarse for a token of probability 1e-6 among 49,152. The uniform comes from the
-    sequence's generator, on the CPU: a CUDA tensor refuses a CPU generator, and a CPU one keeps
-    the draw (and a migrated sequence's rng_state) alike on every device."""
+    sequence's generator, numpy's PCG64 on the host: it keeps the draw (and a migrated
+    sequence's rng_state) alike on every device, and takes a seed's 64 bits whole, where a torch
+    CPU generator keeps 32 of them (seeds 1 and 2**32 + 1 would draw alike)."""
     cumulative = weights.double().cumsum(-1)
     total = cumulative[-1:]
     if not bool(torch.isfinite(total) & (total > 0)):  # NaN logits, or none a token may take
         raise ValueError(f"no token can be drawn: the weights sum to {total.item()}")
-    point = torch.rand((), dtype=torch.float64, generator=generator).to(weights.device) * total
+    point = total * generator.random()
     # The first token whose cumulative weight passes the point: never one of weight 0.
     index = int(torch.searchsorted(cumulative, point, right=True))
     if index == cumulative.numel():  # the point rounded up to the total: the last token of weight > 0

@@ -15,6 +15,7 @@ from enum import Enum, auto
 from typing import Callable
 
 import llguidance
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
@@ -84,7 +85,7 @@ class StopRule:
 
 class Sequence:
     def __init__(self, seq_id: str, request_id: str, sample_index: int, token_ids: list[int],
-                 num_prompt_tokens: int, params: SamplingParams, generator: torch.Generator,
+                 num_prompt_tokens: int, params: SamplingParams, generator: np.random.Generator,
                  stop_rule: StopRule, grammar: llguidance.LLMatcher | None = None):
         """grammar: its structured output's matcher, where one is at hand (a forked sample's
         copy of sample 0's); else compiled here."""
@@ -290,7 +291,7 @@ class Sequence:
         state = {
             "seq_id": self.seq_id, "request_id": self.request_id, "sample_index": self.sample_index,
             "token_ids": list(self.token_ids), "num_prompt_tokens": self.num_prompt_tokens,
-            "params": self.params, "rng_state": self.generator.get_state(),
+            "params": self.params, "rng_state": self.generator.bit_generator.state,
             "logprobs": list(self.logprobs), "top_logprobs": list(self.top_logprobs),
             "prompt_logprobs": list(self.prompt_logprobs),
             "prompt_top_logprobs": list(self.prompt_top_logprobs),
@@ -303,8 +304,8 @@ class Sequence:
 
     @classmethod
     def from_state(cls, state: dict, stop_rule: StopRule) -> "Sequence":
-        generator = torch.Generator()
-        generator.set_state(state["rng_state"])
+        generator = np.random.Generator(np.random.PCG64())
+        generator.bit_generator.state = state["rng_state"]
         seq = cls(state["seq_id"], state["request_id"], state["sample_index"],
                   list(state["token_ids"]), state["num_prompt_tokens"], state["params"],
                   generator, stop_rule)

@@ -7,6 +7,7 @@ screened greedy and sampled rows, and min_tokens holding back stop strings."""
 import codecs
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -348,7 +349,7 @@ def test_temperatures_below_1e_5_sample_greedily_as_in_vllm():
     for seed in range(20):
         params = SamplingParams(temperature=1e-6, seed=seed)
         assert params.greedy
-        [token] = sample(logits, [SampleRow(params, torch.Generator().manual_seed(seed))])
+        [token] = sample(logits, [SampleRow(params, np.random.default_rng(seed))])
         assert token.token_id == 0
     assert not SamplingParams(temperature=1e-5).greedy
 
@@ -410,7 +411,7 @@ def test_penalties_come_before_temperature_and_top_k():
     rows = [SampleRow(SamplingParams(repetition_penalty=2.0), prompt_ids=[0]),  # 3.0 / 2
             SampleRow(SamplingParams(presence_penalty=0.2), output_ids=[0]),
             SampleRow(SamplingParams(frequency_penalty=1.2, temperature=1.0, top_k=1),
-                      torch.Generator().manual_seed(0), prompt_ids=[1], output_ids=[0, 1, 1]),
+                      np.random.default_rng(0), prompt_ids=[1], output_ids=[0, 1, 1]),
             SampleRow(SamplingParams(repetition_penalty=3.0, logprobs=0), output_ids=[3])]
     tokens = sample(logits, rows)
     assert [t.token_id for t in tokens] == [1, 1, 2, 0]

@@ -140,7 +140,7 @@ BAD_RECORDS = {
     "top_p above 1": (rec(top_p=1.5), "r1", ["top_p: must be in (0, 1]"]),
     "zero top_p": (rec(top_p=0), "r1", ["top_p: must be in (0, 1]"]),
     "negative top_k": (rec(top_k=-2), "r1", ["top_k: must be >= 0"]),
-    "negative seed": (rec(seed=-3), "r1", ["seed: must be >= 0"]),
+    "seed past uint64": (rec(seed=1 << 64), "r1", ["seed: must be < 2**64"]),
     "zero n": (rec(n=0), "r1", ["n: must be >= 1"]),
     "negative logprobs": (rec(logprobs=-1), "r1", ["logprobs: must be >= 0"]),
     "zero repetition_penalty": (rec(repetition_penalty=0), "r1", ["repetition_penalty: must be > 0"]),
@@ -543,7 +543,7 @@ def test_a_jobs_seed_seeds_each_record_by_its_id():
     seeds = {rid: parse_record({"id": rid, "prompt": "Hi"}, defaults).params.seed
              for rid in ("a", "b", "c", "9")}
     assert len(set(seeds.values())) == len(seeds)
-    assert all(0 <= seed < 2 ** 63 for seed in seeds.values())
+    assert all(0 <= seed < 2 ** 64 for seed in seeds.values())
     assert parse_record({"id": "a", "prompt": "Other"}, defaults).params.seed == seeds["a"]
     assert parse_record({"id": "b", "prompt": "Hi"}, {"seed": 10}).params.seed != seeds["b"]
     line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",

@@ -4,6 +4,7 @@ transformers applies them, stop conditions, ignore_eos, and validation of every 
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
@@ -89,12 +90,16 @@ def test_seeded_samples_are_unchanged_by_preemption(tiny, mode):
     assert_idle_and_clean(tight)
 
 
+# int64's range (OpenAI's and vLLM's seeds) and uint64's: ones that would alias modulo 2**63.
+SEEDS = (0, 1, 2, 3, 4, -1, -(1 << 63), (1 << 63) + 1, (1 << 64) - 2)
+
+
 def test_different_seeds_give_different_samples(tiny):
     engine = make_engine(tiny.dir(FAMILY))
     params = dict(max_tokens=20, temperature=1.5, ignore_eos=True)
     results = engine.generate([Request(f"s{seed}", prompt_token_ids=RECORD,
-                                       params=SamplingParams(seed=seed, **params)) for seed in range(5)])
-    assert len({tuple(c.token_ids) for c in results}) == 5
+                                       params=SamplingParams(seed=seed, **params)) for seed in SEEDS])
+    assert len({tuple(c.token_ids) for c in results}) == len(SEEDS)
     again = engine.generate([Request("s3", prompt_token_ids=RECORD, params=SamplingParams(seed=3, **params))])
     assert again[0].token_ids == results[3].token_ids
     # No seed: a fresh random stream each time.
@@ -137,7 +142,7 @@ def sampled_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sampling, "draw", capture)
-        sample(logits[None], [SampleRow(params, torch.Generator().manual_seed(0))])
+        sample(logits[None], [SampleRow(params, np.random.default_rng(0))])
     [probs] = seen
     return probs
 
@@ -180,7 +185,7 @@ def test_min_p_cuts_before_top_p_measures():
 def test_top_p_keeps_the_smallest_set_reaching_p():
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
     counts = torch.zeros(4)
-    generator = torch.Generator().manual_seed(0)
+    generator = np.random.default_rng(0)
     for top_p, allowed in ((0.5, {0}), (0.79, {0, 1}), (0.81, {0, 1, 2}), (1.0, {0, 1, 2, 3})):
         params = SamplingParams(temperature=1.0, top_p=top_p)
         draws = [sample(logits[None], [SampleRow(params, generator)])[0].token_id for _ in range(400)]
@@ -219,7 +224,7 @@ def test_top_p_over_a_large_vocabulary_keeps_the_set_a_full_sort_keeps(temperatu
 
 def test_draws_follow_the_weights_and_never_take_a_token_of_weight_zero():
     weights = torch.tensor([0.0, 1.0, 0.0, 0.5, 0.25, 0.0, 0.25, 0.0], dtype=torch.float64)
-    generator = torch.Generator().manual_seed(7)
+    generator = np.random.default_rng(7)
     draws = torch.tensor([sampling.draw(weights, None, generator) for _ in range(4000)])
     frequencies = torch.bincount(draws, minlength=8).double() / 4000
     assert torch.allclose(frequencies, weights / weights.sum(), atol=0.03)
@@ -233,7 +238,7 @@ def test_draws_follow_the_weights_and_never_take_a_token_of_weight_zero():
 def test_a_temperature_past_fp32s_range_draws_evenly_among_the_tokens_allowed(temperature):
     logits = torch.randn(8, generator=torch.Generator().manual_seed(0))
     logits[[2, 5]] = float("-inf")  # banned, or masked by a grammar
-    row = SampleRow(SamplingParams(temperature=temperature), torch.Generator().manual_seed(1))
+    row = SampleRow(SamplingParams(temperature=temperature), np.random.default_rng(1))
     draws = [sample(logits[None], [row])[0] for _ in range(600)]
     assert all(token.error is None for token in draws)
     counts = torch.bincount(torch.tensor([token.token_id for token in draws]), minlength=8)
@@ -243,22 +248,28 @@ def test_a_temperature_past_fp32s_range_draws_evenly_among_the_tokens_allowed(te
 def test_a_row_with_nothing_to_draw_fails_alone():
     logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
     logits[1] = float("nan")
-    rows = [SampleRow(SamplingParams(temperature=1.0), torch.Generator().manual_seed(i)) for i in range(3)]
+    rows = [SampleRow(SamplingParams(temperature=1.0), np.random.default_rng(i)) for i in range(3)]
     first, broken, last = sample(logits, rows)
     assert broken.token_id == -1 and "no token can be drawn" in broken.error
     assert first.error is None and last.error is None
 
 
-def test_a_draw_that_rounds_up_to_the_total_takes_the_last_token_of_weight_above_zero(monkeypatch):
-    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.tensor(1.0, dtype=torch.float64))
+class _Topmost:
+    """A generator whose uniform draw rounds up to 1 (float64 rounding can take a draw there)."""
+
+    def random(self) -> float:
+        return 1.0
+
+
+def test_a_draw_that_rounds_up_to_the_total_takes_the_last_token_of_weight_above_zero():
     weights = torch.tensor([1.0, 0.3, 0.25, 0.0, 0.0])
-    assert sampling.draw(weights, None, None) == 2
+    assert sampling.draw(weights, None, _Topmost()) == 2
 
 
 def test_sampled_logprobs_are_of_the_unprocessed_distribution():
     logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
     params = SamplingParams(temperature=0.5, top_k=3, seed=0, logprobs=2)
-    rows = [SampleRow(params, torch.Generator().manual_seed(i)) for i in range(2)]
+    rows = [SampleRow(params, np.random.default_rng(i)) for i in range(2)]
     for row, token in enumerate(sample(logits, rows)):
         expected = torch.log_softmax(logits[row], -1)
         assert token.token_id in logits[row].topk(3).indices.tolist()
@@ -369,7 +380,7 @@ INVALID = [
     ("top_p", 0), ("top_p", 1.5), ("top_p", -0.1), ("top_p", math.nan), ("top_p", "all"),
     ("top_k", -2), ("top_k", 2.5), ("top_k", True),
     ("min_p", -0.1), ("min_p", 1.5), ("min_p", math.nan),
-    ("seed", -1), ("seed", 1.5), ("seed", "7"),
+    ("seed", -(1 << 63) - 1), ("seed", 1 << 64), ("seed", 1.5), ("seed", "7"),
     ("n", 0), ("n", -2), ("n", 2.0),
     ("logprobs", -1), ("logprobs", 1.5), ("logprobs", True),
     ("stop", [""]), ("stop", ""), ("stop", [3]), ("stop", ["ok", None]),
