@@ -218,7 +218,7 @@ class EngineService:
                 try:
                     start(item)
                 except ValueError as bad:
-                    self._deliver(Completion.failed(request_id, str(bad)))
+                    self._deliver(Completion.failed(request_id, str(bad), invalid=True))
 
     def reset_prefix_cache(self) -> int:
         with self._engine_lock:

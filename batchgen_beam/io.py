@@ -488,11 +488,11 @@ class _OpenAILines(beam.DoFn):
         line = response_line(row, model=name, created=int(time.time()), token_text=self._text)
         yield json.dumps(line, ensure_ascii=False, allow_nan=False)
 
-    def _text(self, token_id: int) -> str:
+    def _text(self, token_id: int, completion, position: int) -> str:
         if self._token_text is None:
-            from runtime.tokenizer import load_tokenizer, token_text  # transformers: only if needed
-            self._token_text = token_text(load_tokenizer(resolve_model(self._model)))
-        return self._token_text(token_id)
+            from runtime.tokenizer import TokenTexts, load_tokenizer  # transformers: only if needed
+            self._token_text = TokenTexts(load_tokenizer(resolve_model(self._model)))
+        return self._token_text(token_id, completion, position)
 
 
 def absolute_path(path: str) -> str:

@@ -8,31 +8,35 @@ Pure Python: no Beam, no model math. A row becomes one line:
   `/v1/completions` a prompt), so a line's answer has the shape its request asked for.
 - `choices` holds the n samples; each carries vLLM's `stop_reason` (the stop string or stop
   token id that ended it, null for EOS) beside `finish_reason`.
-- Logprobs take each endpoint's shape, with each token's text (`token_text`); a -inf logprob
-  is written as -9999.0, as vLLM writes it, since JSON has no infinity.
+- Logprobs take each endpoint's shape, with each token's text (`token_text(token_id,
+  completion, position)`: runtime.tokenizer.TokenTexts); a -inf logprob is written as
+  -9999.0, as vLLM writes it, since JSON has no infinity. A completion's `top_logprobs` hold
+  the chosen token too, as OpenAI's spec has them; chat's hold the top ones alone.
 - A record that failed has OpenAI's HTTP error shape: status 400 and an
-  `invalid_request_error` when the record did not parse (`chat` is null), 500 and a
-  `server_error` when the engine failed it; the row's message is `body.error.message`.
+  `invalid_request_error` where the record was at fault (`error_type` "record": it did not
+  parse, or the engine refused its prompt or values), 500 and a `server_error` where the
+  engine failed it (a retry may succeed); the row's message is `body.error.message`.
 - Prompt logprobs are not written: vLLM's shape keys them by prompt token ids, which rows do
   not hold. A row holding them becomes a 400 line saying so, never a line without them.
 """
 
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 _MIN_LOGPROB = -9999.0  # vLLM's stand-in for -inf
 
 
 def response_line(row: Mapping, *, model: str, created: int,
-                  token_text: Callable[[int], str] | None = None) -> dict:
-    """The OpenAI Batch output line for one output row. `token_text` gives a token's text; it is
-    called only for rows with logprobs, and a row with logprobs needs it."""
+                  token_text: Callable[[int, Sequence[int], int], str] | None = None) -> dict:
+    """The OpenAI Batch output line for one output row. `token_text` gives the text of a token
+    at a position of a completion's tokens; it is called only for rows with logprobs, and a row
+    with logprobs needs it."""
     if row["error"] is None and row["prompt_logprobs"] is not None:
         return _error_line(row, 400, "invalid_request_error",
                            "prompt_logprobs: not written in OpenAI's output format, whose shape "
                            "keys them by prompt token ids; write rows (jsonl or parquet) instead")
     if row["error"] is not None:
-        if row["chat"] is None:
+        if row["error_type"] == "record":
             return _error_line(row, 400, "invalid_request_error", row["error"])
         return _error_line(row, 500, "server_error", row["error"])
     chat = row["chat"]
@@ -68,17 +72,15 @@ def _chat_choice(index: int, sample: Mapping, token_text) -> dict:
     logprobs = None
     if sample["logprobs"] is not None:
         logprobs = {"content": [
-            {**_chat_token(token, logprob, token_text),
-             "top_logprobs": [_chat_token(top["token_id"], top["logprob"], token_text)
-                              for top in (tops or [])]}
-            for token, logprob, tops in _positions(sample)]}
-    return {"index": index, "message": {"role": "assistant", "content": sample["text"]},
+            {**_chat_token(text(token), logprob),
+             "top_logprobs": [_chat_token(text(top["token_id"]), top["logprob"]) for top in tops]}
+            for text, token, logprob, tops in _positions(sample, token_text)]}
+    return {"index": index, "message": {"role": "assistant", "content": sample["text"], "refusal": None},
             "logprobs": logprobs, "finish_reason": sample["finish_reason"],
             "stop_reason": _stop_reason(sample)}
 
 
-def _chat_token(token_id: int, logprob: float, token_text) -> dict:
-    text = token_text(token_id)
+def _chat_token(text: str, logprob: float) -> dict:
     return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
 
 
@@ -87,24 +89,27 @@ def _text_choice(index: int, sample: Mapping, token_text) -> dict:
     if sample["logprobs"] is not None:
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         offset = 0
-        for token, logprob, tops in _positions(sample):
-            text = token_text(token)
-            tokens.append(text)
+        for text, token, logprob, tops in _positions(sample, token_text):
+            tokens.append(text(token))
             token_logprobs.append(_finite(logprob))
-            top_logprobs.append({token_text(top["token_id"]): _finite(top["logprob"])
-                                 for top in (tops or [])})
+            # The top ones and the chosen one, as OpenAI's spec has it ("up to logprobs + 1").
+            top_logprobs.append({**{text(top["token_id"]): _finite(top["logprob"]) for top in tops},
+                                 tokens[-1]: token_logprobs[-1]})
             offsets.append(offset)
-            offset += len(text)
+            offset += len(tokens[-1])
         logprobs = {"tokens": tokens, "token_logprobs": token_logprobs,
                     "top_logprobs": top_logprobs, "text_offset": offsets}
     return {"index": index, "text": sample["text"], "logprobs": logprobs,
             "finish_reason": sample["finish_reason"], "stop_reason": _stop_reason(sample)}
 
 
-def _positions(sample: Mapping):
-    """Per generated token: its id, its logprob and the top logprobs there (None: not asked)."""
-    tops = sample["top_logprobs"] or [None] * len(sample["token_ids"])
-    return zip(sample["token_ids"], sample["logprobs"], tops, strict=True)
+def _positions(sample: Mapping, token_text):
+    """Per generated token: the texts of tokens at its position (`token_text` in the
+    completion's context), its id, its logprob and the top logprobs there."""
+    ids = sample["token_ids"]
+    tops = sample["top_logprobs"] or [None] * len(ids)
+    for position, (token, logprob, top) in enumerate(zip(ids, sample["logprobs"], tops, strict=True)):
+        yield (lambda token_id, at=position: token_text(token_id, ids, at)), token, logprob, top or []
 
 
 def _finite(logprob: float) -> float:

@@ -708,7 +708,7 @@ def completion_row(parsed: Parsed, completion: Completion) -> dict:
         return _row(parsed.id, parsed.passthrough, chat=parsed.messages is not None,
                     prompt_tokens=completion.prompt_tokens,
                     error=completion.error or "the engine failed without a message",
-                    timings=completion.timings)
+                    error_type="record" if completion.invalid else "engine", timings=completion.timings)
     first = completion.outputs[0]
     samples = None
     if parsed.params.n > 1:
@@ -752,24 +752,26 @@ def error_row(rejected_or_id: Rejected | str | None, message: str | None = None,
     if isinstance(rejected_or_id, Rejected):
         rejected = rejected_or_id
         return _row(rejected.id, rejected.passthrough if passthrough is None else passthrough,
-                    error=message or rejected.error)
+                    error=message or rejected.error, error_type="record")
     if message is None:
         raise TypeError("error_row: a message is required unless a Rejected is given")
-    return _row(rejected_or_id, passthrough, error=message)
+    return _row(rejected_or_id, passthrough, error=message, error_type="record")
 
 
 def _row(id: str | None, passthrough: Mapping | None, *, chat: bool | None = None,
          text: str | None = None,
          token_ids: Sequence[int] = (), finish_reason: str = "error",
          stop_reason: int | str | None = None, prompt_tokens: int = 0,
-         completion_tokens: int = 0, error: str | None = None, samples: list[dict] | None = None,
+         completion_tokens: int = 0, error: str | None = None, error_type: str | None = None,
+         samples: list[dict] | None = None,
          logprobs: list[float] | None = None, top_logprobs: list[list[dict]] | None = None,
          prompt_logprobs: list[float | None] | None = None,
          prompt_top_logprobs: list[list[dict] | None] | None = None,
          timings: Timings | None = None) -> dict:
     return {"id": id, "text": text, "token_ids": list(token_ids), "finish_reason": finish_reason,
             **_stop_columns(stop_reason), "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "error": error, "samples": samples, "logprobs": logprobs, "top_logprobs": top_logprobs,
+            "error": error, "error_type": error_type, "samples": samples, "logprobs": logprobs,
+            "top_logprobs": top_logprobs,
             "prompt_logprobs": _list_or_none(prompt_logprobs), "prompt_top_logprobs": prompt_top_logprobs,
             **_durations(timings), "chat": chat, "passthrough": dict(passthrough or {})}
 
@@ -803,6 +805,8 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("prompt_tokens", pa.int64(), nullable=False),
     pa.field("completion_tokens", pa.int64(), nullable=False),
     pa.field("error", pa.string()),
+    # "record": the record's own doing, which running it again cannot mend; "engine": the engine failed it
+    pa.field("error_type", pa.string()),
     pa.field("samples", pa.list_(_SAMPLE)),
     pa.field("logprobs", pa.list_(pa.float64())),
     pa.field("top_logprobs", _TOP_LOGPROBS),

@@ -311,7 +311,7 @@ class Engine:
             error = f"prompt: could not be tokenized ({type(exc).__name__}: {exc})"
         if error is not None:
             self._reserve_id(request.id)
-            self._complete(Completion.failed(request.id, error, timings))
+            self._complete(Completion.failed(request.id, error, timings, invalid=True))
             return
         state = _RequestState(request.id, len(prompt_ids), request.params.n, timings)
         state.seqs.append(self._new_sequence(request.id, 0, prompt_ids, request.params))

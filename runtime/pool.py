@@ -223,7 +223,7 @@ class EnginePool:
                 if waiter is not None:
                     self._waiters[request.id] = waiter
             for request_id, error in unsendable.items():
-                self._complete(None, Completion.failed(request_id, error))
+                self._complete(None, Completion.failed(request_id, error, invalid=True))
             if self.split == "shared":
                 self._queue.extend(r for r in requests if r.id not in unsendable)
                 self._dispatch()

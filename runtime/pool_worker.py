@@ -104,7 +104,7 @@ class _Worker:
         try:
             self.engine.submit(request)
         except (ValueError, TypeError) as bad:  # the pool answers it, like a bad prompt
-            self.outbox.put(("update", self.index, [Completion.failed(request.id, str(bad))], self.report()))
+            self.outbox.put(("update", self.index, [Completion.failed(request.id, str(bad), invalid=True)], self.report()))
 
 
 def run(index: int, model, engine_args: dict, threads: int, inboxes: list, outbox,

@@ -64,6 +64,9 @@ class Completion:
     prompt_tokens: int
     timings: Timings
     error: str | None = None
+    # The error is the request's own doing (a prompt too long, values the engine cannot take):
+    # running it again cannot help. Else the engine failed it.
+    invalid: bool = False
     # With prompt_logprobs: each prompt token's logprob (None for the first, which has no
     # context), and with prompt_logprobs=k > 0 the top k at each position (None first too).
     prompt_logprobs: list[float | None] | None = None
@@ -71,10 +74,10 @@ class Completion:
 
     @classmethod
     def failed(cls, request_id: str, error: str, timings: Timings | None = None,
-               prompt_tokens: int = 0) -> "Completion":
+               prompt_tokens: int = 0, *, invalid: bool = False) -> "Completion":
         """A request that ends in an error: one empty output whose finish_reason is "error"."""
         return cls(request_id, [SampleOutput(0, [], "", "error")], prompt_tokens,
-                   timings or Timings(submitted=time.perf_counter()), error=error)
+                   timings or Timings(submitted=time.perf_counter()), error=error, invalid=invalid)
 
     @property
     def completion_tokens(self) -> int:

@@ -1,6 +1,7 @@
 """The model directory's tokenizer, if it has one (tiny test models may not)."""
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable
 
@@ -34,25 +35,58 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
     return tokenizer
 
 
-def token_text(tokenizer: PreTrainedTokenizerBase | None) -> Callable[[int], str]:
-    """A token's own text, as OpenAI's logprobs show it, vLLM's rule: the token decoded alone
-    (part of a character split across tokens shows as U+FFFD), special tokens included, and the
-    leading space that a SentencePiece piece's "▁" stands for, which decoding it alone drops.
+class TokenTexts:
+    """Tokens' texts as OpenAI's logprobs show them, by vLLM's rules: `texts(token_id,
+    completion, position)` is the text of `token_id` at `position` of the completion's tokens
+    (the one there, or an alternative to it).
+    - A token is decoded alone, special tokens included, with the leading spaces that its
+      SentencePiece piece's "▁" markers stand for, which decoding a piece alone drops.
+    - A token that ends inside a character (alone it decodes to U+FFFD) is decoded after the
+      completion's tokens before it: if it completes the character, its text is all of the
+      character that the tokens before it, each shown as "", left unfinished; if it does not,
+      its text is "". So the texts of a completion's tokens join into its text.
     Without a tokenizer: "token_id:<id>", vLLM's name for a token it does not decode."""
-    texts: dict[int, str] = {}
 
-    def text(token_id: int) -> str:
-        if token_id not in texts:
-            if tokenizer is None:
-                texts[token_id] = f"token_id:{token_id}"
-            else:
-                decoded = tokenizer.decode([token_id])
-                piece = tokenizer.convert_ids_to_tokens(token_id)
-                spaced = isinstance(piece, str) and piece.startswith("▁") and not decoded.startswith(" ")
-                texts[token_id] = " " + decoded if spaced else decoded
-        return texts[token_id]
+    CONTEXT = 4  # tokens before one that may hold the start of the character it completes
 
-    return text
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None):
+        self._tokenizer = tokenizer
+        self._alone: dict[int, str] = {}
+
+    def __call__(self, token_id: int, completion: Sequence[int] = (), position: int = 0) -> str:
+        if self._tokenizer is None:
+            return f"token_id:{token_id}"
+        text = self.alone(token_id)
+        if not text.endswith("\ufffd"):
+            return text
+        before = list(completion[max(0, position - self.CONTEXT):position])
+        for start in range(len(before) - 1, -1, -1):  # the nearest context that completes it
+            joined = self._decode(before[start:] + [token_id])
+            if joined.endswith("\ufffd"):
+                continue
+            finished = len(before)  # the tokens before it that a character left unfinished
+            while finished > start and self.alone(before[finished - 1]).endswith("\ufffd"):
+                finished -= 1
+            shown = self._decode(before[start:finished])
+            return joined[_common_prefix(shown, joined):]
+        return ""
+
+    def alone(self, token_id: int) -> str:
+        if token_id not in self._alone:
+            text = self._decode([token_id])
+            piece = self._tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str):
+                markers = len(piece) - len(piece.lstrip("▁"))
+                text = " " * (markers - (len(text) - len(text.lstrip(" ")))) + text
+            self._alone[token_id] = text
+        return self._alone[token_id]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids) if token_ids else ""
+
+
+def _common_prefix(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 _TEMPLATE_PARSER = ImmutableSandboxedEnvironment(extensions=[loopcontrols])

@@ -218,6 +218,7 @@ def test_bad_record_becomes_an_error_row(kind, rows_by_key):
     assert fragment in row["error"]
     assert (row["finish_reason"], row["text"], row["token_ids"], row["completion_tokens"]) == \
         ("error", None, [], 0)
+    assert row["error_type"] == "record"  # each its own doing, whether parsing or the engine saw it
 
 
 def test_bad_records_do_not_stop_good_ones(in_memory, good):
@@ -484,6 +485,7 @@ def test_an_engine_whose_loop_fails_fails_its_requests_in_flight_and_is_replaced
     assert sorted(failed) == [f"doomed-{i}" for i in range(3)]
     assert all(c.finish_reason == "error" and "the engine failed while this request was in flight "
                "(IndexError: index out of range in self)" in c.error for c in failed.values())
+    assert not any(c.invalid for c in failed.values())  # the engine's failure, not theirs
     assert service.info()["engine_failures"] == 1 and failed_engine_alive == [False]
 
     service.submit("client", engine_requests(prompts, "after-"))
@@ -615,6 +617,7 @@ def test_requests_in_flight_through_repeated_engine_deaths_end_as_errors(monkeyp
     for completion in done.values():
         assert completion.finish_reason == "error" and completion.error.startswith(
             f"the engine process died {MAX_ENGINE_DEATHS} times while this request was in it")
+        assert not completion.invalid
     client.submit([Request("later", prompt="Hi")])
     assert client.wait_all(["later"])["later"].error is None
 

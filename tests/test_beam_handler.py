@@ -177,7 +177,7 @@ def check_records(results, prompts, bare_engine):
     assert rows["r-openai"]["error"] is None
     for record_id, fragment in BAD.items():
         assert fragment in rows[record_id]["error"], record_id
-        assert rows[record_id]["finish_reason"] == "error"
+        assert (rows[record_id]["finish_reason"], rows[record_id]["error_type"]) == ("error", "record")
     assert sum(row["error"] is not None for row in rows.values()) == len(BAD)
 
 

@@ -1,5 +1,5 @@
 """Output rows as OpenAI Batch API output lines (batchgen_beam/openai_batch.py) and the token
-texts their logprobs show (runtime.tokenizer.token_text)."""
+texts their logprobs show (runtime.tokenizer.TokenTexts)."""
 
 import json
 import math
@@ -11,11 +11,16 @@ from transformers import PreTrainedTokenizerFast
 from batchgen_beam.openai_batch import response_line
 from batchgen_beam.records import completion_row, error_row, parse_record
 from runtime.request import Completion, SampleOutput, Timings
-from runtime.tokenizer import token_text
+from runtime.tokenizer import TokenTexts
 from tiny_models import make_tiny_tokenizer
 
 TIMINGS = Timings(submitted=1.0, first_scheduled=1.5, first_token=2.0, finished=3.0)
 TEXTS = {5: "Hel", 6: "lo", 7: "!", 9: " there", 11: "\ufffd"}
+
+
+def texts(token_id, completion, position):
+    assert 0 <= position < len(completion)
+    return TEXTS[token_id]
 
 
 def chat_record(**body):
@@ -31,7 +36,7 @@ def text_record(**body):
 def line_of(record, *outputs, prompt_tokens=4, **completion):
     row = completion_row(parse_record(record), Completion("r", list(outputs), prompt_tokens, TIMINGS,
                                                           **completion))
-    line = response_line(row, model="m", created=1234, token_text=TEXTS.__getitem__)
+    line = response_line(row, model="m", created=1234, token_text=texts)
     json.dumps(line, allow_nan=False)  # strict JSON
     return line
 
@@ -51,7 +56,8 @@ def test_a_chat_row_is_a_chat_completion_with_openai_logprobs():
         "object": "chat.completion", "created": 1234, "model": "m",
         "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}}
     [choice] = body["choices"]
-    assert choice["index"] == 0 and choice["message"] == {"role": "assistant", "content": "Hello!"}
+    assert choice["index"] == 0
+    assert choice["message"] == {"role": "assistant", "content": "Hello!", "refusal": None}
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", "\n")
     content = choice["logprobs"]["content"]
     assert [c["token"] for c in content] == ["Hel", "lo", "!"]
@@ -66,7 +72,7 @@ def test_a_chat_row_is_a_chat_completion_with_openai_logprobs():
 
 def test_a_prompt_row_is_a_text_completion_with_legacy_logprobs():
     line = line_of(text_record(logprobs=1, n=2, temperature=1.0),
-                   SampleOutput(0, [5, 6], "Hello", "length", [-0.5, -0.25], [{5: -0.5}, {6: -0.25}]),
+                   SampleOutput(0, [5, 6], "Hello", "length", [-0.5, -0.25], [{5: -0.5}, {7: -0.125}]),
                    SampleOutput(1, [9, 11], " there\ufffd", "stop", [-1.5, -3.0], [{5: -0.5}, {11: -3.0}],
                                 stop_reason=11))
     body = line["response"]["body"]
@@ -75,7 +81,9 @@ def test_a_prompt_row_is_a_text_completion_with_legacy_logprobs():
     first, second = body["choices"]
     assert (first["index"], first["text"], first["finish_reason"], first["stop_reason"]) == (0, "Hello", "length", None)
     assert first["logprobs"] == {"tokens": ["Hel", "lo"], "token_logprobs": [-0.5, -0.25],
-                                 "top_logprobs": [{"Hel": -0.5}, {"lo": -0.25}], "text_offset": [0, 3]}
+                                 # the top one, and the chosen one where it is not
+                                 "top_logprobs": [{"Hel": -0.5}, {"!": -0.125, "lo": -0.25}],
+                                 "text_offset": [0, 3]}
     assert (second["index"], second["stop_reason"]) == (1, 11)  # a stop token id
     assert second["logprobs"]["text_offset"] == [0, 6]
 
@@ -85,7 +93,7 @@ def test_logprobs_without_top_ones_and_no_logprobs():
     [entry] = line["response"]["body"]["choices"][0]["logprobs"]["content"]
     assert entry["top_logprobs"] == []
     line = line_of(text_record(logprobs=0), SampleOutput(0, [7], "!", "length", [-0.125]))
-    assert line["response"]["body"]["choices"][0]["logprobs"]["top_logprobs"] == [{}]
+    assert line["response"]["body"]["choices"][0]["logprobs"]["top_logprobs"] == [{"!": -0.125}]
 
     def untouched(token_id):
         raise AssertionError("no logprobs: no token text needed")
@@ -104,6 +112,12 @@ def test_failed_records_have_openai_s_http_error_shape():
     error = line["response"]["body"]["error"]
     assert error["type"] == "invalid_request_error" and error["message"].startswith("temperature:")
     assert set(error) == {"message", "type", "param", "code"}
+
+    refused = completion_row(parse_record(chat_record()),
+                             Completion.failed("r", "prompt has 9 tokens; the context holds 8", invalid=True))
+    line = response_line(refused, model="m", created=0)
+    assert line["response"]["status_code"] == 400
+    assert line["response"]["body"]["error"]["type"] == "invalid_request_error"
 
     failed = completion_row(parse_record(chat_record()), Completion.failed("r", "engine crashed"))
     line = response_line(failed, model="m", created=0)
@@ -130,29 +144,47 @@ def test_each_line_has_ids_of_its_own():
         assert len({key(l) for l in lines}) == 3
 
 
-# ---- token_text ----
+# ---- TokenTexts ----
 
-def test_token_text_of_a_byte_level_tokenizer(tmp_path):
+def test_token_texts_of_a_byte_level_tokenizer(tmp_path):
     tokenizer = make_tiny_tokenizer(tmp_path)
-    text = token_text(tokenizer)
+    texts = TokenTexts(tokenizer)
     ids = tokenizer.encode(" hello world", add_special_tokens=False)
-    assert "".join(text(i) for i in ids) == " hello world"
-    # A character split across tokens: each piece shows as U+FFFD, as vLLM shows it.
-    pieces = tokenizer.encode("漢", add_special_tokens=False)  # three bytes, no merge
-    assert len(pieces) == 3 and [text(i) for i in pieces] == ["\ufffd"] * 3
-    assert text(tokenizer.eos_token_id) == tokenizer.eos_token
+    assert [texts(i, ids, at) for at, i in enumerate(ids)] == [tokenizer.decode([i]) for i in ids]
+    assert "".join(texts(i, ids, at) for at, i in enumerate(ids)) == " hello world"
+    assert texts(tokenizer.eos_token_id) == tokenizer.eos_token
 
 
-def test_token_text_keeps_a_sentencepiece_piece_s_leading_space():
-    vocab = {"<unk>": 0, "\u2581Hello": 1, "\u2581world": 2, "!": 3}
+def test_a_character_split_across_tokens_shows_whole_on_the_token_that_completes_it(tmp_path):
+    """vLLM's rule: the pieces before show as "", so the tokens' texts join into the text."""
+    tokenizer = make_tiny_tokenizer(tmp_path)
+    texts = TokenTexts(tokenizer)
+    ids = tokenizer.encode("a漢b😀", add_special_tokens=False)
+    shown = [texts(i, ids, at) for at, i in enumerate(ids)]
+    assert "".join(shown) == "a漢b😀"
+    assert shown.count("") == 2 + 3 and "漢" in shown and "😀" in shown  # 3 + 4 bytes, a token each
+    # An alternative at a position is read in the same context: here, another last byte.
+    last = shown.index("漢")
+    other = tokenizer.encode("漣", add_special_tokens=False)  # 漢 and 漣 share their first two bytes
+    assert texts(other[-1], ids, last) == "漣"
+    # A piece that nothing before it helps complete: "", like one that leaves it unfinished.
+    assert texts(ids[last], [], 0) == "" and texts(ids[last - 1], ids, last - 1) == ""
+
+
+def sentencepiece_tokenizer():
+    vocab = {"<unk>": 0, "\u2581Hello": 1, "\u2581world": 2, "!": 3, "\u2581\u2581\u2581\u2581": 4}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Metaspace()
     backend.decoder = decoders.Metaspace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+
+
+def test_token_texts_keep_a_sentencepiece_piece_s_leading_spaces():
+    tokenizer = sentencepiece_tokenizer()
     assert tokenizer.decode([2]) == "world"  # decoding a piece alone drops its space
-    text = token_text(tokenizer)
-    assert [text(i) for i in (1, 2, 3)] == [" Hello", " world", "!"]
+    texts = TokenTexts(tokenizer)
+    assert [texts(i) for i in (1, 2, 3, 4)] == [" Hello", " world", "!", "    "]
 
 
-def test_token_text_without_a_tokenizer_names_the_id():
-    assert token_text(None)(42) == "token_id:42"
+def test_token_texts_without_a_tokenizer_name_the_id():
+    assert TokenTexts(None)(42) == "token_id:42"

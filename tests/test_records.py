@@ -24,7 +24,7 @@ from runtime.request import Completion, Request, SampleOutput, Timings
 from runtime.sampling import SamplingParams
 
 ROW_KEYS = ["id", "text", "token_ids", "finish_reason", "stop_reason", "stop_token_id",
-            "prompt_tokens", "completion_tokens", "error", "samples", "logprobs", "top_logprobs",
+            "prompt_tokens", "completion_tokens", "error", "error_type", "samples", "logprobs", "top_logprobs",
             "prompt_logprobs", "prompt_top_logprobs", "queue_s", "first_token_s", "total_s", "chat",
             "passthrough"]
 
@@ -756,7 +756,7 @@ def test_completion_row_n1():
     row = completion_row(parsed, completion)
     assert list(row) == ROW_KEYS
     assert row == {"id": "r1", "text": "abc", "token_ids": [5, 6, 7], "finish_reason": "stop",
-                   "stop_reason": None, "stop_token_id": None, "prompt_tokens": 4, "completion_tokens": 3, "error": None, "samples": None,
+                   "stop_reason": None, "stop_token_id": None, "prompt_tokens": 4, "completion_tokens": 3, "error": None, "error_type": None, "samples": None,
                    "logprobs": [-0.5, -1.25, -0.0], "top_logprobs": None, "prompt_logprobs": None,
                    "prompt_top_logprobs": None, "queue_s": 0.25,
                    "first_token_s": 0.75, "total_s": 3.5, "chat": False, "passthrough": {"meta": {"k": [1]}}}
@@ -814,7 +814,7 @@ def test_engine_error_completion_becomes_an_error_row():
     row = completion_row(parsed, completion)
     assert row == {"id": "r1", "text": None, "token_ids": [], "finish_reason": "error",
                    "stop_reason": None, "stop_token_id": None, "prompt_tokens": 0, "completion_tokens": 0,
-                   "error": "prompt too long: 9000 tokens", "samples": None, "logprobs": None,
+                   "error": "prompt too long: 9000 tokens", "error_type": "engine", "samples": None, "logprobs": None,
                    "top_logprobs": None, "prompt_logprobs": None, "prompt_top_logprobs": None,
                    "queue_s": None, "first_token_s": None, "total_s": 0.5, "chat": False,
                    "passthrough": {"src": "x"}}
@@ -830,6 +830,7 @@ def test_error_row_from_an_id_or_a_rejected():
     assert error_row(rejected, "replaced", {})["error"] == "replaced"
     assert error_row(rejected, "replaced", {})["passthrough"] == {}
     assert row["chat"] is None and error_row(rejected)["chat"] is None  # did not parse
+    assert row["error_type"] == error_row(rejected)["error_type"] == "record"
     with pytest.raises(TypeError):
         error_row("r9")
 
@@ -845,6 +846,10 @@ def test_a_row_says_whether_its_record_was_a_chat():
     assert completion_row(text, done)["chat"] is False
     failed = Completion.failed("r1", "engine crashed")
     assert completion_row(chat, failed)["chat"] is True  # an engine error: the record parsed
+    assert completion_row(chat, failed)["error_type"] == "engine"
+    refused = Completion.failed("r1", "prompt has 9000 tokens; the context holds 8192", invalid=True)
+    assert completion_row(chat, refused)["error_type"] == "record"
+    assert completion_row(chat, done)["error_type"] is None
 
 
 def sample_rows():
