@@ -139,6 +139,10 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
         return config
     text = config.text_config
     text.tie_word_embeddings = config.tie_word_embeddings  # transformers ties by the whole model's
+    if getattr(config, "eos_token_id", None) is not None:  # generate stops at the whole model's ids first
+        text.eos_token_id = config.eos_token_id
+    if config.model_type == "gemma3":  # Gemma3ForConditionalGeneration does not cap its logits
+        text.final_logit_softcapping = None
     return text
 
 

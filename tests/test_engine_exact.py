@@ -73,7 +73,10 @@ def test_an_image_text_model_runs_its_language_model_on_text(tmp_path, kind):
     from tiny_models import hf_greedy
 
     torch.manual_seed(0)
-    oracle = transformers.AutoModelForImageTextToText.from_config(image_text_config(kind)).eval()
+    config = image_text_config(kind)
+    if kind == "gemma3":  # read by the text-only Gemma3ForCausalLM; the image-text model caps nothing
+        config.text_config.final_logit_softcapping = 3.0
+    oracle = transformers.AutoModelForImageTextToText.from_config(config).eval()
     with torch.no_grad():
         for name, param in oracle.named_parameters():
             if "norm" in name:
@@ -83,6 +86,24 @@ def test_an_image_text_model_runs_its_language_model_on_text(tmp_path, kind):
     for prompt, ours in zip(PROMPTS, engine.generate(greedy_requests(PROMPTS, MAX_TOKENS))):
         tokens, logprobs = hf_greedy(oracle, prompt, MAX_TOKENS)
         assert_matches(ours, tokens, logprobs, max_tokens=MAX_TOKENS)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "mistral3"])
+def test_an_image_text_model_stops_at_the_whole_model_s_eos_ids(tmp_path, kind):
+    """gemma-3-*-it's config.json names its eos ids ([1, 106]) at the top level, not in its
+    text_config: transformers' generate stops at those first, with no generation_config.json."""
+    import json
+
+    import transformers
+
+    transformers.AutoModelForImageTextToText.from_config(image_text_config(kind)).save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").unlink(missing_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["eos_token_id"] = [2, 7]
+    config["text_config"].pop("eos_token_id", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    expected = transformers.GenerationConfig.from_model_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    assert set(make_engine(tmp_path).stop_rule.eos_token_ids) == set(expected.eos_token_id) == {2, 7}
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
