@@ -28,7 +28,8 @@ from runtime.sampling import SampleRow, SamplingParams, sample
 from runtime.tokenizer import load_tokenizer
 
 CONFIGS = [dict(temperature=0.7), dict(temperature=0.7, top_p=0.9), dict(temperature=0.7, top_k=50),
-           dict(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05), dict(temperature=1.0, top_p=0.95)]
+           dict(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05), dict(temperature=1.0, top_p=0.95),
+           dict(temperature=0.1), dict(temperature=0.1, top_p=0.9)]
 REPEATS = 5
 
 

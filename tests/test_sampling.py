@@ -405,3 +405,17 @@ def test_valid_edge_values_are_accepted_and_normalised():
     assert params.greedy
     assert not SamplingParams(temperature=1e-3).greedy
     hash(SamplingParams(stop=["a", "b"]))  # lists normalised: hashable
+
+
+@pytest.mark.parametrize("temperature", [0.05, 0.1, 0.7])
+def test_weights_far_below_the_top_are_zero_and_the_rest_exact(temperature):
+    """A low temperature puts most of the vocabulary below exp's fp32 range (torch's exp is slow
+    there: those weights are 0 without it); a token a grammar masks (-inf) weighs 0 too."""
+    logits = torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 4
+    logits[::7] = float("-inf")
+    weights, ids = sampling.filtered_weights(logits.clone(), SamplingParams(temperature=temperature))
+    assert ids is None and torch.isfinite(weights).all()
+    expected = ((logits - logits.max()).double() / temperature).exp()
+    assert (weights[::7] == 0).all()
+    assert torch.allclose(weights.double(), expected, rtol=1e-5, atol=1e-37)
+    assert (weights[expected < 1e-38] == 0).all()
