@@ -196,18 +196,19 @@ class EngineService:
     def submit(self, client_id: str, requests: list[Request]) -> None:
         # self.engine is read at each call: a failed engine may have been replaced meanwhile.
         self._start(client_id, requests, lambda request: request.id,
-                    lambda request: self.engine.submit(request))
+                    lambda request: self.engine.submit(request), refusal_is_the_requests=True)
 
     def resume(self, client_id: str, states: list[dict]) -> None:
         """Continue requests another engine (or an earlier attempt) migrated out, from their
         tokens: their KV is recomputed in one prefill."""
         self._start(client_id, states, lambda state: state["request_id"],
-                    lambda state: self.engine.migrate_in(state))
+                    lambda state: self.engine.migrate_in(state), refusal_is_the_requests=False)
 
-    def _start(self, client_id: str, items: list, id_of, start) -> None:
+    def _start(self, client_id: str, items: list, id_of, start, refusal_is_the_requests: bool) -> None:
         """Start the items no client has in flight, each id once; one the engine refuses (a
         ValueError: stop strings without a tokenizer, a state it could never finish) completes
-        as an error."""
+        as an error: a request's own (values it cannot honour), a state's the engine's (one
+        that an engine of the same configuration moved out should fit)."""
         with self._engine_lock:
             fresh = self._claim(client_id, [id_of(item) for item in items])
             for item in items:
@@ -218,7 +219,7 @@ class EngineService:
                 try:
                     start(item)
                 except ValueError as bad:
-                    self._deliver(Completion.failed(request_id, str(bad), invalid=True))
+                    self._deliver(Completion.failed(request_id, str(bad), invalid=refusal_is_the_requests))
 
     def reset_prefix_cache(self) -> int:
         with self._engine_lock:

@@ -31,7 +31,7 @@ from runtime.sampling import SampledToken, SampleRow, SamplingParams, sample
 from runtime.scheduler import Scheduler
 from runtime.sequence import Event, Sequence, Status, StopRule
 from runtime.step_lock import StepLock
-from runtime.structured import Grammars, allowed_tokens
+from runtime.structured import Grammars, UnfollowableGrammar, allowed_tokens
 from runtime.tokenizer import load_tokenizer, takes_content_parts
 from runtime.weight_stream import WeightStreamer
 
@@ -519,7 +519,8 @@ class Engine:
                     self._finish_sequence(seq)
             except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the rest
                 log.exception("request %r failed after token %d", seq.request_id, seq.num_generated)
-                self._fail_request(seq.request_id, f"{type(exc).__name__}: {exc}")
+                self._fail_request(seq.request_id, f"{type(exc).__name__}: {exc}",
+                                   invalid=isinstance(exc, UnfollowableGrammar))
 
     @torch.inference_mode()
     def _sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
@@ -528,16 +529,21 @@ class Engine:
         plain = [s.params.argmax_only for s in seqs]
         if all(plain):  # the common case: no rows to pick apart
             return self._greedy(hidden)
-        tokens = [None] * len(seqs)
-        for wanted in (True, False):
-            rows = [row for row, is_plain in enumerate(plain) if is_plain == wanted]
-            if not rows:
-                continue
-            part = hidden[torch.tensor(rows, device=hidden.device)]
-            got = self._greedy(part) if wanted else sample(
-                self.model.compute_logits(part), [self._sample_row_for(seqs[row]) for row in rows])
-            for row, token in zip(rows, got):
-                tokens[row] = token
+        tokens: list[SampledToken | None] = [None] * len(seqs)
+        sample_rows = {}
+        for row, seq in enumerate(seqs):
+            if not plain[row]:
+                try:
+                    sample_rows[row] = self._sample_row_for(seq)
+                except Exception as exc:  # noqa: BLE001 - the engine fails this row's request alone
+                    tokens[row] = SampledToken(-1, error=f"{type(exc).__name__}: {exc}")
+        greedy = [row for row, is_plain in enumerate(plain) if is_plain]
+        for rows, pick in ((greedy, self._greedy),
+                           (list(sample_rows), lambda part: sample(self.model.compute_logits(part),
+                                                                  list(sample_rows.values())))):
+            if rows:
+                for row, token in zip(rows, pick(hidden[torch.tensor(rows, device=hidden.device)])):
+                    tokens[row] = token
         return tokens
 
     def _sample_row_for(self, seq: Sequence) -> SampleRow:
@@ -560,15 +566,16 @@ class Engine:
             self.stats.screen_misses += misses
         return [SampledToken(token) for token in ids.tolist()]
 
-    def _fail_request(self, request_id: str, error: str) -> None:
-        """End a request whose own values broke a step: its sequences leave the scheduler (their
-        KV freed) and it completes as an error; the batch it was in carries on."""
+    def _fail_request(self, request_id: str, error: str, invalid: bool = False) -> None:
+        """End a request that broke a step (`invalid`: by its own values): its sequences leave
+        the scheduler (their KV freed) and it completes as an error; the batch carries on."""
         state = self._requests[request_id]
         for seq in state.seqs:
             self.scheduler.remove(seq)
         self.stats.failed_requests += 1
         state.timings.finished = time.perf_counter()
-        self._complete(Completion.failed(request_id, error, state.timings, state.prompt_tokens))
+        self._complete(Completion.failed(request_id, error, state.timings, state.prompt_tokens,
+                                         invalid=invalid))
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         bs = self.kv.block_size

@@ -82,8 +82,10 @@ class SamplingParams:
                 raise ValueError(f"seed must be < 2**64, got {self.seed}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        for token_id in self.stop_token_ids:
+        for token_id in self.stop_token_ids:  # ids past the vocabulary never come: ignored
             _check_int("stop_token_ids", token_id, minimum=0)
+            if token_id >= 1 << 63:  # nor held as a token id (int64) is
+                raise ValueError(f"stop_token_ids must be < 2**63, got {token_id}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -304,8 +306,14 @@ def filtered_weights(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Ten
 
     Shifted so the largest logit is 0, the largest weight is 1: no temperature that samples
     (>= SAMPLING_EPS) overflows fp32, and a weight too small for it is one no draw would take.
-    A temperature past fp32's range divides as its largest value (-inf / inf would be NaN)."""
-    scaled = logits.float() - logits.max()
+    A temperature past fp32's range divides as its largest value (-inf / inf would be NaN). A
+    penalty past fp32's range (repetition_penalty 1e-44) may push logits to +inf: those tokens
+    alone are drawn, alike, as greedy would take the first (inf - inf would be NaN)."""
+    top = logits.max()
+    if top == math.inf:
+        scaled = torch.zeros_like(logits, dtype=torch.float32).masked_fill_(logits != top, float("-inf"))
+    else:
+        scaled = logits.float() - top
     scaled.div_(min(p.temperature, _FP32_MAX))
     if p.min_p > 0:  # a token's probability over the top one's is exp(its scaled logit)
         scaled.masked_fill_(scaled < math.log(p.min_p), float("-inf"))

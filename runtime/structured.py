@@ -103,13 +103,18 @@ class Grammars:
         return matcher
 
 
+class UnfollowableGrammar(ValueError):
+    """The grammar allowed no token that goes on (a regex whose language is empty, one too large
+    for llguidance's lexer): the request's own doing, as the engine masks what it samples."""
+
+
 def consume(matcher: llguidance.LLMatcher, token: int) -> None:
-    """Feed the matcher the token chosen; ValueError if the grammar did not allow it."""
+    """Feed the matcher the token chosen; UnfollowableGrammar if the grammar did not allow it."""
     if not matcher.consume_token(token) or matcher.is_error():
         # The first line says what went wrong (a regex too large to compile, say); the lines
         # after it are the matcher's state, of no use in an error row.
         reason = (matcher.get_error() or "").strip().split("\n")[0]
-        raise ValueError(f"token {token} breaks the output's grammar: {reason}")
+        raise UnfollowableGrammar(f"token {token} breaks the output's grammar: {reason}")
 
 
 def allowed_tokens(matcher: llguidance.LLMatcher, vocab_size: int) -> torch.Tensor:

@@ -1062,3 +1062,17 @@ def test_cancelling_never_restarts_a_dead_engine(monkeypatch):
     client.cancel("old:")
     assert len(started) == 1 and not client.knows("old:1") and not client.knows("old:2")
     assert client._unwanted == set()
+
+
+def test_a_refused_request_is_its_own_fault_a_refused_migrated_state_the_engine_s(model_dir, bare_engine):
+    """A request the engine refuses (values it cannot honour) would be refused again: invalid.
+    A state another engine of the same configuration moved out should fit: its refusal is the
+    engine side's, which a retry may mend."""
+    service = EngineService(EngineConfig.of(str(model_dir), **ENGINE_ARGS))
+    [prompt] = bundled_prompts(bare_engine.tokenizer, 1, 20)
+    too_many = Request("too-many-logprobs", prompt=prompt, params=SamplingParams(max_tokens=2, logprobs=10_000))
+    service.submit("client", [too_many])
+    service.resume("client", [{"request_id": "malformed", "timings": None}])
+    done = collect(service, "client", 2)
+    assert done["too-many-logprobs"].error and done["too-many-logprobs"].invalid
+    assert done["malformed"].error and not done["malformed"].invalid

@@ -384,7 +384,7 @@ INVALID = [
     ("n", 0), ("n", -2), ("n", 2.0),
     ("logprobs", -1), ("logprobs", 1.5), ("logprobs", True),
     ("stop", [""]), ("stop", ""), ("stop", [3]), ("stop", ["ok", None]),
-    ("stop_token_ids", [-1]), ("stop_token_ids", [1.5]), ("stop_token_ids", ["2"]),
+    ("stop_token_ids", [-1]), ("stop_token_ids", [1 << 63]), ("stop_token_ids", [1.5]), ("stop_token_ids", ["2"]),
     ("ignore_eos", "yes"), ("ignore_eos", 1),
     ("repetition_penalty", 0), ("repetition_penalty", -1.2), ("repetition_penalty", math.nan),
     ("frequency_penalty", 2.5), ("frequency_penalty", "0.1"), ("presence_penalty", -2.01),
@@ -419,3 +419,33 @@ def test_weights_far_below_the_top_are_zero_and_the_rest_exact(temperature):
     assert (weights[::7] == 0).all()
     assert torch.allclose(weights.double(), expected, rtol=1e-5, atol=1e-37)
     assert (weights[expected < 1e-38] == 0).all()
+
+
+def test_logits_a_penalty_pushed_to_inf_are_drawn_alone_and_alike():
+    """repetition_penalty 1e-44 divides a positive logit past fp32's range: inf - inf would be
+    NaN and fail the row; those tokens are the likeliest, so they alone are drawn."""
+    logits = torch.tensor([[1.0, 2.0, 0.5, 3.0]])
+    params = SamplingParams(temperature=1.0, repetition_penalty=1e-44)
+    rows = [SampleRow(params, np.random.default_rng(0), prompt_ids=[1, 2], output_ids=[])]
+    draws = {sample(logits, rows)[0].token_id for _ in range(200)}
+    assert draws == {1, 2}  # 2.0 and 0.5 divided by 1e-44: inf (0.5 / 1e-44 too)
+    greedy = SampleRow(SamplingParams(repetition_penalty=1e-44), prompt_ids=[1, 2], output_ids=[])
+    assert sample(logits, [greedy])[0].token_id == 1
+
+
+def test_a_row_the_engine_cannot_build_fails_its_request_alone(tiny, monkeypatch):
+    engine = make_engine(tiny.dir(FAMILY))
+    build = engine._sample_row_for
+
+    def breaking(seq):
+        if seq.request_id == "broken":
+            raise OverflowError("Overflow when unpacking long long")
+        return build(seq)
+
+    monkeypatch.setattr(engine, "_sample_row_for", breaking)
+    params = SamplingParams(max_tokens=5, temperature=1.0, seed=1, ignore_eos=True)
+    done = {c.id: c for c in engine.generate([Request(name, prompt_token_ids=RECORD, params=params)
+                                              for name in ("broken", "fine")])}
+    assert "OverflowError" in done["broken"].error and not done["broken"].invalid
+    assert done["fine"].error is None and len(done["fine"].token_ids) == 5
+    assert_idle_and_clean(engine)

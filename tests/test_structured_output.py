@@ -208,3 +208,14 @@ def test_a_model_without_a_tokenizer_refuses_a_schema(tiny):
     engine = make_engine(tiny.dir("llama"))
     with pytest.raises(ValueError, match="structured output needs a model with a tokenizer"):
         engine.submit(Request("r", prompt_token_ids=[5, 6], params=SamplingParams(json_schema=SCHEMA)))
+
+
+def test_a_grammar_nothing_can_follow_fails_its_request_as_its_own_fault(tiny_chat):
+    """A regex whose language is empty passes the check (llguidance compiles it): the engine
+    masks what it samples, so the token that breaks it is the grammar's doing, not the engine's."""
+    engine = make_engine(tiny_chat.dir("llama"))
+    fine, dead = engine.generate([
+        Request("fine", prompt=PROMPTS[0], params=SamplingParams(max_tokens=4, regex="[a-z]+")),
+        Request("dead", prompt=PROMPTS[0], params=SamplingParams(max_tokens=4, regex="a[^\\s\\S]b"))])
+    assert fine.error is None
+    assert "breaks the output's grammar" in dead.error and dead.invalid
