@@ -69,10 +69,10 @@ import pyarrow.compute as pc
 from batchgen_beam.model_sources import resolve_model
 from batchgen_beam.openai_batch import response_line
 from batchgen_beam.records import SAMPLING_FIELDS, OUTPUT_SCHEMA, Rejected, row_to_arrow_dict, row_to_json
+from runtime.default_model import DEFAULT_MODEL_NAME
 
 INPUT_FORMATS = ("jsonl", "parquet", "text", "csv", "tsv")
 OUTPUT_FORMATS = ("parquet", "jsonl", "openai")
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what OpenAI lines name the default model
 
 _EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
                ".parquet": "parquet", ".pq": "parquet",
@@ -436,8 +436,8 @@ def _replacing_earlier_shards(write: WriteToText | WriteToParquet, sink: type):
 class WriteRows(beam.PTransform):
     """Output rows → ``<prefix>-SSSSS-of-NNNNN.parquet`` (`OUTPUT_SCHEMA`) or ``.jsonl`` files
     (one JSON object per line; format ``openai``: one OpenAI Batch output line per row, which
-    names `model`, the model the rows came from, and decodes logprobs' tokens with its
-    tokenizer), replacing the shards an earlier run left under the prefix (any count). Returns
+    names `model`, the model the rows came from (None: the default model, as `Generate`'s),
+    and decodes logprobs' tokens with its tokenizer), replacing the shards an earlier run left under the prefix (any count). Returns
     the names of the files written."""
 
     def __init__(self, prefix: str, format: str = "parquet", num_shards: int = 0, *,

@@ -36,10 +36,10 @@ def response_line(row: Mapping, *, model: str, created: int,
                            "prompt_logprobs: not written in OpenAI's output format, whose shape "
                            "keys them by prompt token ids; write rows (jsonl or parquet) instead")
     if row["error"] is not None:
-        if row["error_type"] == "record":
+        if row.get("error_type") == "record":  # .get: rows written before it was a column
             return _error_line(row, 400, "invalid_request_error", row["error"])
         return _error_line(row, 500, "server_error", row["error"])
-    chat = row["chat"]
+    chat = row.get("chat")
     choice = _chat_choice if chat else _text_choice
     samples = [row, *(row["samples"] or [])]
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -112,5 +112,8 @@ def _positions(sample: Mapping, token_text):
         yield (lambda token_id, at=position: token_text(token_id, ids, at)), token, logprob, top or []
 
 
-def _finite(logprob: float) -> float:
-    return max(logprob, _MIN_LOGPROB)
+def _finite(logprob: float | str) -> float:
+    """A logprob JSON can hold: -inf and NaN (NaN logits: a broken model or an fp16 overflow)
+    as -9999.0. Rows read back from our JSONL hold them as the text "-inf" and "nan"."""
+    logprob = float(logprob)
+    return logprob if logprob >= _MIN_LOGPROB else _MIN_LOGPROB

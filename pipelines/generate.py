@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--input_format", choices=INPUT_FORMATS, default=None,
                     help="input format, if the extension does not say")
     io.add_argument("--output", default=DEFAULT_OUTPUT,
-                    help="output prefix, local or gs://; files are <output>-SSSSS-of-NNNNN.<format> "
+                    help="output prefix, local or gs://; files are <output>-SSSSS-of-NNNNN.<format> (.jsonl for openai) "
                          "(it replaces the shards an earlier run left under it)")
     io.add_argument("--format", choices=OUTPUT_FORMATS, default="parquet",
                     help="output format: our rows as parquet or jsonl, or openai: OpenAI Batch API "

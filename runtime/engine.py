@@ -413,8 +413,11 @@ class Engine:
                       params: SamplingParams, num_prompt_tokens: int | None = None,
                       grammar=None) -> Sequence:
         seed = params.seed if params.seed is not None else secrets.randbits(64)
-        # Modulo 2**64: distinct int64 seeds draw distinct streams, as do distinct uint64 ones.
-        generator = np.random.default_rng([seed % (1 << 64), index])
+        # Modulo 2**64: distinct int64 seeds draw distinct streams, as do distinct uint64 ones; the
+        # sample's index as a spawn key, apart from the seed (a list [seed, index] would make
+        # seed s's second sample seed s + 2**32's first).
+        generator = np.random.Generator(np.random.PCG64(
+            np.random.SeedSequence(seed % (1 << 64), spawn_key=(index,))))
         return Sequence(_seq_id(request_id, index), request_id, index, token_ids,
                         num_prompt_tokens if num_prompt_tokens is not None else len(token_ids),
                         params, generator, self.stop_rule, grammar)

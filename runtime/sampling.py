@@ -332,7 +332,8 @@ def filtered_weights(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Ten
     return weights, ids
 
 
-# Below this, exp is under fp32's smallest normal number (2^-126): a weight no draw would take.
+# Just above ln 2^-126: below it, exp is under fp32's smallest normal number, a weight no
+# draw would take.
 _EXP_FLOOR = -87.0
 
 

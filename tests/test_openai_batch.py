@@ -9,7 +9,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from batchgen_beam.openai_batch import response_line
-from batchgen_beam.records import completion_row, error_row, parse_record
+from batchgen_beam.records import (arrow_to_rows, completion_row, error_row, parse_record, row_from_json,
+                                   row_to_json, rows_to_arrow)
 from runtime.request import Completion, SampleOutput, Timings
 from runtime.tokenizer import TokenTexts
 from tiny_models import make_tiny_tokenizer
@@ -86,6 +87,18 @@ def test_a_prompt_row_is_a_text_completion_with_legacy_logprobs():
                                  "text_offset": [0, 3]}
     assert (second["index"], second["stop_reason"]) == (1, 11)  # a stop token id
     assert second["logprobs"]["text_offset"] == [0, 6]
+
+
+def test_rows_read_back_from_jsonl_and_parquet_give_the_same_line(tmp_path):
+    """JSONL holds -inf and NaN as text ("-inf", "nan"); JSON lines hold neither: -9999.0."""
+    row = completion_row(parse_record(text_record(logprobs=1)),
+                         Completion("r", [SampleOutput(0, [5, 6], "Hello", "length", [-math.inf, math.nan],
+                                                       [{5: -math.inf}, {7: -0.5}])], 4, TIMINGS))
+    lines = [response_line(r, model="m", created=0, token_text=texts)["response"]["body"]["choices"]
+             for r in (row, row_from_json(row_to_json(row)), arrow_to_rows(rows_to_arrow([row]))[0])]
+    assert lines[0] == lines[1] == lines[2]
+    assert lines[0][0]["logprobs"]["token_logprobs"] == [-9999.0, -9999.0]
+    json.dumps(lines[0], allow_nan=False)
 
 
 def test_logprobs_without_top_ones_and_no_logprobs():

@@ -100,6 +100,11 @@ def test_different_seeds_give_different_samples(tiny):
     results = engine.generate([Request(f"s{seed}", prompt_token_ids=RECORD,
                                        params=SamplingParams(seed=seed, **params)) for seed in SEEDS])
     assert len({tuple(c.token_ids) for c in results}) == len(SEEDS)
+    # A request's n samples draw streams of their own too, apart from other seeds' samples.
+    [pair] = engine.generate([Request("pair", prompt_token_ids=RECORD, params=SamplingParams(seed=5, n=2, **params))])
+    [next_seed] = engine.generate([Request("next", prompt_token_ids=RECORD,
+                                           params=SamplingParams(seed=5 + (1 << 32), **params))])
+    assert len({tuple(o.token_ids) for o in (*pair.outputs, next_seed.outputs[0])}) == 3
     again = engine.generate([Request("s3", prompt_token_ids=RECORD, params=SamplingParams(seed=3, **params))])
     assert again[0].token_ids == results[3].token_ids
     # No seed: a fresh random stream each time.
