@@ -481,18 +481,18 @@ class _OpenAILines(beam.DoFn):
         self._model = model
 
     def setup(self):
-        self._token_text = None
+        self._token_texts = None
 
     def process(self, row):
         name = DEFAULT_MODEL_NAME if self._model is None else self._model
-        line = response_line(row, model=name, created=int(time.time()), token_text=self._text)
+        line = response_line(row, model=name, created=int(time.time()), token_texts=self._texts)
         yield json.dumps(line, ensure_ascii=False, allow_nan=False)
 
-    def _text(self, token_id: int, completion, position: int) -> str:
-        if self._token_text is None:
+    def _texts(self, completion):
+        if self._token_texts is None:
             from runtime.tokenizer import TokenTexts, load_tokenizer  # transformers: only if needed
-            self._token_text = TokenTexts(load_tokenizer(resolve_model(self._model)))
-        return self._token_text(token_id, completion, position)
+            self._token_texts = TokenTexts(load_tokenizer(resolve_model(self._model)))
+        return self._token_texts(completion)
 
 
 def absolute_path(path: str) -> str:

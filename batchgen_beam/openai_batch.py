@@ -8,8 +8,8 @@ Pure Python: no Beam, no model math. A row becomes one line:
   `/v1/completions` a prompt), so a line's answer has the shape its request asked for.
 - `choices` holds the n samples; each carries vLLM's `stop_reason` (the stop string or stop
   token id that ended it, null for EOS) beside `finish_reason`.
-- Logprobs take each endpoint's shape, with each token's text (`token_text(token_id,
-  completion, position)`: runtime.tokenizer.TokenTexts); a -inf logprob is written as
+- Logprobs take each endpoint's shape, with each token's text (`token_texts(completion)(token_id,
+  position)`: runtime.tokenizer.TokenTexts); a -inf logprob is written as
   -9999.0, as vLLM writes it, since JSON has no infinity. A completion's `top_logprobs` hold
   the chosen token too, as OpenAI's spec has them; chat's hold the top ones alone.
 - A record that failed has OpenAI's HTTP error shape: status 400 and an
@@ -27,10 +27,10 @@ _MIN_LOGPROB = -9999.0  # vLLM's stand-in for -inf
 
 
 def response_line(row: Mapping, *, model: str, created: int,
-                  token_text: Callable[[int, Sequence[int], int], str] | None = None) -> dict:
-    """The OpenAI Batch output line for one output row. `token_text` gives the text of a token
-    at a position of a completion's tokens; it is called only for rows with logprobs, and a row
-    with logprobs needs it."""
+                  token_texts: Callable[[Sequence[int]], Callable[[int, int], str]] | None = None) -> dict:
+    """The OpenAI Batch output line for one output row. `token_texts(completion)` gives the text
+    of a token at a position of the completion's tokens; it is called only for rows with
+    logprobs, and a row with logprobs needs it."""
     if row["error"] is None and row["prompt_logprobs"] is not None:
         return _error_line(row, 400, "invalid_request_error",
                            "prompt_logprobs: not written in OpenAI's output format, whose shape "
@@ -45,7 +45,7 @@ def response_line(row: Mapping, *, model: str, created: int,
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion" if chat else "text_completion",
             "created": created, "model": model,
-            "choices": [choice(index, sample, token_text) for index, sample in enumerate(samples)],
+            "choices": [choice(index, sample, token_texts) for index, sample in enumerate(samples)],
             "usage": {"prompt_tokens": row["prompt_tokens"],
                       "completion_tokens": row["completion_tokens"],
                       "total_tokens": row["prompt_tokens"] + row["completion_tokens"]}}
@@ -68,13 +68,13 @@ def _stop_reason(sample: Mapping) -> str | int | None:
     return sample["stop_reason"] if sample["stop_reason"] is not None else sample["stop_token_id"]
 
 
-def _chat_choice(index: int, sample: Mapping, token_text) -> dict:
+def _chat_choice(index: int, sample: Mapping, token_texts) -> dict:
     logprobs = None
     if sample["logprobs"] is not None:
         logprobs = {"content": [
             {**_chat_token(text(token), logprob),
              "top_logprobs": [_chat_token(text(top["token_id"]), top["logprob"]) for top in tops]}
-            for text, token, logprob, tops in _positions(sample, token_text)]}
+            for text, token, logprob, tops in _positions(sample, token_texts)]}
     return {"index": index, "message": {"role": "assistant", "content": sample["text"], "refusal": None},
             "logprobs": logprobs, "finish_reason": sample["finish_reason"],
             "stop_reason": _stop_reason(sample)}
@@ -84,12 +84,12 @@ def _chat_token(text: str, logprob: float) -> dict:
     return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
 
 
-def _text_choice(index: int, sample: Mapping, token_text) -> dict:
+def _text_choice(index: int, sample: Mapping, token_texts) -> dict:
     logprobs = None
     if sample["logprobs"] is not None:
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         offset = 0
-        for text, token, logprob, tops in _positions(sample, token_text):
+        for text, token, logprob, tops in _positions(sample, token_texts):
             tokens.append(text(token))
             token_logprobs.append(_finite(logprob))
             # The top ones and the chosen one, as OpenAI's spec has it ("up to logprobs + 1").
@@ -103,13 +103,14 @@ def _text_choice(index: int, sample: Mapping, token_text) -> dict:
             "finish_reason": sample["finish_reason"], "stop_reason": _stop_reason(sample)}
 
 
-def _positions(sample: Mapping, token_text):
-    """Per generated token: the texts of tokens at its position (`token_text` in the
-    completion's context), its id, its logprob and the top logprobs there."""
+def _positions(sample: Mapping, token_texts):
+    """Per generated token: the texts of tokens at its position (in the completion's context),
+    its id, its logprob and the top logprobs there."""
     ids = sample["token_ids"]
+    text_at = token_texts(ids)
     tops = sample["top_logprobs"] or [None] * len(ids)
     for position, (token, logprob, top) in enumerate(zip(ids, sample["logprobs"], tops, strict=True)):
-        yield (lambda token_id, at=position: token_text(token_id, ids, at)), token, logprob, top or []
+        yield (lambda token_id, at=position: text_at(token_id, at)), token, logprob, top or []
 
 
 def _finite(logprob: float | str) -> float:

@@ -36,44 +36,46 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
 
 
 class TokenTexts:
-    """Tokens' texts as OpenAI's logprobs show them, by vLLM's rules: `texts(token_id,
-    completion, position)` is the text of `token_id` at `position` of the completion's tokens
-    (the one there, or an alternative to it).
-    - A token is decoded alone, special tokens included, with the leading spaces that its
-      SentencePiece piece's "▁" markers stand for, which decoding a piece alone drops.
-    - A token that ends inside a character (alone it decodes to U+FFFD) is decoded after the
-      completion's tokens before it: if it completes the character, its text is all of the
-      character that the tokens before it, each shown as "", left unfinished; if it does not,
-      its text is "". So the texts of a completion's tokens join into its text.
+    """Tokens' texts as OpenAI's logprobs show them: `TokenTexts(tokenizer)(completion)` is
+    `text(token_id, position)`, the text of `token_id` (the completion's token there, or an
+    alternative to it) after the completion's tokens before `position`.
+    - A token after a character boundary is decoded alone, special tokens included, with the
+      leading spaces that its SentencePiece piece's "▁" markers stand for, which decoding a
+      piece alone drops (vLLM's rule).
+    - Characters split across tokens (byte-level pieces of CJK text or emoji) show whole on the
+      token that completes them, and a token that leaves one unfinished shows without it, "" if
+      that is all it holds (vLLM's rule too, which a token ending one character and starting the
+      next also keeps here): read in the context of the tokens since the last boundary.
+    So the completion's tokens' texts join into its text, up to an EOS token or a stop string.
     Without a tokenizer: "token_id:<id>", vLLM's name for a token it does not decode."""
 
-    CONTEXT = 4  # tokens before one that may hold the start of the character it completes
+    MAX_UNFINISHED = 16  # tokens that finish no character: bytes that never will (broken UTF-8)
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None):
         self._tokenizer = tokenizer
         self._alone: dict[int, str] = {}
 
-    def __call__(self, token_id: int, completion: Sequence[int] = (), position: int = 0) -> str:
+    def __call__(self, completion: Sequence[int]) -> Callable[[int, int], str]:
         if self._tokenizer is None:
-            return f"token_id:{token_id}"
-        text = self.alone(token_id)
-        if not text.endswith("\ufffd"):
-            return text
-        before = list(completion[max(0, position - self.CONTEXT):position])
-        for start in range(len(before) - 1, -1, -1):  # the nearest context that completes it
-            joined = self._decode(before[start:] + [token_id])
-            if joined.endswith("\ufffd"):
-                continue
-            finished = len(before)  # the tokens before it that a character left unfinished
-            while finished > start and self.alone(before[finished - 1]).endswith("\ufffd"):
-                finished -= 1
-            shown = self._decode(before[start:finished])
-            return joined[_common_prefix(shown, joined):]
-        return ""
+            return lambda token_id, position: f"token_id:{token_id}"
+        completion = list(completion)
+        boundaries = self._boundaries(completion)
+        shown: dict[int, str] = {}  # per position: the unfinished run's text shown so far
+
+        def text(token_id: int, position: int) -> str:
+            start = boundaries[position]
+            if start == position:
+                return self.alone(token_id).rstrip("\ufffd")
+            if position not in shown:
+                shown[position] = self._finished(completion[start:position])
+            joined = self._finished(completion[start:position] + [token_id])
+            return joined[_common_prefix(shown[position], joined):]
+
+        return text
 
     def alone(self, token_id: int) -> str:
         if token_id not in self._alone:
-            text = self._decode([token_id])
+            text = self._tokenizer.decode([token_id])
             piece = self._tokenizer.convert_ids_to_tokens(token_id)
             if isinstance(piece, str):
                 markers = len(piece) - len(piece.lstrip("▁"))
@@ -81,8 +83,19 @@ class TokenTexts:
             self._alone[token_id] = text
         return self._alone[token_id]
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids) if token_ids else ""
+    def _boundaries(self, completion: list[int]) -> list[int]:
+        """Per position: the last position at or before it where a character boundary falls."""
+        boundaries, start = [], 0
+        for position in range(len(completion)):
+            boundaries.append(start)
+            finished = not self._tokenizer.decode(completion[start:position + 1]).endswith("\ufffd")
+            if finished or position + 1 - start >= self.MAX_UNFINISHED:
+                start = position + 1
+        return boundaries
+
+    def _finished(self, token_ids: list[int]) -> str:
+        """Their text up to the last character they finish."""
+        return self._tokenizer.decode(token_ids).rstrip("\ufffd")
 
 
 def _common_prefix(a: str, b: str) -> int:

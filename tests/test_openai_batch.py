@@ -19,9 +19,11 @@ TIMINGS = Timings(submitted=1.0, first_scheduled=1.5, first_token=2.0, finished=
 TEXTS = {5: "Hel", 6: "lo", 7: "!", 9: " there", 11: "\ufffd"}
 
 
-def texts(token_id, completion, position):
-    assert 0 <= position < len(completion)
-    return TEXTS[token_id]
+def texts(completion):
+    def text(token_id, position):
+        assert 0 <= position < len(completion)
+        return TEXTS[token_id]
+    return text
 
 
 def chat_record(**body):
@@ -37,7 +39,7 @@ def text_record(**body):
 def line_of(record, *outputs, prompt_tokens=4, **completion):
     row = completion_row(parse_record(record), Completion("r", list(outputs), prompt_tokens, TIMINGS,
                                                           **completion))
-    line = response_line(row, model="m", created=1234, token_text=texts)
+    line = response_line(row, model="m", created=1234, token_texts=texts)
     json.dumps(line, allow_nan=False)  # strict JSON
     return line
 
@@ -94,7 +96,7 @@ def test_rows_read_back_from_jsonl_and_parquet_give_the_same_line(tmp_path):
     row = completion_row(parse_record(text_record(logprobs=1)),
                          Completion("r", [SampleOutput(0, [5, 6], "Hello", "length", [-math.inf, math.nan],
                                                        [{5: -math.inf}, {7: -0.5}])], 4, TIMINGS))
-    lines = [response_line(r, model="m", created=0, token_text=texts)["response"]["body"]["choices"]
+    lines = [response_line(r, model="m", created=0, token_texts=texts)["response"]["body"]["choices"]
              for r in (row, row_from_json(row_to_json(row)), arrow_to_rows(rows_to_arrow([row]))[0])]
     assert lines[0] == lines[1] == lines[2]
     assert lines[0][0]["logprobs"]["token_logprobs"] == [-9999.0, -9999.0]
@@ -108,12 +110,12 @@ def test_logprobs_without_top_ones_and_no_logprobs():
     line = line_of(text_record(logprobs=0), SampleOutput(0, [7], "!", "length", [-0.125]))
     assert line["response"]["body"]["choices"][0]["logprobs"]["top_logprobs"] == [{"!": -0.125}]
 
-    def untouched(token_id):
+    def untouched(completion):
         raise AssertionError("no logprobs: no token text needed")
 
     row = completion_row(parse_record(chat_record()),
                          Completion("r", [SampleOutput(0, [7], "!", "length")], 4, TIMINGS))
-    choice = response_line(row, model="m", created=0, token_text=untouched)["response"]["body"]["choices"][0]
+    choice = response_line(row, model="m", created=0, token_texts=untouched)["response"]["body"]["choices"][0]
     assert choice["logprobs"] is None
 
 
@@ -159,13 +161,18 @@ def test_each_line_has_ids_of_its_own():
 
 # ---- TokenTexts ----
 
+def shown(texts, ids):
+    text = texts(ids)
+    return [text(token, position) for position, token in enumerate(ids)]
+
+
 def test_token_texts_of_a_byte_level_tokenizer(tmp_path):
     tokenizer = make_tiny_tokenizer(tmp_path)
     texts = TokenTexts(tokenizer)
     ids = tokenizer.encode(" hello world", add_special_tokens=False)
-    assert [texts(i, ids, at) for at, i in enumerate(ids)] == [tokenizer.decode([i]) for i in ids]
-    assert "".join(texts(i, ids, at) for at, i in enumerate(ids)) == " hello world"
-    assert texts(tokenizer.eos_token_id) == tokenizer.eos_token
+    assert shown(texts, ids) == [tokenizer.decode([i]) for i in ids]
+    assert "".join(shown(texts, ids)) == " hello world"
+    assert texts([tokenizer.eos_token_id])(tokenizer.eos_token_id, 0) == tokenizer.eos_token
 
 
 def test_a_character_split_across_tokens_shows_whole_on_the_token_that_completes_it(tmp_path):
@@ -173,15 +180,35 @@ def test_a_character_split_across_tokens_shows_whole_on_the_token_that_completes
     tokenizer = make_tiny_tokenizer(tmp_path)
     texts = TokenTexts(tokenizer)
     ids = tokenizer.encode("a漢b😀", add_special_tokens=False)
-    shown = [texts(i, ids, at) for at, i in enumerate(ids)]
-    assert "".join(shown) == "a漢b😀"
-    assert shown.count("") == 2 + 3 and "漢" in shown and "😀" in shown  # 3 + 4 bytes, a token each
+    pieces = shown(texts, ids)
+    assert "".join(pieces) == "a漢b😀"
+    assert pieces.count("") == 2 + 3 and "漢" in pieces and "😀" in pieces  # 3 + 4 bytes, a token each
     # An alternative at a position is read in the same context: here, another last byte.
-    last = shown.index("漢")
+    last = pieces.index("漢")
     other = tokenizer.encode("漣", add_special_tokens=False)  # 漢 and 漣 share their first two bytes
-    assert texts(other[-1], ids, last) == "漣"
-    # A piece that nothing before it helps complete: "", like one that leaves it unfinished.
-    assert texts(ids[last], [], 0) == "" and texts(ids[last - 1], ids, last - 1) == ""
+    assert texts(ids)(other[-1], last) == "漣"
+    # A piece that nothing before it helps finish: "".
+    assert texts(ids[last:])(ids[last], 0) == ""
+
+
+def byte_level_tokenizer(pieces: list[bytes]):
+    """A byte-level BPE tokenizer whose tokens are these byte strings (GPT-2's byte alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    char = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+    backend = Tokenizer(models.BPE(vocab={"".join(char[b] for b in piece): i for i, piece in enumerate(pieces)},
+                                   merges=[]))
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def test_a_token_that_ends_one_character_and_starts_the_next():
+    """Byte-level merges inside a run of CJK text may straddle two characters: [e6 bc] [a2 e6]
+    [bc a2] is 漢漢. Each character shows once, on the token that completes it."""
+    han = "漢".encode()
+    tokenizer = byte_level_tokenizer([han[:2], han[2:] + han[:1], han[1:], b"a"])
+    assert tokenizer.decode([0, 1, 2, 3]) == "漢漢a"
+    assert shown(TokenTexts(tokenizer), [0, 1, 2, 3]) == ["", "漢", "漢", "a"]
 
 
 def sentencepiece_tokenizer():
@@ -195,9 +222,10 @@ def sentencepiece_tokenizer():
 def test_token_texts_keep_a_sentencepiece_piece_s_leading_spaces():
     tokenizer = sentencepiece_tokenizer()
     assert tokenizer.decode([2]) == "world"  # decoding a piece alone drops its space
-    texts = TokenTexts(tokenizer)
-    assert [texts(i) for i in (1, 2, 3, 4)] == [" Hello", " world", "!", "    "]
+    ids = [1, 2, 3, 4]
+    assert [TokenTexts(tokenizer).alone(i) for i in ids] == [" Hello", " world", "!", "    "]
+    assert "".join(shown(TokenTexts(tokenizer), ids)) == " Hello world!    "
 
 
 def test_token_texts_without_a_tokenizer_name_the_id():
-    assert TokenTexts(None)(42) == "token_id:42"
+    assert TokenTexts(None)([42])(42, 0) == "token_id:42"
