@@ -42,10 +42,10 @@ class TokenTexts:
     - A token after a character boundary is decoded alone, special tokens included, with the
       leading spaces that its SentencePiece piece's "▁" markers stand for, which decoding a
       piece alone drops (vLLM's rule).
-    - Characters split across tokens (byte-level pieces of CJK text or emoji) show whole on the
-      token that completes them, and a token that leaves one unfinished shows without it, "" if
-      that is all it holds (vLLM's rule too, which a token ending one character and starting the
-      next also keeps here): read in the context of the tokens since the last boundary.
+    - A character split across tokens (byte-level pieces of CJK text or emoji) shows whole on
+      the token that completes it, and a token that leaves one unfinished shows without it (""
+      if that is all it holds), as vLLM shows them; here a token that ends one character and
+      starts the next too. Each is read after the tokens since the last character boundary.
     So the completion's tokens' texts join into its text, up to an EOS token or a stop string.
     Without a tokenizer: "token_id:<id>", vLLM's name for a token it does not decode."""
 
