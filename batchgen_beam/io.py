@@ -479,13 +479,13 @@ class _OpenAILines(beam.DoFn):
 
     def __init__(self, model: str | None):
         self._model = model
+        self._name = DEFAULT_MODEL_NAME if model is None else model
 
     def setup(self):
         self._token_texts = None
 
     def process(self, row):
-        name = DEFAULT_MODEL_NAME if self._model is None else self._model
-        line = response_line(row, model=name, created=int(time.time()), token_texts=self._texts)
+        line = response_line(row, model=self._name, created=int(time.time()), token_texts=self._texts)
         yield json.dumps(line, ensure_ascii=False, allow_nan=False)
 
     def _texts(self, completion):

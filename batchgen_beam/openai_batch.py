@@ -71,10 +71,11 @@ def _stop_reason(sample: Mapping) -> str | int | None:
 def _chat_choice(index: int, sample: Mapping, token_texts) -> dict:
     logprobs = None
     if sample["logprobs"] is not None:
+        text = token_texts(sample["token_ids"])
         logprobs = {"content": [
-            {**_chat_token(text(token), logprob),
-             "top_logprobs": [_chat_token(text(top["token_id"]), top["logprob"]) for top in tops]}
-            for text, token, logprob, tops in _positions(sample, token_texts)]}
+            {**_chat_token(text(token, at), logprob),
+             "top_logprobs": [_chat_token(text(top["token_id"], at), top["logprob"]) for top in tops]}
+            for at, token, logprob, tops in _positions(sample)]}
     return {"index": index, "message": {"role": "assistant", "content": sample["text"], "refusal": None},
             "logprobs": logprobs, "finish_reason": sample["finish_reason"],
             "stop_reason": _stop_reason(sample)}
@@ -88,12 +89,12 @@ def _text_choice(index: int, sample: Mapping, token_texts) -> dict:
     logprobs = None
     if sample["logprobs"] is not None:
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        offset = 0
-        for text, token, logprob, tops in _positions(sample, token_texts):
-            tokens.append(text(token))
+        offset, text = 0, token_texts(sample["token_ids"])
+        for at, token, logprob, tops in _positions(sample):
+            tokens.append(text(token, at))
             token_logprobs.append(_finite(logprob))
             # The top ones and the chosen one, as OpenAI's spec has it ("up to logprobs + 1").
-            top_logprobs.append({**{text(top["token_id"]): _finite(top["logprob"]) for top in tops},
+            top_logprobs.append({**{text(top["token_id"], at): _finite(top["logprob"]) for top in tops},
                                  tokens[-1]: token_logprobs[-1]})
             offsets.append(offset)
             offset += len(tokens[-1])
@@ -103,14 +104,12 @@ def _text_choice(index: int, sample: Mapping, token_texts) -> dict:
             "finish_reason": sample["finish_reason"], "stop_reason": _stop_reason(sample)}
 
 
-def _positions(sample: Mapping, token_texts):
-    """Per generated token: the texts of tokens at its position (in the completion's context),
-    its id, its logprob and the top logprobs there."""
+def _positions(sample: Mapping):
+    """Per generated token: its position, its id, its logprob and the top logprobs there."""
     ids = sample["token_ids"]
-    text_at = token_texts(ids)
     tops = sample["top_logprobs"] or [None] * len(ids)
     for position, (token, logprob, top) in enumerate(zip(ids, sample["logprobs"], tops, strict=True)):
-        yield (lambda token_id, at=position: text_at(token_id, at)), token, logprob, top or []
+        yield position, token, logprob, top or []
 
 
 def _finite(logprob: float | str) -> float:

@@ -540,13 +540,18 @@ class Engine:
                     sample_rows[row] = self._sample_row_for(seq)
                 except Exception as exc:  # noqa: BLE001 - the engine fails this row's request alone
                     tokens[row] = SampledToken(-1, error=f"{type(exc).__name__}: {exc}")
+
+        def of(rows):
+            return hidden[torch.tensor(rows, device=hidden.device)]
+
         greedy = [row for row, is_plain in enumerate(plain) if is_plain]
-        for rows, pick in ((greedy, self._greedy),
-                           (list(sample_rows), lambda part: sample(self.model.compute_logits(part),
-                                                                  list(sample_rows.values())))):
-            if rows:
-                for row, token in zip(rows, pick(hidden[torch.tensor(rows, device=hidden.device)])):
-                    tokens[row] = token
+        if greedy:
+            for row, token in zip(greedy, self._greedy(of(greedy))):
+                tokens[row] = token
+        if sample_rows:
+            logits = self.model.compute_logits(of(list(sample_rows)))
+            for row, token in zip(sample_rows, sample(logits, list(sample_rows.values()))):
+                tokens[row] = token
         return tokens
 
     def _sample_row_for(self, seq: Sequence) -> SampleRow:
