@@ -474,8 +474,8 @@ class WriteRows(beam.PTransform):
 
 
 class _OpenAILines(beam.DoFn):
-    """Rows → OpenAI Batch output lines. The model's tokenizer, which logprobs' token texts
-    need, is loaded on the first row that has them (the engine has fetched the model by then)."""
+    """Rows → OpenAI Batch output lines. The model's tokenizer, which the token texts of
+    logprobs and prompt logprobs need, is loaded on the first row that has them (the engine has fetched the model by then)."""
 
     def __init__(self, model: str | None):
         self._model = model

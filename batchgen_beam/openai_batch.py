@@ -16,8 +16,12 @@ Pure Python: no Beam, no model math. A row becomes one line:
   `invalid_request_error` where the record was at fault (`error_type` "record": it did not
   parse, or the engine refused its prompt or values), 500 and a `server_error` where the
   engine failed it (a retry may succeed); the row's message is `body.error.message`.
-- Prompt logprobs are not written: vLLM's shape keys them by prompt token ids, which rows do
-  not hold. A row holding them becomes a 400 line saying so, never a line without them.
+- Prompt logprobs (scoring) take vLLM's shape, the body's `prompt_logprobs` for chat and each
+  choice's for a completion: per prompt token, null for the first, then {token id: {"logprob",
+  "rank", "decoded_token"}}, the prompt token first (its rank: how many tokens are at least as
+  likely), then the top ones ranked 1, 2, ...; a prompt token among them keeps its place and
+  takes the top one's rank. Token texts follow the same rules, read after the prompt's
+  first token (as vLLM reads them).
 """
 
 import uuid
@@ -29,12 +33,12 @@ _MIN_LOGPROB = -9999.0  # vLLM's stand-in for -inf
 def response_line(row: Mapping, *, model: str, created: int,
                   token_texts: Callable[[Sequence[int]], Callable[[int, int], str]] | None = None) -> dict:
     """The OpenAI Batch output line for one output row. `token_texts(completion)` gives the text
-    of a token at a position of the completion's tokens; it is called only for rows with
-    logprobs, and a row with logprobs needs it."""
-    if row["error"] is None and row["prompt_logprobs"] is not None:
-        return _error_line(row, 400, "invalid_request_error",
-                           "prompt_logprobs: not written in OpenAI's output format, whose shape "
-                           "keys them by prompt token ids; write rows (jsonl or parquet) instead")
+    of a token at a position of the completion's tokens (or of the prompt's); it is called only
+    for rows with logprobs or prompt_logprobs, which need it."""
+    if row["error"] is None and row["prompt_logprobs"] is not None and row.get("prompt_token_ids") is None:
+        return _error_line(row, 400, "invalid_request_error",  # a row written before they were columns
+                           "prompt_logprobs: this row has no prompt_token_ids, which OpenAI's output "
+                           "format keys them by; rerun it")
     if row["error"] is not None:
         if row.get("error_type") == "record":  # .get: rows written before it was a column
             return _error_line(row, 400, "invalid_request_error", row["error"])
@@ -49,6 +53,10 @@ def response_line(row: Mapping, *, model: str, created: int,
             "usage": {"prompt_tokens": row["prompt_tokens"],
                       "completion_tokens": row["completion_tokens"],
                       "total_tokens": row["prompt_tokens"] + row["completion_tokens"]}}
+    if row["prompt_logprobs"] is not None:
+        scored = _prompt_logprobs(row, token_texts)
+        for holder in [body] if chat else body["choices"]:
+            holder["prompt_logprobs"] = scored
     return _line(row, 200, body)
 
 
@@ -102,6 +110,22 @@ def _text_choice(index: int, sample: Mapping, token_texts) -> dict:
                     "top_logprobs": top_logprobs, "text_offset": offsets}
     return {"index": index, "text": sample["text"], "logprobs": logprobs,
             "finish_reason": sample["finish_reason"], "stop_reason": _stop_reason(sample)}
+
+
+def _prompt_logprobs(row: Mapping, token_texts) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token after the first, its logprob and rank and the top
+    ones ranked 1, 2, ..., keyed by token id, each with its text."""
+    prompt = row["prompt_token_ids"]
+    text = token_texts(prompt[1:])
+    tops = row["prompt_top_logprobs"] or [None] * len(prompt)
+    scored: list[dict | None] = [None]
+    for position in range(1, len(prompt)):
+        ranked = [(prompt[position], row["prompt_logprobs"][position], row["prompt_ranks"][position]),
+                  *((top["token_id"], top["logprob"], rank) for rank, top in enumerate(tops[position] or [], 1))]
+        scored.append({token: {"logprob": _finite(logprob), "rank": rank,
+                               "decoded_token": text(token, position - 1)}
+                       for token, logprob, rank in ranked})
+    return scored
 
 
 def _positions(sample: Mapping):

@@ -722,7 +722,8 @@ def completion_row(parsed: Parsed, completion: Completion) -> dict:
                 prompt_tokens=completion.prompt_tokens,
                 completion_tokens=completion.completion_tokens, samples=samples,
                 logprobs=_list_or_none(first.logprobs), top_logprobs=_ranked(first.top_logprobs),
-                prompt_logprobs=completion.prompt_logprobs,
+                prompt_token_ids=completion.prompt_token_ids, prompt_logprobs=completion.prompt_logprobs,
+                prompt_ranks=completion.prompt_ranks,
                 prompt_top_logprobs=_ranked(completion.prompt_top_logprobs), timings=completion.timings)
 
 
@@ -765,14 +766,17 @@ def _row(id: str | None, passthrough: Mapping | None, *, chat: bool | None = Non
          completion_tokens: int = 0, error: str | None = None, error_type: str | None = None,
          samples: list[dict] | None = None,
          logprobs: list[float] | None = None, top_logprobs: list[list[dict]] | None = None,
+         prompt_token_ids: list[int] | None = None,
          prompt_logprobs: list[float | None] | None = None,
+         prompt_ranks: list[int | None] | None = None,
          prompt_top_logprobs: list[list[dict] | None] | None = None,
          timings: Timings | None = None) -> dict:
     return {"id": id, "text": text, "token_ids": list(token_ids), "finish_reason": finish_reason,
             **_stop_columns(stop_reason), "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "error": error, "error_type": error_type, "samples": samples, "logprobs": logprobs,
             "top_logprobs": top_logprobs,
-            "prompt_logprobs": _list_or_none(prompt_logprobs), "prompt_top_logprobs": prompt_top_logprobs,
+            "prompt_token_ids": _list_or_none(prompt_token_ids), "prompt_logprobs": _list_or_none(prompt_logprobs),
+            "prompt_ranks": _list_or_none(prompt_ranks), "prompt_top_logprobs": prompt_top_logprobs,
             **_durations(timings), "chat": chat, "passthrough": dict(passthrough or {})}
 
 
@@ -810,8 +814,12 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("samples", pa.list_(_SAMPLE)),
     pa.field("logprobs", pa.list_(pa.float64())),
     pa.field("top_logprobs", _TOP_LOGPROBS),
-    pa.field("prompt_logprobs", pa.list_(pa.float64())),  # null first: the first token has none
-    pa.field("prompt_top_logprobs", _TOP_LOGPROBS),  # null first too
+    # With prompt_logprobs: the prompt's tokens, each one's logprob and rank (null first: the
+    # first token has none) and the top ones at each position (null first too).
+    pa.field("prompt_token_ids", pa.list_(pa.int32())),
+    pa.field("prompt_logprobs", pa.list_(pa.float64())),
+    pa.field("prompt_ranks", pa.list_(pa.int64())),
+    pa.field("prompt_top_logprobs", _TOP_LOGPROBS),
     pa.field("queue_s", pa.float64()),
     pa.field("first_token_s", pa.float64()),
     pa.field("total_s", pa.float64()),

@@ -49,8 +49,8 @@ SAMPLING_FLAGS = (
     ("seed", int, "sampling seed, mixed with each record's id (the same record gives the same text; "
                   "other ids, other samples)"),
     ("logprobs", int, "return the log-probability of each generated token"),
-    ("prompt_logprobs", int, "also score the prompt: each prompt token's log-probability (and the "
-                             "top N at each position, in the engine API)"),
+    ("prompt_logprobs", int, "also score the prompt: each prompt token's log-probability and rank "
+                             "(and the N likeliest tokens at each position)"),
     ("truncate_prompt_tokens", int, "keep only each prompt's last N tokens (else a prompt over the "
                                     "context is an error row)"),
     ("min_tokens", int, "tokens to generate before EOS, stop ids or stop strings may end it"),
@@ -182,9 +182,6 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     if args.weights_in_host_memory and (args.device != "cuda" or args.weight_budget_mb is None):
         parser.error("--weights_in_host_memory streams weights to a GPU: it needs --device cuda "
                      "and --weight_budget_mb")
-    if args.format == "openai" and args.prompt_logprobs is not None:
-        parser.error("--prompt_logprobs: not written in --format openai, whose shape keys them "
-                     "by prompt token ids; write rows (--format jsonl or parquet) instead")
     # Beam only warns of flags no PipelineOptions knows and drops them: a mistyped sampling flag
     # (--temprature) would run the job with the default, unnoticed.
     options = PipelineOptions(beam_args).get_all_options

@@ -101,8 +101,8 @@ class _RequestState:
     timings: Timings
     seqs: list[Sequence] = field(default_factory=list)
     outputs: dict[int, SampleOutput] = field(default_factory=dict)
-    # prompt_logprobs: sample 0's (logprobs, top logprobs) of the prompt, once it finished
-    scored_prompt: tuple[list, list] | None = None
+    # prompt_logprobs: sample 0's (prompt ids, logprobs, ranks, top logprobs), once it finished
+    scored_prompt: tuple[list, list, list, list] | None = None
     arriving_kv: dict[str, torch.Tensor] = field(default_factory=dict)  # migrated in, not yet parked
 
 
@@ -461,7 +461,8 @@ class Engine:
 
     @torch.inference_mode()
     def _score_prompts(self, prompts: ScoredPrompts) -> None:
-        """Each scored position's logprob of the prompt token after it (and the top k there), in
+        """Each scored position's logprob of the prompt token after it, its rank (and the top k
+        there), in
         slices of SCORE_ROWS rows: a long prompt never holds [tokens, vocab] logits at once."""
         start = 0
         for seq, count in prompts.seqs:
@@ -471,7 +472,10 @@ class Engine:
                 logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
                 first = len(seq.prompt_logprobs) + 1  # the prompt token the first row predicts
                 targets = torch.tensor(seq.token_ids[first:first + len(rows)], device=logprobs.device)
-                seq.prompt_logprobs += logprobs.gather(1, targets[:, None])[:, 0].tolist()
+                chosen = logprobs.gather(1, targets[:, None])
+                seq.prompt_logprobs += chosen[:, 0].tolist()
+                # vLLM's rank: how many tokens are at least as likely (ties rank it lower)
+                seq.prompt_ranks += (logprobs >= chosen).sum(dim=1).tolist()
                 if k:
                     top = logprobs.topk(k, dim=1)
                     seq.prompt_top_logprobs += [dict(zip(ids, values)) for ids, values
@@ -625,14 +629,17 @@ class Engine:
             seq.sample_index, seq.generated_ids, seq.text, seq.finish_reason, logprobs,
             seq.top_logprobs if seq.params.logprobs else None, seq.stop_reason)
         if seq.sample_index == 0 and seq.params.prompt_logprobs is not None:
-            state.scored_prompt = (seq.prompt_logprobs, seq.prompt_top_logprobs)
+            state.scored_prompt = (seq.token_ids[:seq.num_prompt_tokens], seq.prompt_logprobs,
+                                   seq.prompt_ranks, seq.prompt_top_logprobs)
         if len(state.outputs) == state.n:
             state.timings.finished = time.perf_counter()
             outputs = [state.outputs[i] for i in range(state.n)]
             completion = Completion(state.request_id, outputs, state.prompt_tokens, state.timings)
             if state.scored_prompt is not None:
-                logprobs, top = state.scored_prompt
+                prompt_ids, logprobs, ranks, top = state.scored_prompt
+                completion.prompt_token_ids = prompt_ids
                 completion.prompt_logprobs = [None, *logprobs]
+                completion.prompt_ranks = [None, *ranks]
                 completion.prompt_top_logprobs = [None, *top] if seq.params.prompt_logprobs else None
             self._complete(completion)
 

@@ -67,9 +67,12 @@ class Completion:
     # The error is the request's own doing (a prompt too long, values the engine cannot take):
     # running it again cannot help. Else the engine failed it.
     invalid: bool = False
-    # With prompt_logprobs: each prompt token's logprob (None for the first, which has no
-    # context), and with prompt_logprobs=k > 0 the top k at each position (None first too).
+    # With prompt_logprobs: the prompt's token ids, each prompt token's logprob and rank (vLLM's:
+    # how many tokens are at least as likely; None for the first, which has no context), and
+    # with prompt_logprobs=k > 0 the top k at each position (None first too).
+    prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[float | None] | None = None
+    prompt_ranks: list[int | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
     @classmethod

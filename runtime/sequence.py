@@ -103,6 +103,7 @@ class Sequence:
         self.top_logprobs: list[dict[int, float]] = []
         # prompt_logprobs: of prompt tokens 1, 2, ... (token 0 has none), filled as prefill goes.
         self.prompt_logprobs: list[float] = []
+        self.prompt_ranks: list[int] = []
         self.prompt_top_logprobs: list[dict[int, float]] = []
         self.text: str | None = None  # set when a stop string cut it, else at finish
         # The completion's text as stop strings see it, built as tokens arrive, and how many
@@ -293,7 +294,7 @@ class Sequence:
             "token_ids": list(self.token_ids), "num_prompt_tokens": self.num_prompt_tokens,
             "params": self.params, "rng_state": self.generator.bit_generator.state,
             "logprobs": list(self.logprobs), "top_logprobs": list(self.top_logprobs),
-            "prompt_logprobs": list(self.prompt_logprobs),
+            "prompt_logprobs": list(self.prompt_logprobs), "prompt_ranks": list(self.prompt_ranks),
             "prompt_top_logprobs": list(self.prompt_top_logprobs),
             "counters": dict(self.counters), "forked": self.forked,
         }
@@ -310,7 +311,7 @@ class Sequence:
                   list(state["token_ids"]), state["num_prompt_tokens"], state["params"],
                   generator, stop_rule)
         seq.logprobs, seq.top_logprobs = list(state["logprobs"]), list(state["top_logprobs"])
-        seq.prompt_logprobs = list(state["prompt_logprobs"])
+        seq.prompt_logprobs, seq.prompt_ranks = list(state["prompt_logprobs"]), list(state["prompt_ranks"])
         seq.prompt_top_logprobs = list(state["prompt_top_logprobs"])
         seq.counters, seq.forked = dict(state["counters"]), state["forked"]
         if "kv" in state:  # arrives as if suspended here: the engine parks the KV in the host tier

@@ -144,9 +144,52 @@ def test_failed_records_have_openai_s_http_error_shape():
     assert response_line(error_row(unparsed), model="m", created=0)["custom_id"] is None
 
 
-def test_a_row_with_prompt_logprobs_is_an_error_line_not_a_line_without_them():
-    line = line_of(text_record(prompt_logprobs=0), SampleOutput(0, [7], "!", "length"),
-                   prompt_logprobs=[None, -1.0, -2.0])
+def prompt_texts(prompt):
+    """Token texts that name the token and the position read, to check what is read where."""
+    def text(token_id, position):
+        assert 0 <= position < len(prompt)
+        return f"{token_id}@{position}"
+    return text
+
+
+def test_prompt_logprobs_take_vllm_s_shape():
+    """Per prompt token after the first: the token (its rank as given), then the top ones ranked
+    1, 2, ...; one of them that is the prompt token keeps its place and takes its top rank.
+    Chat: in the body; a completion: in each choice. Texts are read after the first token."""
+    scored = dict(prompt_token_ids=[3, 5, 9], prompt_logprobs=[None, -1.5, -math.inf],
+                  prompt_ranks=[None, 1, 40], prompt_top_logprobs=[None, {5: -1.5, 6: -1.75}, {7: -0.5, 6: -1.0}])
+    want = [None,
+            {5: {"logprob": -1.5, "rank": 1, "decoded_token": "5@0"},
+             6: {"logprob": -1.75, "rank": 2, "decoded_token": "6@0"}},
+            {9: {"logprob": -9999.0, "rank": 40, "decoded_token": "9@1"},
+             7: {"logprob": -0.5, "rank": 1, "decoded_token": "7@1"},
+             6: {"logprob": -1.0, "rank": 2, "decoded_token": "6@1"}}]
+    samples = [SampleOutput(0, [7], "!", "length"), SampleOutput(1, [9], " there", "length")]
+    for record, holders in ((chat_record(prompt_logprobs=2), lambda body: [body]),
+                            (text_record(prompt_logprobs=2, n=2, temperature=1.0), lambda body: body["choices"])):
+        row = completion_row(parse_record(record), Completion("r", samples[:record["body"].get("n", 1)],
+                                                              3, TIMINGS, **scored))
+        for read_back in (row, row_from_json(row_to_json(row)), arrow_to_rows(rows_to_arrow([row]))[0]):
+            body = response_line(read_back, model="m", created=0, token_texts=prompt_texts)["response"]["body"]
+            for holder in holders(body):
+                assert holder["prompt_logprobs"] == want
+                assert [list(at) for at in holder["prompt_logprobs"][1:]] == [[5, 6], [9, 7, 6]]  # in vLLM's order
+            assert json.loads(json.dumps(body, allow_nan=False))["choices"]  # strict JSON, int keys as text
+
+
+def test_prompt_logprobs_zero_give_the_prompt_tokens_alone():
+    line = line_of(text_record(prompt_logprobs=0), SampleOutput(0, [7], "!", "length"), prompt_tokens=2,
+                   prompt_token_ids=[3, 5], prompt_logprobs=[None, -2.0], prompt_ranks=[None, 4])
+    [choice] = line["response"]["body"]["choices"]
+    assert choice["prompt_logprobs"] == [None, {5: {"logprob": -2.0, "rank": 4, "decoded_token": "Hel"}}]
+
+
+def test_a_row_with_prompt_logprobs_but_no_prompt_ids_is_an_error_line_not_a_line_without_them():
+    row = completion_row(parse_record(text_record(prompt_logprobs=0)),
+                         Completion("r", [SampleOutput(0, [7], "!", "length")], 2, TIMINGS,
+                                    prompt_logprobs=[None, -2.0], prompt_ranks=[None, 4]))
+    del row["prompt_token_ids"]  # a row an earlier release wrote
+    line = response_line(row, model="m", created=0, token_texts=texts)
     assert line["response"]["status_code"] == 400
     assert line["response"]["body"]["error"]["message"].startswith("prompt_logprobs:")
 

@@ -24,6 +24,7 @@ from batchgen_beam.io import (MalformedRow, ReadRecords, WriteRows, _fixed_dir, 
 from batchgen_beam.records import OUTPUT_SCHEMA, error_row, row_from_arrow_dict, row_from_json, rows_to_arrow
 from beam_helpers import ENGINE_ARGS, IN_MEMORY, chat_model_dir
 from pipelines import generate as cli
+from runtime.tokenizer import load_tokenizer
 
 ENGINE_FLAGS = ["--kv_cache_mb", str(ENGINE_ARGS["kv_cache_bytes"] >> 20),
                 "--num_threads", str(ENGINE_ARGS["num_threads"])]
@@ -165,10 +166,31 @@ def test_openai_format_answers_each_record_with_an_openai_batch_line(chat_model,
     assert "temperature" in by_id["g"]["response"]["body"]["error"]["message"]
 
 
-def test_openai_format_refuses_prompt_logprobs_it_cannot_write(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        cli.parse_args(["--format", "openai", "--prompt_logprobs", "0"])
-    assert "--prompt_logprobs: not written in --format openai" in capsys.readouterr().err
+def test_openai_format_writes_prompt_logprobs_as_vllm_does(chat_model, jsonl_input, tmp_path):
+    """The rows' scores in vLLM's shape: per prompt token after the first, the token with its
+    logprob and rank, then the top one; the prompt tokens' texts join into the prompt's."""
+    flags = ("--input", str(jsonl_input), "--prompt_logprobs", "1", "--max_tokens", "1")
+    rows = run(chat_model, *flags, "--output", str(tmp_path / "rows/gen"), "--format", "jsonl")
+    rows = {r["id"]: r for r in read_jsonl(rows["output_files"])}
+    summary = run(chat_model, *flags, "--output", str(tmp_path / "oa/gen"), "--format", "openai")
+    lines = {line["custom_id"]: line for line in read_jsonl(summary["output_files"])}
+    tokenizer = load_tokenizer(chat_model)
+    for custom_id in ("a", "b", "c", "d"):
+        row, body = rows[custom_id], lines[custom_id]["response"]["body"]
+        scored = body["prompt_logprobs"] if row["chat"] else body["choices"][0]["prompt_logprobs"]
+        prompt = row["prompt_token_ids"]
+        assert len(prompt) == len(scored) == row["prompt_tokens"] and scored[0] is None
+        for position in range(1, len(prompt)):
+            token, *top = scored[position].items()
+            assert token[0] == str(prompt[position])
+            assert token[1]["logprob"] == pytest.approx(row["prompt_logprobs"][position], abs=1e-5)
+            assert token[1]["rank"] == row["prompt_ranks"][position] >= 1
+            best = row["prompt_top_logprobs"][position][0]
+            ranked_first = scored[position][str(best["token_id"])]
+            assert ranked_first["rank"] == 1 and ranked_first["logprob"] == pytest.approx(best["logprob"], abs=1e-5)
+            assert len(top) == (best["token_id"] != prompt[position])
+        texts = "".join(at[str(token)]["decoded_token"] for at, token in zip(scored[1:], prompt[1:]))
+        assert texts == tokenizer.decode(prompt[1:])
 
 
 def test_text_input_ids_are_file_and_line(chat_model, tmp_path):

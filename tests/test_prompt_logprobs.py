@@ -15,21 +15,31 @@ PROMPTS = random_prompts((1, 2, 15, 16, 17, 45, 90), seed=21)
 TOP = 3
 
 
-def hf_prompt_logprobs(model, prompt) -> tuple[list, list]:
-    """transformers' logprob of each prompt token after the first, and the top TOP before it."""
+def hf_prompt_logprobs(model, prompt, with_ranks=False) -> tuple[list, ...]:
+    """transformers' logprob of each prompt token after the first, and the top TOP before it
+    (and the range each one's rank may take: 1 + how many tokens are surely likelier, to how
+    many are at least as likely within the tolerance)."""
     with torch.no_grad():
         logprobs = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), -1)
-    chosen = logprobs.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+    chosen = logprobs.gather(1, torch.tensor(prompt[1:])[:, None])
     top = logprobs.topk(TOP, dim=1)
-    return chosen, [dict(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+    found = chosen[:, 0].tolist(), [dict(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+    if not with_ranks:
+        return found
+    ranks = zip(((logprobs > chosen + 1e-4).sum(1) + 1).tolist(), (logprobs >= chosen - 1e-4).sum(1).tolist())
+    return (*found, list(ranks))
 
 
 def assert_scored(tiny, family, prompt, completion, tol=1e-4):
-    chosen, top = hf_prompt_logprobs(tiny.hf(family), prompt)
+    chosen, top, ranks = hf_prompt_logprobs(tiny.hf(family), prompt, with_ranks=True)
     assert completion.error is None, completion.error
     assert completion.prompt_logprobs[0] is None and completion.prompt_top_logprobs[0] is None
     assert len(completion.prompt_logprobs) == len(completion.prompt_top_logprobs) == len(prompt)
+    assert completion.prompt_token_ids == prompt
     assert completion.prompt_logprobs[1:] == pytest.approx(chosen, abs=tol)
+    assert completion.prompt_ranks[0] is None
+    # a rank may differ by the ties that logits' last bits make or break
+    assert all(low <= got <= high for got, (low, high) in zip(completion.prompt_ranks[1:], ranks, strict=True))
     for got, want in zip(completion.prompt_top_logprobs[1:], top):
         assert list(got) == list(want)
         assert list(got.values()) == pytest.approx(list(want.values()), abs=tol)

@@ -25,7 +25,7 @@ from runtime.sampling import SamplingParams
 
 ROW_KEYS = ["id", "text", "token_ids", "finish_reason", "stop_reason", "stop_token_id",
             "prompt_tokens", "completion_tokens", "error", "error_type", "samples", "logprobs", "top_logprobs",
-            "prompt_logprobs", "prompt_top_logprobs", "queue_s", "first_token_s", "total_s", "chat",
+            "prompt_token_ids", "prompt_logprobs", "prompt_ranks", "prompt_top_logprobs", "queue_s", "first_token_s", "total_s", "chat",
             "passthrough"]
 
 
@@ -757,19 +757,20 @@ def test_completion_row_n1():
     assert list(row) == ROW_KEYS
     assert row == {"id": "r1", "text": "abc", "token_ids": [5, 6, 7], "finish_reason": "stop",
                    "stop_reason": None, "stop_token_id": None, "prompt_tokens": 4, "completion_tokens": 3, "error": None, "error_type": None, "samples": None,
-                   "logprobs": [-0.5, -1.25, -0.0], "top_logprobs": None, "prompt_logprobs": None,
-                   "prompt_top_logprobs": None, "queue_s": 0.25,
+                   "logprobs": [-0.5, -1.25, -0.0], "top_logprobs": None, "prompt_token_ids": None,
+                   "prompt_logprobs": None, "prompt_ranks": None, "prompt_top_logprobs": None, "queue_s": 0.25,
                    "first_token_s": 0.75, "total_s": 3.5, "chat": False, "passthrough": {"meta": {"k": [1]}}}
 
 
 def test_a_scored_prompt_keeps_its_logprobs_through_parquet_and_jsonl(tmp_path):
     parsed = parse_record(rec(prompt_logprobs=0, max_tokens=1))
     completion = Completion("r1", [SampleOutput(0, [5], "a", "length")], 3, TIMINGS,
-                            prompt_logprobs=[None, -2.5, -0.125])
+                            prompt_token_ids=[1, 8, 3], prompt_logprobs=[None, -2.5, -0.125],
+                            prompt_ranks=[None, 7, 1])
     row = completion_row(parsed, completion)
-    assert row["prompt_logprobs"] == [None, -2.5, -0.125]
-    assert arrow_to_rows(rows_to_arrow([row]))[0]["prompt_logprobs"] == [None, -2.5, -0.125]
-    assert row_from_json(row_to_json(row))["prompt_logprobs"] == [None, -2.5, -0.125]
+    scored = {"prompt_token_ids": [1, 8, 3], "prompt_logprobs": [None, -2.5, -0.125], "prompt_ranks": [None, 7, 1]}
+    for read_back in (row, arrow_to_rows(rows_to_arrow([row]))[0], row_from_json(row_to_json(row))):
+        assert {name: read_back[name] for name in scored} == scored
 
 
 def test_top_logprobs_reach_the_row_likeliest_first_through_parquet_and_jsonl():
@@ -815,7 +816,8 @@ def test_engine_error_completion_becomes_an_error_row():
     assert row == {"id": "r1", "text": None, "token_ids": [], "finish_reason": "error",
                    "stop_reason": None, "stop_token_id": None, "prompt_tokens": 0, "completion_tokens": 0,
                    "error": "prompt too long: 9000 tokens", "error_type": "engine", "samples": None, "logprobs": None,
-                   "top_logprobs": None, "prompt_logprobs": None, "prompt_top_logprobs": None,
+                   "top_logprobs": None, "prompt_token_ids": None, "prompt_logprobs": None,
+                   "prompt_ranks": None, "prompt_top_logprobs": None,
                    "queue_s": None, "first_token_s": None, "total_s": 0.5, "chat": False,
                    "passthrough": {"src": "x"}}
 
