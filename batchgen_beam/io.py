@@ -68,7 +68,7 @@ import pyarrow.compute as pc
 
 from batchgen_beam.model_sources import resolve_model
 from batchgen_beam.openai_batch import response_line
-from batchgen_beam.records import SAMPLING_FIELDS, OUTPUT_SCHEMA, Rejected, row_to_arrow_dict, row_to_json
+from batchgen_beam.records import CHAT_FIELDS, SAMPLING_FIELDS, OUTPUT_SCHEMA, Rejected, row_to_arrow_dict, row_to_json
 from runtime.default_model import DEFAULT_MODEL_NAME
 
 INPUT_FORMATS = ("jsonl", "parquet", "text", "csv", "tsv")
@@ -82,9 +82,9 @@ _DELIMITERS = {"csv": ",", "tsv": "\t"}
 # takes: the numbers (and the flags: JSON's true is an int here), lists and objects. Any other
 # cell stays text: "5" or "null" as a stop string, a regex, a schema (which is JSON text).
 _LISTS_AND_OBJECTS = {"messages": list, "stop": (str, list), "stop_token_ids": list,
-                      "logit_bias": dict, "choice": list}
+                      "logit_bias": dict, "choice": list, "chat_template_kwargs": dict}
 _TEXT_FIELDS = ("regex", "json_schema")
-_JSON_CELLS = {**{field: (int, float) for field in SAMPLING_FIELDS if field not in _TEXT_FIELDS},
+_JSON_CELLS = {**{field: (int, float) for field in (*SAMPLING_FIELDS, *CHAT_FIELDS) if field not in _TEXT_FIELDS},
                **_LISTS_AND_OBJECTS}
 # Compressions Beam's file readers detect from the name (CompressionTypes.AUTO).
 _COMPRESSION_EXTENSIONS = (".gz", ".bz2", ".deflate", ".zst", ".zstd", ".lzma", ".xz")

@@ -71,7 +71,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from runtime.request import Completion, Request, Timings
+from runtime.request import ChatOptions, Completion, Request, Timings
 from runtime.sampling import SamplingParams
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
@@ -79,6 +79,9 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
                    "logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty",
                    "truncate_prompt_tokens", "json_schema", "regex", "choice",
                    "include_stop_str_in_output", "skip_special_tokens")
+# How a record's messages become its prompt (runtime.request.ChatOptions): vLLM's chat fields.
+CHAT_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+_CHAT_NO_OP = {"chat_template_kwargs": {}, "add_generation_prompt": True, "continue_final_message": False}
 ROLES = ("system", "user", "assistant")
 # OpenAI's newer name for the system role: chat templates know only "system".
 ROLE_ALIASES = {"developer": "system"}
@@ -90,18 +93,16 @@ _TOKEN_ID = re.compile(r"-?[0-9]+")  # a logit_bias key (JSON keys are text)
 RAW_PREVIEW_CHARS = 200
 MAX_NESTING = 32  # levels of mappings and lists in a record: far past any real one
 
-_NATIVE_KEYS = {"id", "prompt", "messages", *SAMPLING_FIELDS}
+_NATIVE_KEYS = {"id", "prompt", "messages", *SAMPLING_FIELDS, *CHAT_FIELDS}
 # vLLM's request fields we cannot honour, accepted only at the value that makes them a no-op:
 # a record written for vLLM must not silently get something else than it asked for.
 _NATIVE_NO_OP = {"best_of": 1, "use_beam_search": False, "length_penalty": 1.0, "bad_words": [],
-                 "allowed_token_ids": [], "spaces_between_special_tokens": True,
-                 "add_generation_prompt": True, "continue_final_message": False,
-                 "chat_template": "", "chat_template_kwargs": {}}
+                 "allowed_token_ids": [], "spaces_between_special_tokens": True, "chat_template": ""}
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
 # Per endpoint: the body key holding the input, and the endpoint-specific keys we understand.
 _OPENAI_URLS = {
     "/v1/chat/completions": ("messages", {"messages", "max_tokens", "max_completion_tokens",
-                                          "logprobs", "top_logprobs"}),
+                                          "logprobs", "top_logprobs", *CHAT_FIELDS}),
     "/v1/completions": ("prompt", {"prompt", "max_tokens", "logprobs"}),
 }
 # Body keys that ask for structured output: OpenAI's response_format and vLLM's guided_json
@@ -126,8 +127,9 @@ _OPENAI_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream
 # Body keys we cannot honour, accepted only at the value that makes them a no-op.
 _OPENAI_NO_OP = {"echo": False, "best_of": 1, "suffix": "", "stream": False, "tools": [],
                  "tool_choice": "none", "modalities": ["text"]}
-# A body may carry vLLM's request fields as well (files written for vLLM), on the same terms.
-_BODY_NO_OP = {**_NATIVE_NO_OP, **_OPENAI_NO_OP}
+# A body may carry vLLM's request fields as well (files written for vLLM), on the same terms
+# (the chat fields, at their defaults, in a completion's too).
+_BODY_NO_OP = {**_NATIVE_NO_OP, **_OPENAI_NO_OP, **_CHAT_NO_OP}
 
 
 @dataclass
@@ -138,9 +140,10 @@ class Parsed:
     messages: list[dict] | None
     params: SamplingParams
     passthrough: dict = field(default_factory=dict)
+    chat: ChatOptions = field(default_factory=ChatOptions)
 
     def to_request(self) -> Request:
-        return Request(self.id, prompt=self.prompt, messages=self.messages, params=self.params)
+        return Request(self.id, prompt=self.prompt, messages=self.messages, params=self.params, chat=self.chat)
 
     @cached_property
     def request_digest(self) -> str:
@@ -187,22 +190,29 @@ def parse_record(raw: Any, defaults: Mapping[str, Any] | None = None,
 
 
 def check_defaults(defaults: Mapping[str, Any] | None) -> dict:
-    """The sampling fields `defaults` sets (None = not set), checked. Raises ValueError: a bad
-    default is the caller's mistake. Transforms call this at construction to fail early."""
+    """The sampling and chat fields `defaults` sets (None = not set), checked. Raises ValueError:
+    a bad default is the caller's mistake. Transforms call this at construction to fail early."""
     defaults = dict(defaults or {})
-    unknown = sorted(set(defaults) - set(SAMPLING_FIELDS))
+    unknown = sorted(set(defaults) - set(SAMPLING_FIELDS) - set(CHAT_FIELDS))
     if unknown:
         raise ValueError(f"defaults: unknown sampling fields {unknown}; "
-                         f"known: {', '.join(SAMPLING_FIELDS)}")
+                         f"known: {', '.join((*SAMPLING_FIELDS, *CHAT_FIELDS))}")
     nan = [k for k, v in defaults.items() if isinstance(v, float) and math.isnan(v)]
     if nan:  # NaN in a record is pandas' missing value; as a job's default it is a mistake
         raise ValueError(f"defaults: {nan[0]}: must be a finite number, got nan")
+    chat = {k: defaults[k] for k in CHAT_FIELDS if defaults.get(k) is not None}
     try:
         given = _sampling_fields(defaults)
         SamplingParams(**given)
+        _chat_options_of(chat)
     except (_Invalid, ValueError) as exc:
         raise ValueError(f"defaults: {_field_message(exc)}") from None
-    return given
+    return {**given, **chat}
+
+
+def sampling_defaults(defaults: Mapping[str, Any]) -> SamplingParams:
+    """The sampling parameters checked defaults give a record that sets none of its own."""
+    return SamplingParams(**{k: v for k, v in defaults.items() if k in SAMPLING_FIELDS})
 
 
 def _to_mapping(raw: Any, fallback_id: str | None) -> Mapping:
@@ -400,11 +410,12 @@ def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
         fields = _openai_fields(record) if openai else record
         prompt, messages = _check_prompt(fields)
         params = _params(fields, base, record_id)
+        chat = _chat_options(fields, base, messages is not None)
     except _Invalid as bad:
         if record_id is None and record.get(id_key) is not None and id_key not in unwritable:
             passthrough = {id_key: record[id_key], **passthrough}  # what the row can be traced by
         return Rejected(record_id, str(bad), passthrough)
-    return Parsed(record_id, prompt, messages, params, passthrough)
+    return Parsed(record_id, prompt, messages, params, passthrough, chat)
 
 
 def _utf8(value: Any, where: str) -> Any:
@@ -508,12 +519,38 @@ def _check_content(where: str, content: Any) -> str | list[dict]:
 
 def _params(fields: Mapping, base: dict, record_id: str) -> SamplingParams:
     given = _sampling_fields(fields)
+    base = {k: v for k, v in base.items() if k in SAMPLING_FIELDS}
     if given.keys() & _STRUCTURED:  # a record's structure replaces the job's, of whatever kind
         base = {k: v for k, v in base.items() if k not in _STRUCTURED}
     if "seed" in base and "seed" not in given:
         base = {**base, "seed": record_seed(base["seed"], record_id)}
     try:
         return SamplingParams(**{**base, **given})
+    except ValueError as exc:
+        raise _Invalid(_field_message(exc)) from None
+
+
+def _chat_options(fields: Mapping, base: dict, chat: bool) -> ChatOptions:
+    """The record's chat fields over the job's; a record's template variables add to the job's.
+    A prompt record takes them only at their defaults (a prompt is not rendered)."""
+    given = {k: fields[k] for k in CHAT_FIELDS if not is_missing(fields.get(k))}
+    if not chat:
+        for key, value in given.items():
+            if not _is_no_op(value, _CHAT_NO_OP[key]):
+                raise _Invalid(f"{key}: only for messages (a prompt is not rendered by a chat template), "
+                               f"got {_show(value)}")
+        return ChatOptions()
+    options = {**{k: v for k, v in base.items() if k in CHAT_FIELDS}, **given}
+    if isinstance(given.get("chat_template_kwargs"), Mapping):
+        options["chat_template_kwargs"] = {**base.get("chat_template_kwargs", {}), **given["chat_template_kwargs"]}
+    return _chat_options_of(options)
+
+
+def _chat_options_of(options: Mapping) -> ChatOptions:
+    try:
+        return ChatOptions(template_kwargs=options.get("chat_template_kwargs", {}),
+                           add_generation_prompt=options.get("add_generation_prompt", True),
+                           continue_final_message=options.get("continue_final_message", False))
     except ValueError as exc:
         raise _Invalid(_field_message(exc)) from None
 
@@ -576,7 +613,7 @@ def _logit_bias(value: Any) -> list[tuple[Any, Any]]:
 def _field_message(exc: Exception) -> str:
     """SamplingParams says "top_p must be ..."; make it "top_p: must be ..." like ours."""
     name, sep, rest = str(exc).partition(" must ")
-    return f"{name}: must {rest}" if sep and name in SAMPLING_FIELDS else str(exc)
+    return f"{name}: must {rest}" if sep and name in (*SAMPLING_FIELDS, *CHAT_FIELDS) else str(exc)
 
 
 def _openai_fields(record: Mapping) -> dict:
@@ -597,13 +634,13 @@ def _openai_fields(record: Mapping) -> dict:
         raise _Invalid(f"body.{input_key}: missing (required by {url})")
     given = {k: v for k, v in body.items() if not is_missing(v) and k not in _OPENAI_IGNORED}
     for key, value in given.items():
-        if key in _BODY_NO_OP:
-            if not _is_no_op(value, _BODY_NO_OP[key]):
-                raise _Invalid(f"body.{key}: not supported (only {_BODY_NO_OP[key]!r} is), "
-                               f"got {_show(value)}")
-        elif key not in endpoint_keys and key not in _OPENAI_SAMPLING and key not in _OPENAI_FORMATS:
+        if key in endpoint_keys or key in _OPENAI_SAMPLING or key in _OPENAI_FORMATS:
+            continue
+        if key not in _BODY_NO_OP:
             raise _Invalid(f"body.{key}: not supported for {url}")
-    fields = {k: v for k, v in given.items() if k in _OPENAI_SAMPLING}
+        if not _is_no_op(value, _BODY_NO_OP[key]):
+            raise _Invalid(f"body.{key}: not supported (only {_BODY_NO_OP[key]!r} is), got {_show(value)}")
+    fields = {k: v for k, v in given.items() if k in _OPENAI_SAMPLING or k in CHAT_FIELDS}
     fields[input_key] = given[input_key]
     fields.update(_openai_structure(given))
     fields["max_tokens"] = _openai_max_tokens(given)

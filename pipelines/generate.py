@@ -37,8 +37,8 @@ from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.generate import METRICS_NAMESPACE, Generate
 from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, absolute_path,
                               check_input, check_output, file_records, infer_format)
-from batchgen_beam.records import SAMPLING_FIELDS, check_defaults, is_missing, is_openai_line
-from runtime import SamplingParams
+from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, check_defaults, is_missing, is_openai_line,
+                                   sampling_defaults)
 
 BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"
 # Sampling flags that set their record field's transform-wide default: (name, type, help).
@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                           default=None, help="keep special tokens (e.g. <|im_end|>) in the text")
     sampling.add_argument("--ignore_eos", action="store_true", default=None,
                           help="generate max_tokens whatever the model says")
+    sampling.add_argument("--chat_template_kwargs", type=_json_object, default=None, metavar="JSON",
+                          help="variables for the chat template, e.g. '{\"enable_thinking\": false}' "
+                               "(Qwen 3's); a record's own add to them")
 
     engine = parser.add_argument_group("model and engine")
     engine.add_argument("--model", default=None,
@@ -208,9 +211,19 @@ def engine_args_of(args: argparse.Namespace) -> dict:
 
 
 def sampling_defaults_of(args: argparse.Namespace) -> dict:
-    """The sampling flags given (each named after its record field)."""
-    given = {name: getattr(args, name, None) for name in SAMPLING_FIELDS}
+    """The sampling and chat flags given (each named after its record field)."""
+    given = {name: getattr(args, name, None) for name in (*SAMPLING_FIELDS, *CHAT_FIELDS)}
     return {k: v for k, v in given.items() if v is not None}
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as bad:
+        raise argparse.ArgumentTypeError(f"not JSON ({bad})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text}")
+    return value
 
 
 def model_of(args: argparse.Namespace) -> str | None:
@@ -441,7 +454,7 @@ def main(argv: list[str] | None = None) -> dict:
         client = EngineClient.shared(config).connect()  # starts (or finds) this machine's engine
         engine_start_s = time.perf_counter() - load_started
         try:  # values no record could run with (logprobs past the vocabulary, say)
-            client.check_params(SamplingParams(**check_defaults(defaults)))
+            client.check_params(sampling_defaults(check_defaults(defaults)))
         except ValueError as bad:
             raise ValueError(f"--{bad}") from None
     run_started = time.perf_counter()

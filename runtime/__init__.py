@@ -2,7 +2,7 @@
 
 from runtime.engine import Engine
 from runtime.pool import EnginePool
-from runtime.request import Completion, Request, SampleOutput
+from runtime.request import ChatOptions, Completion, Request, SampleOutput
 from runtime.sampling import SamplingParams
 
-__all__ = ["Completion", "Engine", "EnginePool", "Request", "SampleOutput", "SamplingParams"]
+__all__ = ["ChatOptions", "Completion", "Engine", "EnginePool", "Request", "SampleOutput", "SamplingParams"]

@@ -25,7 +25,7 @@ from runtime.kv_cache import BlockManager, HostKVPool, KVCache, block_hash
 from runtime.loader import build_model, load_model, safetensors_files, weights_fingerprint
 from runtime.lora import ADAPTER_WEIGHTS
 from runtime.moe import moe_blocks
-from runtime.request import Completion, CompletionWaiter, Request, SampleOutput, Timings
+from runtime.request import ChatOptions, Completion, CompletionWaiter, Request, SampleOutput, Timings
 from runtime.runner import ModelRunner, ScoredPrompts
 from runtime.sampling import SampledToken, SampleRow, SamplingParams, sample
 from runtime.scheduler import Scheduler
@@ -368,7 +368,7 @@ class Engine:
         elif self.tokenizer is None:
             raise InvalidPrompt("this model has no tokenizer: give prompt_token_ids")
         elif request.messages is not None:
-            ids = self._encode_chat(request.messages)
+            ids = self._encode_chat(request.messages, request.chat)
         else:
             if not isinstance(request.prompt, str):
                 raise InvalidPrompt(f"prompt must be a string, got {type(request.prompt).__name__}")
@@ -391,7 +391,7 @@ class Engine:
                                 "keeps only a prompt's last tokens)")
         return ids
 
-    def _encode_chat(self, messages: list[dict]) -> list[int]:
+    def _encode_chat(self, messages: list[dict], options: ChatOptions) -> list[int]:
         if self.tokenizer.chat_template is None:
             raise InvalidPrompt("this model's tokenizer has no chat template: give a prompt")
         if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -404,9 +404,13 @@ class Engine:
         if not self._chat_takes_parts:
             messages = [{**m, "content": "\n".join(_content_texts(m["content"]))} for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, **options.template_kwargs)
         except TemplateError as refused:  # templates raise on what they do not take (roles out of turn)
             raise InvalidPrompt(f"messages: the model's chat template refused them ({refused})") from None
+        except ValueError as refused:  # continue_final_message: the last message is not in the text
+            raise InvalidPrompt(f"messages: {refused}") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _new_sequence(self, request_id: str, index: int, token_ids: list[int],

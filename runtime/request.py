@@ -2,21 +2,58 @@
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from runtime.sampling import SamplingParams
+
+
+# apply_chat_template's own parameters: what it does with the text, not what the template reads.
+_NOT_TEMPLATE_VARIABLES = frozenset({
+    "conversation", "messages", "chat_template", "tokenize", "add_generation_prompt",
+    "continue_final_message", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How `messages` become a prompt, as vLLM's chat requests say it: `template_kwargs` are
+    variables the chat template reads (e.g. Qwen 3's {"enable_thinking": false});
+    `add_generation_prompt` opens the assistant's turn after the messages;
+    `continue_final_message` leaves the last message (the assistant's start of an answer) open,
+    for the completion to continue it (it needs add_generation_prompt false)."""
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.template_kwargs, Mapping) or not all(isinstance(k, str) for k in self.template_kwargs):
+            raise ValueError(f"chat_template_kwargs must map names to values, got {self.template_kwargs!r}")
+        reserved = sorted(_NOT_TEMPLATE_VARIABLES & self.template_kwargs.keys())
+        if reserved:
+            raise ValueError(f"chat_template_kwargs must hold template variables, not {reserved}"
+                             " (add_generation_prompt and continue_final_message are fields of their own)")
+        object.__setattr__(self, "template_kwargs", dict(self.template_kwargs))
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message must come with add_generation_prompt false: "
+                             "a turn of the assistant's cannot be both continued and opened")
 
 
 @dataclass
 class Request:
     """One generation request. Give `prompt` (text), `messages` (chat, rendered with the
-    tokenizer's chat template; a message's content is a string or OpenAI's list of text parts)
-    or `prompt_token_ids`."""
+    tokenizer's chat template as `chat` says; a message's content is a string or OpenAI's list
+    of text parts) or `prompt_token_ids`."""
     id: str
     prompt: str | None = None
     messages: list[dict] | None = None
     prompt_token_ids: list[int] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
+    chat: ChatOptions = field(default_factory=ChatOptions)
 
 
 @dataclass

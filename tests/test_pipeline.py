@@ -193,6 +193,33 @@ def test_openai_format_writes_prompt_logprobs_as_vllm_does(chat_model, jsonl_inp
         assert texts == tokenizer.decode(prompt[1:])
 
 
+def test_chat_fields_render_the_prompt_as_transformers_does(chat_model, tmp_path):
+    """A record's continue_final_message and the job's template variables reach the template:
+    the prompt the engine ran is transformers' rendering of the same messages."""
+    chat = [{"role": "user", "content": "Name a river."}]
+    started = [*chat, {"role": "assistant", "content": "The river"}]
+    records = [{"id": "plain", "messages": chat},
+               {"id": "continued", "messages": started, "add_generation_prompt": False,
+                "continue_final_message": True},
+               {"id": "prompt", "prompt": "Name a river."}]
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = run(chat_model, "--input", str(data), "--output", str(tmp_path / "out/gen"), "--format", "jsonl",
+                  "--prompt_logprobs", "0", "--max_tokens", "1", "--chat_template_kwargs", '{"enable_thinking": false}')
+    rows = {r["id"]: r for r in read_jsonl(summary["output_files"])}
+    tokenizer = load_tokenizer(chat_model)
+
+    def rendered(messages, **options):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, enable_thinking=False, **options)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    assert rows["plain"]["prompt_token_ids"] == rendered(chat, add_generation_prompt=True)
+    assert rows["continued"]["prompt_token_ids"] == rendered(started, add_generation_prompt=False,
+                                                             continue_final_message=True)
+    assert tokenizer.decode(rows["continued"]["prompt_token_ids"]).endswith("The river")
+    assert rows["prompt"]["error"] is None
+
+
 def test_text_input_ids_are_file_and_line(chat_model, tmp_path):
     data = tmp_path / "in"
     (data / "x").mkdir(parents=True)
@@ -558,6 +585,11 @@ def test_argument_handling():
                                               "min_tokens": 4}
     with pytest.raises(ValueError, match="json_schema"):
         cli.main(["--input", "x.jsonl", "--json_schema", "{not json", "--no_progress"])
+    args, _ = cli.parse_args(["--chat_template_kwargs", '{"enable_thinking": false}'])
+    assert cli.sampling_defaults_of(args)["chat_template_kwargs"] == {"enable_thinking": False}
+    for bad in ("{oops", "[1]"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--chat_template_kwargs", bad])
     args, beam_args = cli.parse_args(["--runner", "FnApiRunner", "--kv_cache_mb", "2"])
     assert beam_args == ["--runner", "FnApiRunner"]
     assert cli.engine_args_of(args) == {"kv_cache_bytes": 2 << 20}

@@ -20,7 +20,7 @@ from batchgen_beam.records import (MAX_NESTING, OUTPUT_SCHEMA, Parsed, Rejected,
                                    completion_row, error_row, parse_record, row_from_json,
                                    row_to_arrow_dict, row_to_json, rows_to_arrow)
 from batchgen_beam.io import parquet_records
-from runtime.request import Completion, Request, SampleOutput, Timings
+from runtime.request import ChatOptions, Completion, Request, SampleOutput, Timings
 from runtime.sampling import SamplingParams
 
 ROW_KEYS = ["id", "text", "token_ids", "finish_reason", "stop_reason", "stop_token_id",
@@ -254,8 +254,7 @@ def test_unparseable_lines_keep_a_preview_of_the_raw_input():
 def test_vllm_request_fields_we_cannot_honour_are_refused_unless_no_ops():
     """A record written for vLLM must not silently get something else than it asked for."""
     for field, value in [("best_of", 3), ("use_beam_search", True), ("bad_words", ["no"]),
-                         ("allowed_token_ids", [1, 2]), ("length_penalty", 0.5),
-                         ("continue_final_message", True), ("chat_template_kwargs", {"x": 1})]:
+                         ("allowed_token_ids", [1, 2]), ("length_penalty", 0.5), ("chat_template", "{{ x }}")]:
         parsed = parse_record({"id": "a", "prompt": "Hi", field: value})
         assert isinstance(parsed, Rejected) and parsed.error.startswith(f"{field}: not supported (only ")
     for field, value in [("guided_json", {"type": "object"}), ("structured_outputs", {"regex": "a+"}),
@@ -263,9 +262,74 @@ def test_vllm_request_fields_we_cannot_honour_are_refused_unless_no_ops():
         assert parse_record({"id": "a", "prompt": "Hi", field: value}).error == \
             f"{field}: a field of OpenAI Batch bodies; a record of ours gives json_schema, regex or choice"
     no_ops = {"best_of": 1, "use_beam_search": False, "bad_words": np.array([]), "allowed_token_ids": None,
-              "chat_template_kwargs": {}, "spaces_between_special_tokens": True}
+              "chat_template": "", "spaces_between_special_tokens": True}
     parsed = parse_record({"id": "a", "prompt": "Hi", **no_ops})
     assert isinstance(parsed, Parsed) and set(parsed.passthrough) == set(no_ops)
+
+
+THINKING = {"enable_thinking": False}
+
+
+def test_chat_fields_say_how_messages_become_the_prompt():
+    chat = [{"role": "user", "content": "Hi"}]
+    parsed = parse_record({"id": "a", "messages": chat, "chat_template_kwargs": THINKING})
+    assert parsed.chat == ChatOptions(template_kwargs=THINKING)
+    assert parsed.to_request().chat == parsed.chat and parsed.passthrough == {}
+    continued = [*chat, {"role": "assistant", "content": "Hello"}]
+    parsed = parse_record({"id": "a", "messages": continued, "add_generation_prompt": False,
+                           "continue_final_message": True})
+    assert parsed.chat == ChatOptions(add_generation_prompt=False, continue_final_message=True)
+    body = {"model": "m", "messages": chat, "chat_template_kwargs": THINKING, "add_generation_prompt": True}
+    line = {"custom_id": "q", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    assert parse_record(line).chat == ChatOptions(template_kwargs=THINKING)
+    assert parse_record({"id": "a", "messages": chat}).chat == ChatOptions()
+
+
+def test_a_record_s_template_variables_add_to_the_job_s():
+    chat = [{"role": "user", "content": "Hi"}]
+    job = check_defaults({"chat_template_kwargs": {"enable_thinking": False, "tone": "dry"},
+                          "add_generation_prompt": True})
+    parsed = parse_record({"id": "a", "messages": chat, "chat_template_kwargs": {"tone": "warm"}}, job)
+    assert parsed.chat == ChatOptions(template_kwargs={"enable_thinking": False, "tone": "warm"})
+    assert parse_record({"id": "a", "messages": chat}, job).chat.template_kwargs == {"enable_thinking": False, "tone": "dry"}
+    # a prompt is not rendered: the job's chat fields pass it by
+    assert parse_record({"id": "a", "prompt": "Hi"}, job).chat == ChatOptions()
+
+
+@pytest.mark.parametrize("record, error", [
+    ({"id": "a", "prompt": "Hi", "chat_template_kwargs": THINKING},
+     "chat_template_kwargs: only for messages (a prompt is not rendered by a chat template)"),
+    ({"id": "a", "prompt": "Hi", "continue_final_message": True}, "continue_final_message: only for messages"),
+    ({"id": "a", "messages": [{"role": "user", "content": "Hi"}], "continue_final_message": True},
+     "continue_final_message: must come with add_generation_prompt false"),
+    ({"id": "a", "messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": "thinking"},
+     "chat_template_kwargs: must map names to values"),
+    ({"id": "a", "messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"tokenize": True}},
+     "chat_template_kwargs: must hold template variables, not ['tokenize']"),
+    ({"id": "a", "messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": "no"},
+     "add_generation_prompt: must be a bool"),
+    ({"custom_id": "q", "method": "POST", "url": "/v1/completions",
+      "body": {"model": "m", "prompt": "Hi", "chat_template_kwargs": THINKING}},
+     "body.chat_template_kwargs: not supported (only {} is)"),
+])
+def test_chat_fields_that_cannot_be_honoured_are_error_rows(record, error):
+    got = parse_record(record)
+    assert isinstance(got, Rejected) and got.error.startswith(error), got
+
+
+def test_chat_fields_at_their_defaults_pass_a_prompt_record():
+    for record in ({"id": "a", "prompt": "Hi", "chat_template_kwargs": {}, "add_generation_prompt": True,
+                    "continue_final_message": False},
+                   {"custom_id": "q", "method": "POST", "url": "/v1/completions",
+                    "body": {"model": "m", "prompt": "Hi", "add_generation_prompt": True}}):
+        assert parse_record(record).chat == ChatOptions()
+
+
+def test_bad_chat_defaults_fail_at_construction():
+    with pytest.raises(ValueError, match="defaults: continue_final_message: must come with add_generation_prompt false"):
+        check_defaults({"continue_final_message": True})
+    with pytest.raises(ValueError, match="defaults: chat_template_kwargs: must map names to values"):
+        check_defaults({"chat_template_kwargs": ["enable_thinking"]})
 
 
 def test_a_rejected_record_keeps_its_passthrough():
@@ -707,8 +771,8 @@ def test_openai_bodies_take_vllms_request_fields_at_their_no_op_values():
                 "use_beam_search": False, "length_penalty": 1.0, "bad_words": []}
     assert parse_record(chat_line(defaults)).params == parse_record(chat_line({})).params
     assert parse_record(completions_line(use_beam_search=False, allowed_token_ids=[])).prompt == "Once"
-    refused = parse_record(chat_line({"continue_final_message": True}))
-    assert refused.error == "body.continue_final_message: not supported (only False is), got True"
+    refused = parse_record(chat_line({"use_beam_search": True}))
+    assert refused.error == "body.use_beam_search: not supported (only False is), got True"
 
 
 def test_openai_lines_with_a_null_id_as_parquet_mixes_them_with_ours():

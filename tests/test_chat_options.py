@@ -1,0 +1,89 @@
+"""How messages become a prompt (runtime.request.ChatOptions): template variables, the
+assistant's turn opened or not, a final assistant message continued. The oracle is transformers'
+apply_chat_template on the same tokenizer; the engine's prompt ids come back through
+prompt_logprobs."""
+
+import shutil
+
+import pytest
+
+from helpers import make_engine
+from runtime import ChatOptions, Request, SamplingParams
+
+FAMILY = "qwen2"
+# Like Qwen 3's: a variable that closes the thinking block up front.
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+            "{% if shout is defined and shout %}{{ m['content'] | upper }}{% else %}{{ m['content'] }}{% endif %}"
+            "{% if not (loop.last and continue_final_message is defined and continue_final_message) %}<|im_end|>\n"
+            "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+            "{% endif %}{{ suffix | default('') }}")
+SCORED = SamplingParams(max_tokens=1, prompt_logprobs=0)
+QUESTION = [{"role": "user", "content": "Name a river."}]
+STARTED = [*QUESTION, {"role": "assistant", "content": "The river"}]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_chat, tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("thinking") / "model"
+    shutil.copytree(tiny_chat.dir(FAMILY), model_dir)
+    (model_dir / "chat_template.jinja").write_text(TEMPLATE)
+    return make_engine(model_dir)
+
+
+def transformers_ids(engine, messages, **options):
+    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, **options)
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("messages, options", [
+    (QUESTION, {}),
+    (QUESTION, {"template_kwargs": {"enable_thinking": False}}),
+    (QUESTION, {"template_kwargs": {"enable_thinking": True, "suffix": "Sure."}}),
+    (QUESTION, {"add_generation_prompt": False}),
+    (STARTED, {"add_generation_prompt": False, "continue_final_message": True}),
+])
+def test_messages_render_as_transformers_renders_them(engine, messages, options):
+    [done] = engine.generate([Request("r", messages=messages, params=SCORED, chat=ChatOptions(**options))])
+    assert done.error is None, done.error
+    want = transformers_ids(engine, messages, add_generation_prompt=options.get("add_generation_prompt", True),
+                            continue_final_message=options.get("continue_final_message", False),
+                            **options.get("template_kwargs", {}))
+    assert done.prompt_token_ids == want
+    if options.get("template_kwargs", {}).get("enable_thinking") is False:
+        assert engine.tokenizer.decode(want).endswith("<think>\n\n</think>\n\n")
+    if options.get("continue_final_message"):
+        assert engine.tokenizer.decode(want).endswith("The river")
+
+
+def test_the_defaults_are_the_plain_generation_prompt(engine):
+    [done] = engine.generate([Request("r", messages=QUESTION, params=SCORED)])
+    assert done.prompt_token_ids == transformers_ids(engine, QUESTION, add_generation_prompt=True)
+
+
+def test_continuing_a_message_the_template_does_not_end_with_is_an_error_completion(engine):
+    """transformers refuses when the final message is not in the text (here the template
+    upper-cases it); one request's error, the others run."""
+    refused, ok = engine.generate([
+        Request("refused", messages=STARTED, params=SCORED,
+                chat=ChatOptions(template_kwargs={"shout": True}, add_generation_prompt=False,
+                                 continue_final_message=True)),
+        Request("ok", messages=QUESTION, params=SCORED)])
+    assert refused.finish_reason == "error" and refused.invalid
+    assert refused.error.startswith("messages: ")
+    assert ok.error is None
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"continue_final_message": True}, "continue_final_message must come with add_generation_prompt false"),
+    ({"template_kwargs": {"tokenize": True}}, "chat_template_kwargs must hold template variables, not ['tokenize']"),
+    ({"template_kwargs": {"add_generation_prompt": False}}, "not ['add_generation_prompt']"),
+    ({"template_kwargs": ["enable_thinking"]}, "chat_template_kwargs must map names to values"),
+    ({"template_kwargs": {1: True}}, "chat_template_kwargs must map names to values"),
+    ({"add_generation_prompt": 1}, "add_generation_prompt must be a bool"),
+    ({"continue_final_message": "yes"}, "continue_final_message must be a bool"),
+])
+def test_options_that_cannot_be_honoured_are_refused(options, message):
+    with pytest.raises(ValueError) as refused:
+        ChatOptions(**options)
+    assert message in str(refused.value)
