@@ -38,38 +38,40 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
 class TokenTexts:
     """Tokens' texts as OpenAI's logprobs show them: `TokenTexts(tokenizer)(completion)` is
     `text(token_id, position)`, the text of `token_id` (the completion's token there, or an
-    alternative to it) after the completion's tokens before `position`.
-    - A token after a character boundary is decoded alone, special tokens included, with the
-      leading spaces that its SentencePiece piece's "▁" markers stand for, which decoding a
-      piece alone drops (vLLM's rule).
-    - A character split across tokens (byte-level pieces of CJK text or emoji) shows whole on
-      the token that completes it, and a token that leaves one unfinished shows without it (""
-      if that is all it holds), as vLLM shows them; here a token that ends one character and
-      starts the next too. Each is read after the tokens since the last character boundary.
-    So the completion's tokens' texts join into its text, up to an EOS token or a stop string.
+    alternative to it) after the completion's tokens before `position`. vLLM's rules:
+    - A token is decoded alone, special tokens included, with the leading spaces that its
+      SentencePiece piece's markers stand for (decoding a piece alone drops them).
+    - A character split across tokens (byte-level pieces of CJK text or emoji): a token whose
+      text ends inside one shows "", and the token that completes it shows all the text held
+      back since the last character boundary (" 🎉" for ' \xf0\x9f' then '\x8e\x89'); a
+      token that cannot continue it (it decodes alone to whole characters) shows its own text.
+    So the completion's tokens' texts join into its text, up to an EOS token or a stop string;
+    the tokens of a character the completion never finishes show "", as its text holds it back.
+    Where vLLM's are lossy we are not: a run of tokens that each end one character and start
+    the next shows whole on the token that ends it (vLLM's show "" and U+FFFD).
     Without a tokenizer: "token_id:<id>", vLLM's name for a token it does not decode."""
 
-    MAX_UNFINISHED = 16  # tokens that finish no character: bytes that never will (broken UTF-8)
+    MAX_STALLED = 16  # tokens in a row that finish no character: bytes that never will (broken UTF-8)
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None):
         self._tokenizer = tokenizer
         self._alone: dict[int, str] = {}
+        self._marker = None if tokenizer is None else _space_marker(tokenizer)
+        self._special = set() if tokenizer is None else set(tokenizer.all_special_ids)
 
     def __call__(self, completion: Sequence[int]) -> Callable[[int, int], str]:
         if self._tokenizer is None:
             return lambda token_id, position: f"token_id:{token_id}"
         completion = list(completion)
-        boundaries = self._boundaries(completion)
-        shown: dict[int, str] = {}  # per position: the unfinished run's text shown so far
+        starts = self._run_starts(completion)
 
         def text(token_id: int, position: int) -> str:
-            start = boundaries[position]
-            if start == position:
-                return self.alone(token_id).rstrip("\ufffd")
-            if position not in shown:
-                shown[position] = self._finished(completion[start:position])
-            joined = self._finished(completion[start:position] + [token_id])
-            return joined[_common_prefix(shown[position], joined):]
+            alone = self.alone(token_id)
+            start = starts[position]
+            if token_id in self._special or (start < position and "\ufffd" not in alone):
+                return alone  # it continues no character
+            shown = alone if start == position else self._tokenizer.decode(completion[start:position] + [token_id])
+            return "" if shown.endswith("\ufffd") else shown  # "": the character it leaves is not done
 
         return text
 
@@ -77,29 +79,40 @@ class TokenTexts:
         if token_id not in self._alone:
             text = self._tokenizer.decode([token_id])
             piece = self._tokenizer.convert_ids_to_tokens(token_id)
-            if isinstance(piece, str):
-                markers = len(piece) - len(piece.lstrip("▁"))
+            if self._marker is not None and isinstance(piece, str):
+                markers = len(piece) - len(piece.lstrip(self._marker))
                 text = " " * (markers - (len(text) - len(text.lstrip(" ")))) + text
             self._alone[token_id] = text
         return self._alone[token_id]
 
-    def _boundaries(self, completion: list[int]) -> list[int]:
-        """Per position: the last position at or before it where a character boundary falls."""
-        boundaries, start = [], 0
-        for position in range(len(completion)):
-            boundaries.append(start)
-            finished = not self._tokenizer.decode(completion[start:position + 1]).endswith("\ufffd")
-            if finished or position + 1 - start >= self.MAX_UNFINISHED:
-                start = position + 1
-        return boundaries
+    def _run_starts(self, completion: list[int]) -> list[int]:
+        """Per position: the last character boundary at or before it, where the run of tokens
+        that its text continues starts. A special token ends a run (no character continues
+        through it)."""
+        starts: list[int] = []
+        start, stalled, finished = 0, 0, 0
+        for position, token in enumerate(completion):
+            starts.append(start)
+            decoded = self._tokenizer.decode(completion[start:position + 1])
+            done = len(decoded.rstrip("\ufffd"))
+            stalled = 0 if done > finished else stalled + 1
+            finished = done
+            if token in self._special or not decoded.endswith("\ufffd") or stalled >= self.MAX_STALLED:
+                start, stalled, finished = position + 1, 0, 0
+        return starts
 
-    def _finished(self, token_ids: list[int]) -> str:
-        """Their text up to the last character they finish."""
-        return self._tokenizer.decode(token_ids).rstrip("\ufffd")
 
-
-def _common_prefix(a: str, b: str) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+def _space_marker(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The character that stands for a space in a Metaspace (SentencePiece) tokenizer's pieces,
+    which decoding a piece alone drops; None for other pre-tokenizers (vLLM's rule)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    pre = json.loads(backend.to_str()).get("pre_tokenizer") or {}
+    for step in pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]:
+        if step.get("type") == "Metaspace":
+            return step.get("replacement", "\u2581")
+    return None
 
 
 _TEMPLATE_PARSER = ImmutableSandboxedEnvironment(extensions=[loopcontrols])

@@ -247,11 +247,45 @@ def byte_level_tokenizer(pieces: list[bytes]):
 
 def test_a_token_that_ends_one_character_and_starts_the_next():
     """Byte-level merges inside a run of CJK text may straddle two characters: [e6 bc] [a2 e6]
-    [bc a2] is 漢漢. Each character shows once, on the token that completes it."""
+    [bc a2] is 漢漢. The run shows whole on the token that ends it (vLLM's show "" then "\ufffd漢")."""
     han = "漢".encode()
-    tokenizer = byte_level_tokenizer([han[:2], han[2:] + han[:1], han[1:], b"a"])
+    tokenizer = byte_level_tokenizer([han[:2], han[2:] + han[:1], han[1:], b"a", han[2:] + han[:2], han[2:]])
     assert tokenizer.decode([0, 1, 2, 3]) == "漢漢a"
-    assert shown(TokenTexts(tokenizer), [0, 1, 2, 3]) == ["", "漢", "漢", "a"]
+    assert shown(TokenTexts(tokenizer), [0, 1, 2, 3]) == ["", "", "漢漢", "a"]
+    # Longer runs than the guard against broken bytes allows still show whole: [a2 e6 bc] ...
+    long_run = [0, *[4] * (TokenTexts.MAX_STALLED + 4), 5]
+    assert shown(TokenTexts(tokenizer), long_run) == [""] * (len(long_run) - 1) + ["漢" * (TokenTexts.MAX_STALLED + 5)]
+
+
+def test_a_token_that_finishes_text_and_starts_a_character_shows_on_the_one_completing_it():
+    """vLLM's rule: ' \xed' (a space and the first byte of 한) shows "", the token completing
+    the character shows " 한"."""
+    han = "한".encode()
+    tokenizer = byte_level_tokenizer([b"a", b" " + han[:1], han[1:], b"b"])
+    assert shown(TokenTexts(tokenizer), [0, 1, 2, 3]) == ["a", "", " 한", "b"]
+
+
+def test_a_character_the_completion_never_finishes_is_not_in_its_tokens():
+    """Cut by max_tokens, or by EOS: the text holds the character back (vLLM's incremental
+    decoder does), and so do the tokens; EOS shows as itself."""
+    han = "한".encode()
+    tokenizer = byte_level_tokenizer([b"a", b" " + han[:1], han[1:], b"b", b"<eos>"])
+    tokenizer.add_special_tokens({"eos_token": "<eos>"})
+    eos = tokenizer.eos_token_id
+    assert shown(TokenTexts(tokenizer), [0, 1]) == ["a", ""]
+    assert shown(TokenTexts(tokenizer), [0, 1, eos]) == ["a", "", "<eos>"]
+
+
+def test_an_alternative_that_does_not_continue_the_character_shows_its_own_text():
+    han = "한".encode()
+    tokenizer = byte_level_tokenizer([b"a", b" " + han[:1], han[1:], b" b", b"<eos>"])
+    tokenizer.add_special_tokens({"eos_token": "<eos>"})
+    text = TokenTexts(tokenizer)([0, 1, 2])
+    assert (text(3, 2), text(tokenizer.eos_token_id, 2), text(2, 2)) == (" b", "<eos>", " 한")
+    # At a character boundary, an alternative that would leave one unfinished shows "".
+    assert text(1, 0) == ""
+    # Where EOS cut the character, an alternative to EOS may still complete it.
+    assert TokenTexts(tokenizer)([0, 1, tokenizer.eos_token_id])(2, 2) == " 한"
 
 
 def sentencepiece_tokenizer():
@@ -268,6 +302,20 @@ def test_token_texts_keep_a_sentencepiece_piece_s_leading_spaces():
     ids = [1, 2, 3, 4]
     assert [TokenTexts(tokenizer).alone(i) for i in ids] == [" Hello", " world", "!", "    "]
     assert "".join(shown(TokenTexts(tokenizer), ids)) == " Hello world!    "
+
+
+def test_spaces_are_restored_by_the_metaspace_pre_tokenizer_s_own_marker():
+    """vLLM's rule: the marker is the Metaspace pre-tokenizer's replacement character; pieces of
+    other tokenizers that start with "\u2581" are shown as they decode."""
+    vocab = {"<unk>": 0, "_world": 1, "\u2581x": 2}
+    underscore = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    underscore.pre_tokenizer = pre_tokenizers.Metaspace(replacement="_")
+    underscore.decoder = decoders.Metaspace(replacement="_")
+    assert TokenTexts(PreTrainedTokenizerFast(tokenizer_object=underscore, unk_token="<unk>")).alone(1) == " world"
+    plain = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    plain.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=plain, unk_token="<unk>")
+    assert TokenTexts(fast).alone(2) == fast.decode([2])
 
 
 def test_token_texts_without_a_tokenizer_name_the_id():
