@@ -59,6 +59,9 @@ class EngineConfig:
     """What identifies an engine: the same config on one machine means the same engine."""
     model: str | None = None  # local directory or gs://...; None = the default model
     engine_args: tuple[tuple[str, Any], ...] = ()  # runtime.Engine keyword arguments
+    # What the local model and adapter folders held when the pipeline was built: one saved
+    # again in place (a notebook's new fine-tune) is another engine, not the one loaded before.
+    local_revision: str | None = None
 
     @classmethod
     def of(cls, model: str | None = None, **engine_args) -> "EngineConfig":
@@ -71,11 +74,28 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"engine_args: unknown {unknown}; runtime.Engine takes {', '.join(known)}")
         Engine.check_sizes(**engine_args)
-        return cls(model, tuple(sorted(engine_args.items())))
+        return cls(model, tuple(sorted(engine_args.items())), _local_revision(model, engine_args.get("lora")))
 
     @property
     def tag(self) -> str:
         return "batchgen-engine-" + hashlib.sha1(repr(self).encode()).hexdigest()[:16]
+
+
+def _local_revision(*folders: str | None) -> str | None:
+    """A digest of the names, sizes and modification times of the files in those of `folders`
+    that are local directories (a gs:// model is a new version under a new prefix); None if
+    none is."""
+    local = [folder for folder in folders if folder is not None and os.path.isdir(folder)]
+    if not local:
+        return None
+    digest = hashlib.sha1()
+    for folder in local:
+        with os.scandir(folder) as entries:
+            for entry in sorted(entries, key=lambda e: e.name):
+                if entry.is_file():
+                    stat = entry.stat()
+                    digest.update(f"{folder}/{entry.name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
 
 
 class EngineService:

@@ -63,7 +63,7 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineLease]):
         """A new model from RunInference's `model_metadata_pcoll` side input: the batches after
         it run on that model's engine."""
         if model_path:
-            self._config = dataclasses.replace(self._config, model=model_path)
+            self._config = EngineConfig.of(model_path, **dict(self._config.engine_args))
 
     def share_model_across_processes(self) -> bool:
         return False  # the client already shares one engine process per machine

@@ -1076,3 +1076,23 @@ def test_a_refused_request_is_its_own_fault_a_refused_migrated_state_the_engine_
     done = collect(service, "client", 2)
     assert done["too-many-logprobs"].error and done["too-many-logprobs"].invalid
     assert done["malformed"].error and not done["malformed"].invalid
+
+
+def test_a_local_model_saved_again_in_place_is_another_engine(tmp_path):
+    """A notebook re-saving a fine-tune into the same folder must not get the engine that
+    loaded the old weights: the engine's key follows the local folders' files."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"old weights")
+    first = EngineConfig.of(str(model), max_num_seqs=2)
+    assert EngineConfig.of(str(model), max_num_seqs=2) == first  # untouched: the same engine
+    (model / "model.safetensors").write_bytes(b"new weights, longer")
+    assert EngineConfig.of(str(model), max_num_seqs=2).tag != first.tag
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"a")
+    with_adapter = EngineConfig.of(str(model), lora=str(adapter))
+    os.utime(adapter / "adapter_model.safetensors", ns=(1, 1))
+    assert EngineConfig.of(str(model), lora=str(adapter)) != with_adapter
+    assert EngineConfig.of("gs://bucket/model").local_revision is None
+    assert EngineConfig.of(None).local_revision is None
