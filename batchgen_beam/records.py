@@ -192,7 +192,7 @@ def parse_record(raw: Any, defaults: Mapping[str, Any] | None = None,
 def check_defaults(defaults: Mapping[str, Any] | None) -> dict:
     """The sampling and chat fields `defaults` sets (None = not set), checked. Raises ValueError:
     a bad default is the caller's mistake. Transforms call this at construction to fail early."""
-    defaults = dict(defaults or {})
+    defaults = _plain(dict(defaults or {}))  # numpy values, as a record's own are taken
     unknown = sorted(set(defaults) - set(SAMPLING_FIELDS) - set(CHAT_FIELDS))
     if unknown:
         raise ValueError(f"defaults: unknown sampling fields {unknown}; "

@@ -662,6 +662,8 @@ def test_bad_defaults_raise_because_they_are_the_callers_mistake(defaults, fragm
 
 def test_check_defaults_returns_the_fields_set():
     assert check_defaults(None) == {}
+    # numpy values, as a record's own fields take them
+    assert check_defaults({"seed": np.int64(7), "temperature": np.float32(0.5)}) == {"seed": 7, "temperature": 0.5}
     assert check_defaults({"seed": None, "n": 2}) == {"n": 2}
 
 
