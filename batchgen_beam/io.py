@@ -82,7 +82,8 @@ _DELIMITERS = {"csv": ",", "tsv": "\t"}
 # takes: the numbers (and the flags: JSON's true is an int here), lists and objects. Any other
 # cell stays text: "5" or "null" as a stop string, a regex, a schema (which is JSON text).
 _LISTS_AND_OBJECTS = {"messages": list, "stop": (str, list), "stop_token_ids": list,
-                      "logit_bias": dict, "choice": list, "chat_template_kwargs": dict}
+                      "logit_bias": dict, "choice": list, "chat_template_kwargs": dict,
+                      "allowed_token_ids": list, "bad_words": (str, list)}
 _TEXT_FIELDS = ("regex", "json_schema")
 _JSON_CELLS = {**{field: (int, float) for field in (*SAMPLING_FIELDS, *CHAT_FIELDS) if field not in _TEXT_FIELDS},
                **_LISTS_AND_OBJECTS}

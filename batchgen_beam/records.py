@@ -78,7 +78,7 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
                    "stop_token_ids", "n", "logprobs", "prompt_logprobs", "ignore_eos", "min_tokens",
                    "logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty",
                    "truncate_prompt_tokens", "json_schema", "regex", "choice",
-                   "include_stop_str_in_output", "skip_special_tokens")
+                   "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "bad_words")
 # How a record's messages become its prompt (runtime.request.ChatOptions): vLLM's chat fields.
 CHAT_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 _CHAT_NO_OP = {"chat_template_kwargs": {}, "add_generation_prompt": True, "continue_final_message": False}
@@ -96,8 +96,8 @@ MAX_NESTING = 32  # levels of mappings and lists in a record: far past any real 
 _NATIVE_KEYS = {"id", "prompt", "messages", *SAMPLING_FIELDS, *CHAT_FIELDS}
 # vLLM's request fields we cannot honour, accepted only at the value that makes them a no-op:
 # a record written for vLLM must not silently get something else than it asked for.
-_NATIVE_NO_OP = {"best_of": 1, "use_beam_search": False, "length_penalty": 1.0, "bad_words": [],
-                 "allowed_token_ids": [], "spaces_between_special_tokens": True, "chat_template": ""}
+_NATIVE_NO_OP = {"best_of": 1, "use_beam_search": False, "length_penalty": 1.0,
+                 "spaces_between_special_tokens": True, "chat_template": ""}
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
 # Per endpoint: the body key holding the input, and the endpoint-specific keys we understand.
 _OPENAI_URLS = {
@@ -115,12 +115,13 @@ _STRUCTURED_OUTPUTS_KINDS = {"json": "json_schema", "regex": "regex", "choice": 
 # JSON); the others would change what is allowed, so only their defaults pass.
 _STRUCTURED_OUTPUTS_DEFAULTS = {"disable_additional_properties": False}
 # Body keys that map one to one onto ours; top_k, min_p, stop_token_ids, ignore_eos, min_tokens,
-# prompt_logprobs, repetition_penalty, truncate_prompt_tokens, include_stop_str_in_output and
-# skip_special_tokens are vLLM's extensions of the API, so files written for vLLM work too.
+# prompt_logprobs, repetition_penalty, truncate_prompt_tokens, include_stop_str_in_output,
+# skip_special_tokens, allowed_token_ids and bad_words are vLLM's extensions of the API, so
+# files written for vLLM work too.
 _OPENAI_SAMPLING = {"temperature", "top_p", "seed", "stop", "n", "top_k", "min_p",
                     "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "frequency_penalty",
                     "presence_penalty", "repetition_penalty", "prompt_logprobs", "truncate_prompt_tokens",
-                    "include_stop_str_in_output", "skip_special_tokens"}
+                    "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "bad_words"}
 # Body keys that do not affect the generated text.
 _OPENAI_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
                    "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
@@ -568,17 +569,20 @@ def _sampling_fields(fields: Mapping) -> dict:
     given = {k: fields[k] for k in SAMPLING_FIELDS if not is_missing(fields.get(k))}
     for key in given.keys() & _INTEGER_FIELDS:
         given[key] = _whole(given[key])
-    if isinstance(given.get("stop_token_ids"), (list, tuple)):
-        given["stop_token_ids"] = [_whole(token) for token in given["stop_token_ids"]]
+    for key in ("stop_token_ids", "allowed_token_ids"):
+        if isinstance(given.get(key), (list, tuple)):
+            given[key] = [_whole(token) for token in given[key]]
     if isinstance(given.get("choice"), (list, tuple)) and not given["choice"]:
         raise _Invalid("choice: must list at least one choice")
     # SamplingParams would iterate any iterable here: a dict's keys, a string's characters.
     if not isinstance(given.get("stop", ""), (str, list, tuple)):
         raise _Invalid(f"stop: must be a string or a list of strings, "
                        f"got {_type_name(given['stop'])}")
-    if not isinstance(given.get("stop_token_ids", []), (list, tuple)):
-        raise _Invalid(f"stop_token_ids: must be a list of integers, "
-                       f"got {_type_name(given['stop_token_ids'])}")
+    for key in ("stop_token_ids", "allowed_token_ids"):
+        if not isinstance(given.get(key, []), (list, tuple)):
+            raise _Invalid(f"{key}: must be a list of integers, got {_type_name(given[key])}")
+    if not isinstance(given.get("bad_words", ""), (str, list, tuple)):
+        raise _Invalid(f"bad_words: must be a string or a list of strings, got {_type_name(given['bad_words'])}")
     if "logit_bias" in given:
         given["logit_bias"] = _logit_bias(given["logit_bias"])
     return given

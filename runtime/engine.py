@@ -197,6 +197,7 @@ class Engine:
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len, num_threads=num_threads, max_logprobs=max_logprobs)
         self.max_logprobs = max_logprobs
+        self._bad_words: dict[tuple[str, ...], tuple[tuple[int, ...], ...]] = {}  # their token ids
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_dir = Path(model) if model is not None else default_model_dir()
@@ -342,10 +343,32 @@ class Engine:
             if wanted is not None and self.max_logprobs != -1 and wanted > self.max_logprobs:
                 raise ValueError(f"{name}: must be <= the engine's max_logprobs, {self.max_logprobs} "
                                  f"(an engine argument, as vLLM's), got {wanted}")
-        outside = [t for t, _ in params.logit_bias if t >= self.spec.vocab_size]
-        if outside:
-            raise ValueError(f"logit_bias: token ids must be < the vocabulary's {self.spec.vocab_size}, "
-                             f"got {outside[0]}")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("allowed_token_ids", params.allowed_token_ids)):
+            outside = [t for t in ids if t >= self.spec.vocab_size]
+            if outside:
+                raise ValueError(f"{name}: token ids must be < the vocabulary's {self.spec.vocab_size}, "
+                                 f"got {outside[0]}")
+        if params.bad_words:
+            self._bad_word_ids(params.bad_words)
+
+    def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """The token ids of each bad word as vLLM reads it: as it tokenizes alone and, where that
+        gives another first token but as many tokens, after a space (the word inside a text)."""
+        if words not in self._bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words: need a model with a tokenizer")
+            ids = []
+            for word in words:
+                alone, spaced = (tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                                 for text in (word.lstrip(), " " + word.lstrip()))
+                if not alone:
+                    raise ValueError(f"bad_words: {word!r} gives no tokens")
+                ids.append(alone)
+                if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                    ids.append(spaced)
+            self._bad_words[words] = tuple(ids)
+        return self._bad_words[words]
 
     def _reserve_id(self, request_id: str, queued: "_RequestState | None" = None) -> None:
         """Claim the id; with `queued`, also queue its state for the loop, in the same breath,
@@ -573,7 +596,7 @@ class Engine:
         split = seq.num_prompt_tokens
         allowed = None if seq.grammar is None else allowed_tokens(seq.grammar, self.spec.vocab_size)
         return SampleRow(p, seq.generator, seq.token_ids[:split], seq.token_ids[split:], banned, allowed,
-                         seq.logit_bias)
+                         seq.logit_bias, seq.permitted, self._bad_word_ids(p.bad_words) if p.bad_words else ())
 
     def _greedy(self, hidden: torch.Tensor) -> list[SampledToken]:
         ids, misses = self.model.greedy_tokens(hidden)

@@ -35,6 +35,11 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last this many tokens
     min_tokens: int = 0  # before this many, EOS, stop_token_ids and stop strings do not end it
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict works
+    # vLLM's: the only tokens that may be chosen (empty: any), and words never to be completed
+    # (each word's last token is banned wherever the output ends with the rest of it; a word
+    # counts as it tokenizes alone and after a space).
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[str, ...] = ()
     # Penalties on tokens already there, as vLLM applies them (neutral values = off):
     repetition_penalty: float = 1.0  # a seen token's logit (prompt or output): / if > 0, * if < 0
     frequency_penalty: float = 0.0  # minus this times the token's count in the output
@@ -52,6 +57,10 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.json_schema is not None:
             object.__setattr__(self, "json_schema", canonical_json_schema(self.json_schema))
@@ -86,6 +95,10 @@ class SamplingParams:
             _check_int("stop_token_ids", token_id, minimum=0)
             if token_id >= 1 << 63:  # nor held as a token id (int64) is
                 raise ValueError(f"stop_token_ids must be < 2**63, got {token_id}")
+        for token_id in self.allowed_token_ids:
+            _check_int("allowed_token_ids", token_id, minimum=0)
+        if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -115,9 +128,10 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether its tokens are chosen from adjusted logits (min_tokens, bias, penalties,
-        structured output)."""
+        allowed tokens, bad words, structured output)."""
         return bool(self.min_tokens or self.logit_bias or self.repetition_penalty != 1
-                    or self.frequency_penalty or self.presence_penalty or self.structured)
+                    or self.frequency_penalty or self.presence_penalty or self.structured
+                    or self.allowed_token_ids or self.bad_words)
 
     @property
     def structured(self) -> bool:
@@ -206,6 +220,8 @@ class SampleRow:
     banned: torch.Tensor | None = None
     allowed: torch.Tensor | None = None  # the only tokens its output's grammar allows now (a bitmask)
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # its logit_bias_tensors, made once
+    permitted: torch.Tensor | None = None  # its allowed_token_ids as a tensor, made once
+    bad_words: Sequence[tuple[int, ...]] = ()  # its bad_words' token ids
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
@@ -250,9 +266,11 @@ def logit_bias_tensors(logit_bias: tuple[tuple[int, float], ...]) -> tuple[torch
 
 def adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
     """Adjust one row of logits [vocab] in place, in vLLM's order: tokens its structured
-    output's grammar does not allow and banned tokens (min_tokens) to -inf, the logit bias, the
-    repetition penalty over prompt and output (transformers' RepetitionPenaltyLogitsProcessor,
-    vLLM's), OpenAI's frequency and presence penalties over the output."""
+    output's grammar does not allow, tokens outside allowed_token_ids, the last token of a bad
+    word whose rest the output ends with, and banned tokens (min_tokens) to -inf, the logit
+    bias, the repetition penalty over prompt and output (transformers'
+    RepetitionPenaltyLogitsProcessor, vLLM's), OpenAI's frequency and presence penalties over
+    the output."""
     p, output_ids = row.params, row.output_ids
 
     def ids(tokens):
@@ -260,6 +278,14 @@ def adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
 
     if row.allowed is not None:
         keep_allowed(logits, row.allowed)
+    if row.permitted is not None:
+        outside = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        outside[row.permitted.to(logits.device)] = False
+        logits[outside] = float("-inf")
+    for word in row.bad_words:
+        start = len(output_ids) - (len(word) - 1)
+        if start >= 0 and tuple(output_ids[start:]) == word[:-1]:
+            logits[word[-1]] = float("-inf")
     if row.banned is not None:
         banned = row.banned.to(logits.device)
         banned = banned[banned < logits.shape[-1]]

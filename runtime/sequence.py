@@ -138,6 +138,11 @@ class Sequence:
         return logit_bias_tensors(self.params.logit_bias) if self.params.logit_bias else None
 
     @functools.cached_property
+    def permitted(self) -> torch.Tensor | None:
+        """Its params' allowed_token_ids as a tensor, made once likewise."""
+        return torch.tensor(self.params.allowed_token_ids, dtype=torch.long) if self.params.allowed_token_ids else None
+
+    @functools.cached_property
     def _stop_token_ids(self) -> frozenset[int]:
         return frozenset(self.params.stop_token_ids)  # a long tuple would be scanned every token
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from helpers import EOS, assert_matches, make_engine, random_prompts
+from tiny_models import hf_model
 from runtime import Request, SamplingParams
 from runtime.sampling import SampledToken, SampleRow, adjust_logits, sample
 from runtime.sequence import Event, Sequence, StopRule
@@ -71,6 +72,73 @@ def test_logit_bias_matches_transformers_sequence_bias(tiny):
         tokens = hf_generate(hf, prompt, sequence_bias=[[[t], b] for t, b in bias.items()])[0]
         assert completion.token_ids == tokens, completion.id
     assert completion.token_ids[0] != plain[0]
+
+
+def test_allowed_token_ids_match_transformers_prefix_allowed_tokens(tiny):
+    """vLLM's allowed_token_ids: only these may be chosen, every step (transformers' oracle:
+    prefix_allowed_tokens_fn); beside unrestricted rows in the same batch."""
+    family = "qwen3"
+    engine = make_engine(tiny.dir(family), greedy_screen=True)
+    allowed = [5, 9, 17, 33, 90, 101]
+    requests = [Request(f"a{i}", prompt_token_ids=p, params=SamplingParams(max_tokens=MAX_TOKENS, allowed_token_ids=allowed,
+                                                                             logprobs=0))
+                for i, p in enumerate(PROMPTS)]
+    requests += [Request("plain", prompt_token_ids=PROMPTS[0], params=SamplingParams(max_tokens=MAX_TOKENS))]
+    got = {c.id: c for c in engine.generate(requests)}
+    hf = tiny.hf(family)
+    for i, prompt in enumerate(PROMPTS):
+        tokens, logprobs = hf_generate(hf, prompt, prefix_allowed_tokens_fn=lambda batch, ids: allowed)
+        assert_matches(got[f"a{i}"], tokens, logprobs)  # logprobs: the model's own, as vLLM's
+        assert set(got[f"a{i}"].token_ids) <= set(allowed)
+    assert got["plain"].token_ids == tiny.greedy(family, PROMPTS[0], MAX_TOKENS)[0]
+    assert not set(got["plain"].token_ids) <= set(allowed)  # the restriction changed something
+
+
+def test_bad_words_match_transformers_bad_words_ids(tiny_chat):
+    """vLLM's bad_words: a word's last token is banned wherever the output ends with the rest of
+    it, the word read as it tokenizes alone and after a space (transformers' oracle:
+    bad_words_ids, the same rule over token ids)."""
+    family = "llama"
+    engine = make_engine(tiny_chat.dir(family))
+    tokenizer = engine.tokenizer
+    prompt = tokenizer.encode("Tell me a story about", add_special_tokens=False)
+    [plain] = engine.generate([Request("plain", prompt_token_ids=prompt, params=SamplingParams(max_tokens=MAX_TOKENS))])
+
+    def variants(word):  # vLLM's reading: alone, and after a space where that is another token
+        alone, spaced = (tokenizer.encode(text, add_special_tokens=False) for text in (word, " " + word))
+        return [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
+
+    def said(ids):
+        return any(plain.token_ids[i:i + len(ids)] == ids for i in range(len(plain.token_ids)))
+
+    # Words the model says as they tokenize (a ban on them must change the output).
+    words = dict.fromkeys(tokenizer.decode([t]).strip() for t in plain.token_ids)
+    bad = [w for w in words if w.isalpha() and any(map(said, variants(w)))][:2]
+    assert bad, "no word of the plain output to ban"
+    [banned] = engine.generate([Request("banned", prompt_token_ids=prompt,
+                                        params=SamplingParams(max_tokens=MAX_TOKENS, bad_words=bad))])
+    ids = [ids for word in bad for ids in variants(word)]
+    tokens = hf_generate(hf_model(tiny_chat.dir(family)), prompt, bad_words_ids=ids)[0]
+    assert banned.token_ids == tokens
+    assert banned.token_ids != plain.token_ids
+
+
+def test_a_bad_word_bans_its_last_token_only_after_the_rest_of_it():
+    logits = torch.zeros(10)
+    adjust_logits(logits, SampleRow(SamplingParams(), output_ids=[4, 7, 3], bad_words=[(7, 3, 5), (4, 6), (2,), (1, 4, 7, 3, 8)]))
+    # (4, 6): the output does not end with 4; (1, 4, 7, 3, 8): longer than the output and its next token
+    assert (logits == float("-inf")).nonzero().flatten().tolist() == [2, 5]
+
+
+def test_bad_words_and_allowed_token_ids_a_model_cannot_take_are_refused(tiny, tiny_chat):
+    with pytest.raises(ValueError, match="allowed_token_ids: token ids must be < the vocabulary's 256"):
+        make_engine(tiny.dir("llama")).submit(Request("r", prompt_token_ids=[3], params=SamplingParams(allowed_token_ids=[256])))
+    with pytest.raises(ValueError, match="bad_words: need a model with a tokenizer"):
+        make_engine(tiny.dir("llama")).submit(Request("r", prompt_token_ids=[3], params=SamplingParams(bad_words=["x"])))
+    for params, message in (({"bad_words": [""]}, "bad_words must be non-empty strings"),
+                            ({"allowed_token_ids": [-1]}, "allowed_token_ids must be >= 0")):
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**params)
 
 
 def test_a_sequences_logit_bias_becomes_tensors_once(tiny, monkeypatch):

@@ -253,18 +253,34 @@ def test_unparseable_lines_keep_a_preview_of_the_raw_input():
 
 def test_vllm_request_fields_we_cannot_honour_are_refused_unless_no_ops():
     """A record written for vLLM must not silently get something else than it asked for."""
-    for field, value in [("best_of", 3), ("use_beam_search", True), ("bad_words", ["no"]),
-                         ("allowed_token_ids", [1, 2]), ("length_penalty", 0.5), ("chat_template", "{{ x }}")]:
+    for field, value in [("best_of", 3), ("use_beam_search", True), ("length_penalty", 0.5),
+                         ("chat_template", "{{ x }}")]:
         parsed = parse_record({"id": "a", "prompt": "Hi", field: value})
         assert isinstance(parsed, Rejected) and parsed.error.startswith(f"{field}: not supported (only ")
     for field, value in [("guided_json", {"type": "object"}), ("structured_outputs", {"regex": "a+"}),
                          ("response_format", {"type": "json_object"})]:
         assert parse_record({"id": "a", "prompt": "Hi", field: value}).error == \
             f"{field}: a field of OpenAI Batch bodies; a record of ours gives json_schema, regex or choice"
-    no_ops = {"best_of": 1, "use_beam_search": False, "bad_words": np.array([]), "allowed_token_ids": None,
+    no_ops = {"best_of": 1, "use_beam_search": False, "length_penalty": np.float64(1.0),
               "chat_template": "", "spaces_between_special_tokens": True}
     parsed = parse_record({"id": "a", "prompt": "Hi", **no_ops})
     assert isinstance(parsed, Parsed) and set(parsed.passthrough) == set(no_ops)
+
+
+def test_allowed_token_ids_and_bad_words_are_vllm_s():
+    parsed = parse_record({"id": "a", "prompt": "Hi", "allowed_token_ids": np.array([5, 9]), "bad_words": ["no", "never"]})
+    assert (parsed.params.allowed_token_ids, parsed.params.bad_words) == ((5, 9), ("no", "never"))
+    assert parse_record({"id": "a", "prompt": "Hi", "bad_words": "no"}).params.bad_words == ("no",)
+    assert parse_record({"id": "a", "prompt": "Hi", "allowed_token_ids": [], "bad_words": None}).params == SamplingParams()
+    line = {"custom_id": "q", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "m", "prompt": "Hi", "allowed_token_ids": [3.0], "bad_words": ["x"]}}
+    assert parse_record(line).params == SamplingParams(max_tokens=16, allowed_token_ids=[3], bad_words=["x"])
+    for field, value, error in [("allowed_token_ids", 5, "allowed_token_ids: must be a list of integers, got int"),
+                                ("allowed_token_ids", [1.5], "allowed_token_ids: must be an integer"),
+                                ("bad_words", {"a": 1}, "bad_words: must be a string or a list of strings"),
+                                ("bad_words", ["ok", ""], "bad_words: must be non-empty strings")]:
+        got = parse_record({"id": "a", "prompt": "Hi", field: value})
+        assert isinstance(got, Rejected) and got.error.startswith(error), got
 
 
 THINKING = {"enable_thinking": False}
