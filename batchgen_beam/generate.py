@@ -345,8 +345,9 @@ def _check_runner(records) -> None:
 class Generate(beam.PTransform):
     """Records (dicts, OpenAI Batch lines, JSON text lines) → output rows, one per input record.
 
-    `model`: a local HF directory, gs://..., or None for the default model. Sampling keywords
-    (max_tokens, temperature, ...) are transform-wide defaults that each record may override;
+    `model`: a local HF directory, gs://..., or None for the default model. Sampling and chat
+    keywords (max_tokens, temperature, ..., chat_template_kwargs) are transform-wide defaults
+    that each record may override;
     `engine_args` go to `runtime.Engine` (max_num_seqs, kv_cache_bytes, ...).
     `straggler_timeout_s`: at the end of input, wait at most this long for a key's records, then
     continue the unfinished ones in a second stage on other keys (module docstring); None: wait.

@@ -43,8 +43,8 @@ def content_id(example: Any) -> str:
 
 class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineLease]):
     """Examples: prompt strings, record dicts (DESIGN.md §5) or chat message lists. Inferences:
-    output rows (a bad record gives an error row, never an exception). Per-record sampling fields
-    override the transform-wide `inference_args`."""
+    output rows (a bad record gives an error row, never an exception). Per-record sampling and
+    chat fields override the transform-wide `inference_args`."""
 
     def __init__(self, model: str | None = None, *, min_batch_size: int = 32,
                  max_batch_size: int = 256, engine_args: dict | None = None, **kwargs):

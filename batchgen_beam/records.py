@@ -7,7 +7,8 @@ defaults) raises ValueError instead, since it would reject every record.
 
 `parse_record` accepts:
 - a mapping in our format: `id`, `prompt` or `messages`, optional sampling fields
-  (`SAMPLING_FIELDS`); every other key passes through to the output row untouched;
+  (`SAMPLING_FIELDS`) and chat fields (`CHAT_FIELDS`); every other key passes through to the
+  output row untouched;
 - a mapping in the OpenAI Batch API format (`custom_id`, `method`, `url`, `body`), told apart
   by having no `id` (a record of ours may pass a `custom_id` or `body` field through);
 - a JSON line (str, or bytes in UTF-8; a leading byte-order mark is dropped) holding either;
@@ -196,12 +197,14 @@ def check_defaults(defaults: Mapping[str, Any] | None) -> dict:
     defaults = _plain(dict(defaults or {}))  # numpy values, as a record's own are taken
     unknown = sorted(set(defaults) - set(SAMPLING_FIELDS) - set(CHAT_FIELDS))
     if unknown:
-        raise ValueError(f"defaults: unknown sampling fields {unknown}; "
+        raise ValueError(f"defaults: unknown fields {unknown}; "
                          f"known: {', '.join((*SAMPLING_FIELDS, *CHAT_FIELDS))}")
     nan = [k for k, v in defaults.items() if isinstance(v, float) and math.isnan(v)]
     if nan:  # NaN in a record is pandas' missing value; as a job's default it is a mistake
         raise ValueError(f"defaults: {nan[0]}: must be a finite number, got nan")
     chat = {k: defaults[k] for k in CHAT_FIELDS if defaults.get(k) is not None}
+    if "chat_template_kwargs" in chat:
+        chat["chat_template_kwargs"] = _template_kwargs(chat["chat_template_kwargs"])
     try:
         given = _sampling_fields(defaults)
         SamplingParams(**given)
@@ -211,7 +214,7 @@ def check_defaults(defaults: Mapping[str, Any] | None) -> dict:
     return {**given, **chat}
 
 
-def sampling_defaults(defaults: Mapping[str, Any]) -> SamplingParams:
+def default_sampling_params(defaults: Mapping[str, Any]) -> SamplingParams:
     """The sampling parameters checked defaults give a record that sets none of its own."""
     return SamplingParams(**{k: v for k, v in defaults.items() if k in SAMPLING_FIELDS})
 
@@ -535,6 +538,8 @@ def _chat_options(fields: Mapping, base: dict, chat: bool) -> ChatOptions:
     """The record's chat fields over the job's; a record's template variables add to the job's.
     A prompt record takes them only at their defaults (a prompt is not rendered)."""
     given = {k: fields[k] for k in CHAT_FIELDS if not is_missing(fields.get(k))}
+    if "chat_template_kwargs" in given:
+        given["chat_template_kwargs"] = _template_kwargs(given["chat_template_kwargs"])
     if not chat:
         for key, value in given.items():
             if not _is_no_op(value, _CHAT_NO_OP[key]):
@@ -545,6 +550,17 @@ def _chat_options(fields: Mapping, base: dict, chat: bool) -> ChatOptions:
     if isinstance(given.get("chat_template_kwargs"), Mapping):
         options["chat_template_kwargs"] = {**base.get("chat_template_kwargs", {}), **given["chat_template_kwargs"]}
     return _chat_options_of(options)
+
+
+def _template_kwargs(value: Any) -> Any:
+    """chat_template_kwargs as a mapping without missing values: a Parquet struct column gives
+    each row every row's keys, null where it set none (null is absent, as in every field); a map
+    column gives key-value pairs. Another value is left for ChatOptions to refuse."""
+    if isinstance(value, (list, tuple)) and all(isinstance(i, (list, tuple)) and len(i) == 2 for i in value):
+        value = dict(value)
+    if isinstance(value, Mapping):
+        return {k: v for k, v in value.items() if not is_missing(v)}
+    return value
 
 
 def _chat_options_of(options: Mapping) -> ChatOptions:

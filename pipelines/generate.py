@@ -38,7 +38,7 @@ from batchgen_beam.generate import METRICS_NAMESPACE, Generate
 from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, absolute_path,
                               check_input, check_output, file_records, infer_format)
 from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, check_defaults, is_missing, is_openai_line,
-                                   sampling_defaults)
+                                   default_sampling_params)
 
 BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"
 # Sampling flags that set their record field's transform-wide default: (name, type, help).
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> dict:
         client = EngineClient.shared(config).connect()  # starts (or finds) this machine's engine
         engine_start_s = time.perf_counter() - load_started
         try:  # values no record could run with (logprobs past the vocabulary, say)
-            client.check_params(sampling_defaults(check_defaults(defaults)))
+            client.check_params(default_sampling_params(check_defaults(defaults)))
         except ValueError as bad:
             raise ValueError(f"--{bad}") from None
     run_started = time.perf_counter()

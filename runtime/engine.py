@@ -489,8 +489,8 @@ class Engine:
     @torch.inference_mode()
     def _score_prompts(self, prompts: ScoredPrompts) -> None:
         """Each scored position's logprob of the prompt token after it, its rank (and the top k
-        there), in
-        slices of SCORE_ROWS rows: a long prompt never holds [tokens, vocab] logits at once."""
+        there), in slices of SCORE_ROWS rows: a long prompt never holds [tokens, vocab] logits
+        at once."""
         start = 0
         for seq, count in prompts.seqs:
             k = seq.params.prompt_logprobs

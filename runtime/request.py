@@ -13,7 +13,7 @@ from runtime.sampling import SamplingParams
 _NOT_TEMPLATE_VARIABLES = frozenset({
     "conversation", "messages", "chat_template", "tokenize", "add_generation_prompt",
     "continue_final_message", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
 
 
 @dataclass(frozen=True)

@@ -212,7 +212,7 @@ def test_with_exception_handling_bad_records_are_rows_not_failures(outputs, prom
 @pytest.mark.parametrize("inference_args, message", [
     ({"temperature": "hot"}, "temperature: must be a finite number"),
     ({"top_p": 2.0}, "top_p: must be in"),
-    ({"max_token": 6}, "unknown sampling fields"),
+    ({"max_token": 6}, "unknown fields"),
 ])
 def test_bad_inference_args_fail_when_applied(model_dir, inference_args, message):
     model_handler = handler(model_dir)

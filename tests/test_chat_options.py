@@ -87,3 +87,16 @@ def test_options_that_cannot_be_honoured_are_refused(options, message):
     with pytest.raises(ValueError) as refused:
         ChatOptions(**options)
     assert message in str(refused.value)
+
+
+def test_every_parameter_of_apply_chat_template_but_the_template_s_inputs_is_refused():
+    """The list of names that are not template variables follows transformers' signature:
+    what a newer transformers adds (sanitize_control_tokens, say) must be refused, not passed."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    from runtime.request import _NOT_TEMPLATE_VARIABLES
+
+    params = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+    assert params - {"self", "kwargs", "tools", "documents"} <= _NOT_TEMPLATE_VARIABLES

@@ -333,6 +333,26 @@ def test_chat_fields_that_cannot_be_honoured_are_error_rows(record, error):
     assert isinstance(got, Rejected) and got.error.startswith(error), got
 
 
+def test_template_variables_from_parquet_struct_and_map_columns(tmp_path):
+    """A struct column gives each row every row's keys, null where it set none: null is absent,
+    so the job's value stands. A map column gives key-value pairs."""
+    chat = [{"role": "user", "content": "Hi"}]
+    rows = [{"id": "a", "prompt": None, "messages": chat, "chat_template_kwargs": {"enable_thinking": True}},
+            {"id": "b", "prompt": None, "messages": chat, "chat_template_kwargs": {"tone": "warm"}},
+            {"id": "c", "prompt": "Hi", "messages": None, "chat_template_kwargs": {}}]
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    job = check_defaults({"chat_template_kwargs": {"enable_thinking": False}})
+    a, b, c = (parse_record(r, job) for r in parquet_records(pq.read_table(path)))
+    assert a.chat.template_kwargs == {"enable_thinking": True}
+    assert b.chat.template_kwargs == {"enable_thinking": False, "tone": "warm"}
+    assert isinstance(c, Parsed) and c.chat == ChatOptions()
+    as_map = pa.table({"id": ["d"], "messages": [chat],
+                       "chat_template_kwargs": pa.array([[("enable_thinking", False)]], pa.map_(pa.string(), pa.bool_()))})
+    [d] = (parse_record(r) for r in parquet_records(as_map))
+    assert d.chat.template_kwargs == {"enable_thinking": False}
+
+
 def test_chat_fields_at_their_defaults_pass_a_prompt_record():
     for record in ({"id": "a", "prompt": "Hi", "chat_template_kwargs": {}, "add_generation_prompt": True,
                     "continue_final_message": False},
@@ -662,7 +682,7 @@ def test_a_record_bad_field_is_its_own_fault_even_with_defaults():
 
 
 @pytest.mark.parametrize("defaults, fragment", [
-    ({"temprature": 0.5}, "unknown sampling fields ['temprature']"),
+    ({"temprature": 0.5}, "unknown fields ['temprature']"),
     ({"temperature": "hot"}, "defaults: temperature: must be a finite number"),
     ({"max_tokens": 0}, "defaults: max_tokens: must be >= 1"),
     ({"stop": 3}, "defaults: stop: must be a string or a list"),
