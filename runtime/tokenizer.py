@@ -44,7 +44,9 @@ class TokenTexts:
     - A character split across tokens (byte-level pieces of CJK text or emoji): a token whose
       text ends inside one shows "", and the token that completes it shows all the text held
       back since the last character boundary (" 🎉" for ' \xf0\x9f' then '\x8e\x89'); a
-      token that cannot continue it (it decodes alone to whole characters) shows its own text.
+      token that cannot continue it (it decodes alone to whole characters) shows its own text,
+      and bytes no token completes (a window of tokens that starts inside a character) show
+      nowhere.
     So the completion's tokens' texts join into its text, up to an EOS token or a stop string;
     the tokens of a character the completion never finishes show "", as its text holds it back.
     Where vLLM's are lossy we are not: a run of tokens that each end one character and start
@@ -66,14 +68,22 @@ class TokenTexts:
         starts = self._run_starts(completion)
 
         def text(token_id: int, position: int) -> str:
-            alone = self.alone(token_id)
-            start = starts[position]
-            if token_id in self._special or (start < position and "\ufffd" not in alone):
-                return alone  # it continues no character
-            shown = alone if start == position else self._tokenizer.decode(completion[start:position] + [token_id])
-            return "" if shown.endswith("\ufffd") else shown  # "": the character it leaves is not done
+            if token_id in self._special:
+                return self.alone(token_id)
+            return self._completed(completion[starts[position]:position] + [token_id])
 
         return text
+
+    def _completed(self, run: list[int]) -> str:
+        """What the last token of a run shows: the text from the latest of the run's tokens
+        that starts whole characters (bytes before it that no token completes are left out,
+        as vLLM leaves them); "" where the character it ends inside is not done."""
+        for start in range(len(run) - 1, -1, -1):
+            text = self.alone(run[-1]) if start == len(run) - 1 else self._tokenizer.decode(run[start:])
+            if "\ufffd" not in text:
+                return text
+        text = self._tokenizer.decode(run)
+        return "" if text.endswith("\ufffd") else text
 
     def alone(self, token_id: int) -> str:
         if token_id not in self._alone:

@@ -265,6 +265,16 @@ def test_a_token_that_finishes_text_and_starts_a_character_shows_on_the_one_comp
     assert shown(TokenTexts(tokenizer), [0, 1, 2, 3]) == ["a", "", " 한", "b"]
 
 
+def test_bytes_no_token_completes_are_left_out_of_the_next_character():
+    """A prompt's tokens read from its second token on (prompt_logprobs) may start inside a
+    character: its stray bytes show nowhere, the next character shows alone (vLLM's rule)."""
+    east, capital = "東".encode(), "京".encode()
+    tokenizer = byte_level_tokenizer([east[1:], capital[:2], capital[2:], "亭".encode()[2:]])
+    text = TokenTexts(tokenizer)([0, 1, 2])
+    assert [text(t, p) for p, t in enumerate([0, 1, 2])] == ["", "", "京"]
+    assert text(3, 2) == "亭"  # 京 and 亭 share their first two bytes
+
+
 def test_a_character_the_completion_never_finishes_is_not_in_its_tokens():
     """Cut by max_tokens, or by EOS: the text holds the character back (vLLM's incremental
     decoder does), and so do the tokens; EOS shows as itself."""
