@@ -68,7 +68,8 @@ import pyarrow.compute as pc
 
 from batchgen_beam.model_sources import resolve_model
 from batchgen_beam.openai_batch import response_line
-from batchgen_beam.records import CHAT_FIELDS, SAMPLING_FIELDS, OUTPUT_SCHEMA, Rejected, row_to_arrow_dict, row_to_json
+from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, OUTPUT_SCHEMA, Rejected, row_to_arrow_dict,
+                                   row_to_json)
 from runtime.default_model import DEFAULT_MODEL_NAME
 
 INPUT_FORMATS = ("jsonl", "parquet", "text", "csv", "tsv")
@@ -85,8 +86,8 @@ _LISTS_AND_OBJECTS = {"messages": list, "stop": (str, list), "stop_token_ids": l
                       "logit_bias": dict, "choice": list, "chat_template_kwargs": dict,
                       "allowed_token_ids": list, "bad_words": (str, list)}
 _TEXT_FIELDS = ("regex", "json_schema")
-_JSON_CELLS = {**{field: (int, float) for field in (*SAMPLING_FIELDS, *CHAT_FIELDS) if field not in _TEXT_FIELDS},
-               **_LISTS_AND_OBJECTS}
+_JSON_CELLS = {**{field: (int, float) for field in (*SAMPLING_FIELDS, *CHAT_FIELDS)
+                  if field not in _TEXT_FIELDS}, **_LISTS_AND_OBJECTS}
 # Compressions Beam's file readers detect from the name (CompressionTypes.AUTO).
 _COMPRESSION_EXTENSIONS = (".gz", ".bz2", ".deflate", ".zst", ".zstd", ".lzma", ".xz")
 _WILDCARD = re.compile(r"[*?\[{]")
@@ -476,7 +477,8 @@ class WriteRows(beam.PTransform):
 
 class _OpenAILines(beam.DoFn):
     """Rows → OpenAI Batch output lines. The model's tokenizer, which the token texts of
-    logprobs and prompt logprobs need, is loaded on the first row that has them (the engine has fetched the model by then)."""
+    logprobs and prompt logprobs need, is loaded on the first row that has them (the engine has
+    fetched the model by then)."""
 
     def __init__(self, model: str | None):
         self._model = model

@@ -367,6 +367,10 @@ class Engine:
                 ids.append(alone)
                 if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
                     ids.append(spaced)
+            outside = sorted({t for word_ids in ids for t in word_ids if t >= self.spec.vocab_size})
+            if outside:  # the tokenizer knows tokens the model has no logit for (added ones)
+                raise ValueError(f"bad_words: the tokenizer gives token ids {outside[:5]} past the "
+                                 f"model's {self.spec.vocab_size}-token vocabulary")
             self._bad_words[words] = tuple(ids)
         return self._bad_words[words]
 
