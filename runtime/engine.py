@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 DEFAULT_BATCH = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
 STREAMING_BATCH = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
 SCORE_ROWS = 256  # prompt positions scored at once: [256, vocab] fp32 logits (50 MB for SmolLM2)
+# The layout of a migrate_out state, raised when it changes: a state another release exported
+# (a Beam job updated while its sequences were resident) is refused, not misread.
+STATE_FORMAT = 2
 
 
 def on_a_passing_thread(build, *args, **kwargs):
@@ -868,7 +871,7 @@ class Engine:
                 self.scheduler.remove(seq)
                 exported.append(seq.export_state(kv))
                 seq.send(Event.MIGRATED)
-            return {"request_id": request_id, "weights": self.weights_id,
+            return {"format": STATE_FORMAT, "request_id": request_id, "weights": self.weights_id,
                     "prompt_tokens": state.prompt_tokens, "n": state.n,
                     "timings": state.timings.carried(), "outputs": dict(state.outputs),
                     "scored_prompt": state.scored_prompt, "sequences": exported}
@@ -900,6 +903,9 @@ class Engine:
         """ValueError for a state this engine could never finish: it would wait here forever,
         and hold up what comes after it."""
         request_id, n = migrated.get("request_id"), migrated.get("n")
+        if migrated.get("format") != STATE_FORMAT:
+            raise ValueError(f"migrate_in {request_id!r}: a state of another release (format "
+                             f"{migrated.get('format')}; this engine reads {STATE_FORMAT})")
         sequences, outputs = migrated.get("sequences") or [], migrated.get("outputs") or {}
         # Live sequences and finished outputs make up the n samples, or sample 0 alone stands
         # for all n before it forks them.

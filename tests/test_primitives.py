@@ -276,7 +276,11 @@ def test_migrate_in_refuses_a_state_this_engine_could_never_finish(tiny):
     with pytest.raises(ValueError, match="n=5 is more than the KV cache's 4 blocks"):
         small.migrate_in({**state, "n": 5})
     with pytest.raises(ValueError, match="'ghost': not a migrate_out state"):
-        small.migrate_in({"request_id": "ghost", "prompt_tokens": 3, "n": 1, "outputs": {}, "sequences": []})
+        small.migrate_in({"format": state["format"], "request_id": "ghost", "prompt_tokens": 3, "n": 1,
+                          "outputs": {}, "sequences": []})
+    earlier = {k: v for k, v in state.items() if k != "format"}  # exported by an earlier release
+    with pytest.raises(ValueError, match="'big': a state of another release"):
+        small.migrate_in(earlier)
     [sequence] = state["sequences"]
     for samples, outputs in (([], {0: "finished"}),  # nothing left to run
                              ([{**sequence, "forked": True}], {})):  # a forked sample missing
