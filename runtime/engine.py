@@ -3,6 +3,7 @@ over sequence coroutines. Callers submit from any thread and collect completions
 the sequence primitives (suspend, resume, evict, migrate; fork happens for n > 1) are public."""
 
 import contextlib
+import functools
 import json
 import logging
 import operator
@@ -200,7 +201,9 @@ class Engine:
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len, num_threads=num_threads, max_logprobs=max_logprobs)
         self.max_logprobs = max_logprobs
-        self._bad_words: dict[tuple[str, ...], tuple[tuple[int, ...], ...]] = {}  # their token ids
+        # Bad words' token ids, for the requests that use the same words (a job-wide list), while
+        # per-record lists come and go.
+        self._bad_word_ids = functools.lru_cache(maxsize=1024)(self._tokenize_bad_words)
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_dir = Path(model) if model is not None else default_model_dir()
@@ -355,27 +358,26 @@ class Engine:
         if params.bad_words:
             self._bad_word_ids(params.bad_words)
 
-    def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    def _tokenize_bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """The token ids of each bad word as vLLM reads it: as it tokenizes alone and, where that
         gives another first token but as many tokens, after a space (the word inside a text)."""
-        if words not in self._bad_words:
-            if self.tokenizer is None:
-                raise ValueError("bad_words: need a model with a tokenizer")
-            ids = []
-            for word in words:
-                alone, spaced = (tuple(self.tokenizer.encode(text, add_special_tokens=False))
-                                 for text in (word.lstrip(), " " + word.lstrip()))
-                if not alone:
-                    raise ValueError(f"bad_words: {word!r} gives no tokens")
-                ids.append(alone)
-                if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
-                    ids.append(spaced)
-            outside = sorted({t for word_ids in ids for t in word_ids if t >= self.spec.vocab_size})
-            if outside:  # the tokenizer knows tokens the model has no logit for (added ones)
-                raise ValueError(f"bad_words: the tokenizer gives token ids {outside[:5]} past the "
-                                 f"model's {self.spec.vocab_size}-token vocabulary")
-            self._bad_words[words] = tuple(ids)
-        return self._bad_words[words]
+        if self.tokenizer is None:
+            raise ValueError("bad_words: need a model with a tokenizer")
+        ids = []
+        for word in words:
+            _check_text("bad_words", word)
+            alone, spaced = (tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                             for text in (word.lstrip(), " " + word.lstrip()))
+            if not alone:
+                raise ValueError(f"bad_words: {word!r} gives no tokens")
+            ids.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                ids.append(spaced)
+        outside = sorted({t for word_ids in ids for t in word_ids if t >= self.spec.vocab_size})
+        if outside:  # the tokenizer knows tokens the model has no logit for (added ones)
+            raise ValueError(f"bad_words: the tokenizer gives token ids {outside[:5]} past the "
+                             f"model's {self.spec.vocab_size}-token vocabulary")
+        return tuple(ids)
 
     def _reserve_id(self, request_id: str, queued: "_RequestState | None" = None) -> None:
         """Claim the id; with `queued`, also queue its state for the loop, in the same breath,
@@ -549,7 +551,7 @@ class Engine:
             if seq.request_id not in self._requests:
                 continue  # another of its samples failed the request earlier in this step
             if token.error is not None:
-                self._fail_request(seq.request_id, f"sampling failed ({token.error})")
+                self._fail_request(seq.request_id, f"sampling failed ({token.error})", invalid=token.invalid)
                 continue
             timings = self._requests[seq.request_id].timings
             timings.first_token = timings.first_token or now

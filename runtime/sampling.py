@@ -205,6 +205,9 @@ class SampledToken:
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None
     error: str | None = None  # this row could not be sampled (token_id is then -1)
+    # The error is the request's own doing: its values leave no token to choose, so running it
+    # again cannot help (else the logits were broken: NaN from a failing model, say).
+    invalid: bool = False
 
 
 @dataclass
@@ -235,7 +238,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     chosen_from = logits  # what tokens are chosen from: the logits, adjusted where asked
-    failed: dict[int, str] = {}
+    failed: dict[int, SampledToken] = {}
     if any(r.params.adjusts_logits for r in rows):
         chosen_from = logits.clone()
         for i, row in enumerate(rows):
@@ -243,12 +246,17 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
                 try:
                     adjust_logits(chosen_from[i], row)
                 except Exception as exc:  # noqa: BLE001 - the engine fails this row's request alone
-                    failed[i] = f"{type(exc).__name__}: {exc}"
+                    failed[i] = SampledToken(-1, error=f"{type(exc).__name__}: {exc}")
+                    continue
+                if chosen_from[i].max() == float("-inf"):  # greedy's argmax would take token 0
+                    failed[i] = SampledToken(-1, invalid=True, error=(
+                        "no token is left to choose: allowed_token_ids, bad_words, the output's "
+                        "grammar and min_tokens exclude them all"))
     greedy_ids = kernels.argmax(chosen_from).tolist()
     out = []
     for i, row in enumerate(rows):
         if i in failed:
-            out.append(SampledToken(-1, error=failed[i]))
+            out.append(failed[i])
             continue
         try:
             out.append(_sample_row(i, row, chosen_from, greedy_ids, logprobs))

@@ -130,6 +130,22 @@ def test_a_bad_word_bans_its_last_token_only_after_the_rest_of_it():
     assert (logits == float("-inf")).nonzero().flatten().tolist() == [2, 5]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_request_whose_values_leave_no_token_is_its_own_error(tiny_chat, temperature):
+    """Every token excluded (the one allowed token is a bad word): an error row that is the
+    request's doing, greedy too (whose argmax would take token 0), the others unharmed."""
+    engine = make_engine(tiny_chat.dir("llama"))
+    [word] = [w for w in ("hello", "the", "a") if len(engine.tokenizer.encode(w, add_special_tokens=False)) == 1][:1]
+    [only] = engine.tokenizer.encode(word, add_special_tokens=False)
+    nothing_left = SamplingParams(max_tokens=4, temperature=temperature, seed=1, allowed_token_ids=[only],
+                                  bad_words=[word])
+    refused, ok = engine.generate([Request("none", prompt_token_ids=PROMPTS[0], params=nothing_left),
+                                   Request("ok", prompt_token_ids=PROMPTS[1], params=SamplingParams(max_tokens=4))])
+    assert refused.finish_reason == "error" and refused.invalid
+    assert "no token is left to choose" in refused.error
+    assert ok.error is None and ok.completion_tokens >= 1
+
+
 def test_bad_words_and_allowed_token_ids_a_model_cannot_take_are_refused(tiny, tiny_chat):
     with pytest.raises(ValueError, match="allowed_token_ids: token ids must be < the vocabulary's 256"):
         make_engine(tiny.dir("llama")).submit(Request("r", prompt_token_ids=[3], params=SamplingParams(allowed_token_ids=[256])))
