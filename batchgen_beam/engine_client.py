@@ -76,6 +76,11 @@ class EngineConfig:
         Engine.check_sizes(**engine_args)
         return cls(model, tuple(sorted(engine_args.items())), _local_revision(model, engine_args.get("lora")))
 
+    def current(self) -> "EngineConfig":
+        """This config with its local folders as they are now (a transform built before a
+        folder was saved again, used in a pipeline after, gets the new weights' engine)."""
+        return dataclasses.replace(self, local_revision=_local_revision(self.model, dict(self.engine_args).get("lora")))
+
     @property
     def tag(self) -> str:
         return "batchgen-engine-" + hashlib.sha1(repr(self).encode()).hexdigest()[:16]

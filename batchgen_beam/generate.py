@@ -397,7 +397,8 @@ class Generate(beam.PTransform):
         validated = records | "Validate" >> beam.Map(keyed).with_output_types(KV[int, Any])
         streaming = not records.is_bounded or records.pipeline.options.view_as(StandardOptions).streaming
         job = None if streaming else _job_of(records.pipeline)
-        first_stage_args = (self._config, shards, self._max_in_flight, namespace, self._straggler_timeout_s)
+        config = self._config.current()  # the model folder as this pipeline finds it
+        first_stage_args = (config, shards, self._max_in_flight, namespace, self._straggler_timeout_s)
         if streaming:
             first_stage = stateful_stage(_StreamingGenerateFn, names)(
                 *first_stage_args, poll_interval_s=self._poll_interval_s, clock=self._clock)
@@ -411,5 +412,5 @@ class Generate(beam.PTransform):
                      | "Rekey" >> beam.Map(lambda c: (shard_of(c.parsed.id + CONTINUED, shards), c)
                                            ).with_output_types(KV[int, Any])
                      | "Continue" >> beam.ParDo(stateful_stage(_GenerateFn, names + "_continued")(
-                         self._config, shards, self._max_in_flight, namespace, None, CONTINUED, job)))
+                         config, shards, self._max_in_flight, namespace, None, CONTINUED, job)))
         return (first.rows, continued) | "Rows" >> beam.Flatten()

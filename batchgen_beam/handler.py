@@ -57,7 +57,7 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineLease]):
         # holding the lock that connecting takes; the first batch connects. Beam drops the
         # lease when it replaces the model (an update, an evicted model per key): the engine
         # stops once no process uses it.
-        return EngineLease(self._config)
+        return EngineLease(self._config.current())  # the model folder as it is now
 
     def update_model_path(self, model_path: str | None = None) -> None:
         """A new model from RunInference's `model_metadata_pcoll` side input: the batches after

@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--stop", action="append", default=None, metavar="STRING",
                           help="stop string (repeat the flag for several)")
     sampling.add_argument("--bad_words", action="append", default=None, metavar="WORD",
-                          help="a word no completion may contain (repeat the flag for several)")
+                          help="a word whose tokens no completion may end with, vLLM's rule (repeat "
+                               "the flag for several)")
     sampling.add_argument("--choice", action="append", default=None, metavar="STRING",
                           help="make every completion one of these (repeat the flag for each)")
     sampling.add_argument("--include_stop_str_in_output", action="store_true", default=None,

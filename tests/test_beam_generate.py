@@ -1088,6 +1088,8 @@ def test_a_local_model_saved_again_in_place_is_another_engine(tmp_path):
     assert EngineConfig.of(str(model), max_num_seqs=2) == first  # untouched: the same engine
     (model / "model.safetensors").write_bytes(b"new weights, longer")
     assert EngineConfig.of(str(model), max_num_seqs=2).tag != first.tag
+    # A transform built before the save and applied after: its pipeline takes the folder as it is.
+    assert first.current() == EngineConfig.of(str(model), max_num_seqs=2) != first
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_model.safetensors").write_bytes(b"a")
