@@ -230,13 +230,21 @@ class SampleRow:
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     """One token per row of logits [rows, vocab] (fp32), each with its own params and RNG.
 
-    Logprobs are of the model's distribution (log-softmax of the raw logits), not of the
-    penalised and temperature/top-k/top-p-processed one, as vLLM reports them by default. A row
+    Logprobs are of the model's distribution (log-softmax of the raw logits; under structured
+    output, of those its grammar allows), not of the penalised and temperature/top-k/top-p-
+    processed one, as vLLM reports them by default. A row
     whose values fail comes back with `error` set rather than raising: one request's sampling
     must not stop the others in the batch.
     """
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    for i, row in enumerate(rows):
+        if row.allowed is not None and row.params.logprobs is not None:
+            # vLLM masks a structured output's logits before it takes logprobs: they are over
+            # the tokens the grammar allows
+            masked = logits[i].clone()
+            keep_allowed(masked, row.allowed)
+            logprobs[i] = torch.log_softmax(masked, dim=-1)
     chosen_from = logits  # what tokens are chosen from: the logits, adjusted where asked
     failed: dict[int, SampledToken] = {}
     if any(r.params.adjusts_logits for r in rows):
@@ -299,8 +307,8 @@ def adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
         banned = banned[banned < logits.shape[-1]]
         before = logits[banned]
         logits[banned] = float("-inf")
-        if logits.max() == float("-inf"):  # the grammar allows only tokens that end it: as vLLM,
-            logits[banned] = before       # let them end it before min_tokens
+        if row.allowed is not None and logits.max() == float("-inf"):
+            logits[banned] = before  # the grammar allows only tokens that end it: as vLLM, let them end it
     if p.logit_bias:
         tokens, biases = row.bias if row.bias is not None else logit_bias_tensors(p.logit_bias)
         logits[tokens.to(logits.device)] += biases.to(logits.device, logits.dtype)

@@ -146,6 +146,15 @@ def test_a_request_whose_values_leave_no_token_is_its_own_error(tiny_chat, tempe
     assert ok.error is None and ok.completion_tokens >= 1
 
 
+def test_allowed_tokens_that_would_only_end_it_before_min_tokens_leave_none(tiny):
+    """Only EOS allowed, but min_tokens bans it: nothing to choose (a grammar that allows only
+    its end may end before min_tokens, as vLLM lets it; a bare allowed set may not)."""
+    engine = make_engine(tiny.dir("llama"))
+    [done] = engine.generate([Request("r", prompt_token_ids=PROMPTS[0],
+                                      params=SamplingParams(max_tokens=5, allowed_token_ids=[EOS], min_tokens=3))])
+    assert done.finish_reason == "error" and done.invalid and "no token is left to choose" in done.error
+
+
 def test_bad_words_and_allowed_token_ids_a_model_cannot_take_are_refused(tiny, tiny_chat):
     with pytest.raises(ValueError, match="allowed_token_ids: token ids must be < the vocabulary's 256"):
         make_engine(tiny.dir("llama")).submit(Request("r", prompt_token_ids=[3], params=SamplingParams(allowed_token_ids=[256])))

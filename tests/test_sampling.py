@@ -454,3 +454,26 @@ def test_a_row_the_engine_cannot_build_fails_its_request_alone(tiny, monkeypatch
     assert "OverflowError" in done["broken"].error and not done["broken"].invalid
     assert done["fine"].error is None and len(done["fine"].token_ids) == 5
     assert_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_under_a_grammar_logprobs_are_over_the_tokens_it_allows(temperature):
+    """vLLM masks a structured output's logits before it takes logprobs; a row without a
+    grammar keeps the model's whole distribution."""
+    logits = torch.randn(2, 70, generator=torch.Generator().manual_seed(3))
+    allowed_ids = [3, 17, 40, 64]
+    bitmask = torch.zeros(3, dtype=torch.int32)
+    for token in allowed_ids:
+        bitmask[token // 32] |= 1 << (token % 32)
+    params = SamplingParams(temperature=temperature, seed=1, logprobs=2)
+    generator = np.random.Generator(np.random.PCG64(1)) if temperature else None
+    with_grammar = SamplingParams(temperature=temperature, seed=1, logprobs=2, choice=["x"])  # the mask is the row's
+    structured, plain = sample(logits.clone(), [SampleRow(with_grammar, generator, allowed=bitmask),
+                                                SampleRow(params, generator)])
+    masked = torch.full((70,), float("-inf"))
+    masked[allowed_ids] = logits[0, allowed_ids]
+    want = torch.log_softmax(masked, -1)
+    assert structured.token_id in allowed_ids
+    assert structured.logprob == pytest.approx(want[structured.token_id].item(), abs=1e-6)
+    assert set(structured.top_logprobs) <= set(allowed_ids)
+    assert plain.logprob == pytest.approx(torch.log_softmax(logits[1], -1)[plain.token_id].item(), abs=1e-6)
