@@ -226,19 +226,26 @@ class SampleRow:
     permitted: torch.Tensor | None = None  # its allowed_token_ids as a tensor, made once
     bad_words: Sequence[tuple[int, ...]] = ()  # its bad_words' token ids
 
+    @property
+    def excludes(self) -> bool:
+        """Whether its values exclude tokens (and so may leave none): a grammar, allowed tokens,
+        bad words, a min_tokens ban."""
+        return (self.allowed is not None or self.permitted is not None or bool(self.bad_words)
+                or self.banned is not None)
+
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     """One token per row of logits [rows, vocab] (fp32), each with its own params and RNG.
 
     Logprobs are of the model's distribution (log-softmax of the raw logits; under structured
     output, of those its grammar allows), not of the penalised and temperature/top-k/top-p-
-    processed one, as vLLM reports them by default. A row
-    whose values fail comes back with `error` set rather than raising: one request's sampling
-    must not stop the others in the batch.
+    processed one, as vLLM reports them by default. A row whose values fail comes back with
+    `error` set rather than raising: one request's sampling must not stop the others in the
+    batch.
     """
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows if want_logprobs else ()):
         if row.allowed is not None and row.params.logprobs is not None:
             # vLLM masks a structured output's logits before it takes logprobs: they are over
             # the tokens the grammar allows
@@ -256,7 +263,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
                 except Exception as exc:  # noqa: BLE001 - the engine fails this row's request alone
                     failed[i] = SampledToken(-1, error=f"{type(exc).__name__}: {exc}")
                     continue
-                if chosen_from[i].max() == float("-inf"):  # greedy's argmax would take token 0
+                if row.excludes and chosen_from[i].max() == float("-inf"):  # greedy's argmax would take token 0
                     failed[i] = SampledToken(-1, invalid=True, error=(
                         "no token is left to choose: allowed_token_ids, bad_words, the output's "
                         "grammar and min_tokens exclude them all"))
@@ -294,6 +301,9 @@ def adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
 
     if row.allowed is not None:
         keep_allowed(logits, row.allowed)
+    # A grammar that allows only tokens min_tokens bans (those that end it) may end it before
+    # min_tokens, as vLLM lets it; what else bans them all leaves nothing (an error row).
+    grammar_ends = row.allowed is not None and row.banned is not None and _allows_only(logits, row.banned)
     if row.permitted is not None:
         outside = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
         outside[row.permitted.to(logits.device)] = False
@@ -307,8 +317,8 @@ def adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
         banned = banned[banned < logits.shape[-1]]
         before = logits[banned]
         logits[banned] = float("-inf")
-        if row.allowed is not None and logits.max() == float("-inf"):
-            logits[banned] = before  # the grammar allows only tokens that end it: as vLLM, let them end it
+        if grammar_ends:
+            logits[banned] = before
     if p.logit_bias:
         tokens, biases = row.bias if row.bias is not None else logit_bias_tensors(p.logit_bias)
         logits[tokens.to(logits.device)] += biases.to(logits.device, logits.dtype)
@@ -320,6 +330,13 @@ def adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
     if output_ids and (p.frequency_penalty or p.presence_penalty):
         tokens, counts = ids(output_ids).unique(return_counts=True)
         logits[tokens] -= counts.to(logits.dtype) * p.frequency_penalty + p.presence_penalty
+
+
+def _allows_only(logits: torch.Tensor, tokens: torch.Tensor) -> bool:
+    """Whether every token logits [vocab] leaves choosable is one of `tokens`."""
+    choosable = logits > float("-inf")
+    choosable[tokens[tokens < logits.shape[-1]].to(logits.device)] = False
+    return not bool(choosable.any())
 
 
 def _sample_row(i: int, row: SampleRow, logits: torch.Tensor, greedy_ids: list[int],

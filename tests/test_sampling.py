@@ -477,3 +477,24 @@ def test_under_a_grammar_logprobs_are_over_the_tokens_it_allows(temperature):
     assert structured.logprob == pytest.approx(want[structured.token_id].item(), abs=1e-6)
     assert set(structured.top_logprobs) <= set(allowed_ids)
     assert plain.logprob == pytest.approx(torch.log_softmax(logits[1], -1)[plain.token_id].item(), abs=1e-6)
+
+
+def test_only_a_grammar_that_allows_nothing_but_its_end_may_end_before_min_tokens():
+    """min_tokens bans the ending tokens; where the grammar allows nothing else, it may end (as
+    vLLM lets it); where allowed_token_ids took the grammar's other tokens away, nothing is left."""
+    def bitmask(tokens):
+        mask = torch.zeros(2, dtype=torch.int32)
+        for token in tokens:
+            mask[token // 32] |= 1 << (token % 32)
+        return mask
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(5))
+    ending = torch.tensor([EOS])
+    params = SamplingParams(choice=["x"], min_tokens=3)
+    only_its_end, emptied, free = sample(logits, [
+        SampleRow(params, allowed=bitmask([EOS]), banned=ending),
+        SampleRow(params, allowed=bitmask([EOS, 5, 6]), banned=ending, permitted=torch.tensor([EOS, 9])),
+        SampleRow(params, allowed=bitmask([EOS, 5, 6]), banned=ending)])
+    assert only_its_end.token_id == EOS and only_its_end.error is None
+    assert emptied.invalid and "no token is left to choose" in emptied.error
+    assert free.token_id in (5, 6)
