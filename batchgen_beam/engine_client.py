@@ -74,7 +74,7 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"engine_args: unknown {unknown}; runtime.Engine takes {', '.join(known)}")
         Engine.check_sizes(**engine_args)
-        return cls(model, tuple(sorted(engine_args.items())), _local_revision(model, engine_args.get("lora")))
+        return cls(model, tuple(sorted(engine_args.items()))).current()
 
     def current(self) -> "EngineConfig":
         """This config with its local folders as they are now (a transform built before a

@@ -305,9 +305,9 @@ def adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
     # min_tokens, as vLLM lets it; what else bans them all leaves nothing (an error row).
     grammar_ends = row.allowed is not None and row.banned is not None and _allows_only(logits, row.banned)
     if row.permitted is not None:
-        outside = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        outside[row.permitted.to(logits.device)] = False
-        logits[outside] = float("-inf")
+        permitted = row.permitted.to(logits.device)
+        kept = logits[permitted]
+        logits.fill_(float("-inf"))[permitted] = kept
     for word in row.bad_words:
         start = len(output_ids) - (len(word) - 1)
         if start >= 0 and tuple(output_ids[start:]) == word[:-1]:

@@ -103,7 +103,9 @@ class TokenTexts:
         start, stalled, finished = 0, 0, 0
         for position, token in enumerate(completion):
             starts.append(start)
-            decoded = self._tokenizer.decode(completion[start:position + 1])
+            run = completion[start:position + 1]
+            # a one-token run (the common case) from the cache that text() reads too
+            decoded = self.alone(token) if len(run) == 1 else self._tokenizer.decode(run)
             done = len(decoded.rstrip("\ufffd"))
             stalled = 0 if done > finished else stalled + 1
             finished = done
