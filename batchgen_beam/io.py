@@ -491,11 +491,11 @@ class _OpenAILines(beam.DoFn):
         line = response_line(row, model=self._name, created=int(time.time()), token_texts=self._texts)
         yield json.dumps(line, ensure_ascii=False, allow_nan=False)
 
-    def _texts(self, completion):
+    def _texts(self):
         if self._token_texts is None:
             from runtime.tokenizer import TokenTexts, load_tokenizer  # transformers: only if needed
             self._token_texts = TokenTexts(load_tokenizer(resolve_model(self._model)))
-        return self._token_texts(completion)
+        return self._token_texts
 
 
 def absolute_path(path: str) -> str:

@@ -8,10 +8,13 @@ Pure Python: no Beam, no model math. A row becomes one line:
   `/v1/completions` a prompt), so a line's answer has the shape its request asked for.
 - `choices` holds the n samples; each carries vLLM's `stop_reason` (the stop string or stop
   token id that ended it, null for EOS) beside `finish_reason`.
-- Logprobs take each endpoint's shape, with each token's text (`token_texts(completion)(token_id,
-  position)`: runtime.tokenizer.TokenTexts); a -inf logprob is written as
-  -9999.0, as vLLM writes it, since JSON has no infinity. A completion's `top_logprobs` hold
-  the chosen token too, as OpenAI's spec has them; chat's hold the top ones alone.
+- Logprobs take each endpoint's shape, with each token's text (runtime.tokenizer.TokenTexts);
+  a -inf logprob is written as -9999.0, as vLLM writes it, since JSON has no infinity. A
+  completion's `top_logprobs` hold the chosen token too, as OpenAI's spec has them; chat's hold
+  the top ones alone.
+- A completion asked with `echo` (the row's `echo`: its prompt) shows the prompt before each
+  choice's text, and with logprobs the prompt's tokens before the choice's (vLLM's shape: the
+  first with no logprob and null top ones).
 - A record that failed has OpenAI's HTTP error shape: status 400 and an
   `invalid_request_error` where the record was at fault (`error_type` "record": it did not
   parse, or the engine refused its prompt or values), 500 and a `server_error` where the
@@ -25,16 +28,21 @@ Pure Python: no Beam, no model math. A row becomes one line:
 """
 
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # transformers: loaded only where a row needs token texts
+    from runtime.tokenizer import TokenTexts
 
 _MIN_LOGPROB = -9999.0  # vLLM's stand-in for -inf
 
 
 def response_line(row: Mapping, *, model: str, created: int,
-                  token_texts: Callable[[Sequence[int]], Callable[[int, int], str]] | None = None) -> dict:
-    """The OpenAI Batch output line for one output row. `token_texts(completion)` gives the text
-    of a token at a position of the completion's tokens (or of the prompt's); it is called only
-    for rows with logprobs or prompt_logprobs, which need it."""
+                  token_texts: Callable[[], "TokenTexts"] | None = None) -> dict:
+    """The OpenAI Batch output line for one output row. `token_texts()` gives the model's
+    runtime.tokenizer.TokenTexts: `texts(completion)(token_id, position)` is the text of a token
+    at a position of the completion's tokens (or of the prompt's); it is called only for rows
+    with logprobs or prompt_logprobs, which need it."""
     if row["error"] is None and row["prompt_logprobs"] is not None and row.get("prompt_token_ids") is None:
         return _error_line(row, 400, "invalid_request_error",  # a row written before they were columns
                            "prompt_logprobs: this row has no prompt_token_ids, which OpenAI's output "
@@ -44,12 +52,16 @@ def response_line(row: Mapping, *, model: str, created: int,
             return _error_line(row, 400, "invalid_request_error", row["error"])
         return _error_line(row, 500, "server_error", row["error"])
     chat = row.get("chat")
-    choice = _chat_choice if chat else _text_choice
     samples = [row, *(row["samples"] or [])]
+    wanted = row["prompt_logprobs"] is not None or any(sample["logprobs"] is not None for sample in samples)
+    token_texts = token_texts() if wanted else None
+    if chat:
+        choices = [_chat_choice(index, sample, token_texts) for index, sample in enumerate(samples)]
+    else:
+        choices = [_text_choice(index, sample, token_texts, row) for index, sample in enumerate(samples)]
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": model,
-            "choices": [choice(index, sample, token_texts) for index, sample in enumerate(samples)],
+            "created": created, "model": model, "choices": choices,
             "usage": {"prompt_tokens": row["prompt_tokens"],
                       "completion_tokens": row["completion_tokens"],
                       "total_tokens": row["prompt_tokens"] + row["completion_tokens"]}}
@@ -93,23 +105,42 @@ def _chat_token(text: str, logprob: float) -> dict:
     return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
 
 
-def _text_choice(index: int, sample: Mapping, token_texts) -> dict:
+def _text_choice(index: int, sample: Mapping, token_texts, row: Mapping) -> dict:
+    echo = row.get("echo")  # .get: rows written before it was a column
     logprobs = None
     if sample["logprobs"] is not None:
-        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset, text = 0, token_texts(sample["token_ids"])
-        for at, token, logprob, tops in _positions(sample):
-            tokens.append(text(token, at))
-            token_logprobs.append(_finite(logprob))
-            # The top ones and the chosen one, as OpenAI's spec has it ("up to logprobs + 1").
-            top_logprobs.append({**{text(top["token_id"], at): _finite(top["logprob"]) for top in tops},
-                                 tokens[-1]: token_logprobs[-1]})
-            offsets.append(offset)
-            offset += len(tokens[-1])
-        logprobs = {"tokens": tokens, "token_logprobs": token_logprobs,
-                    "top_logprobs": top_logprobs, "text_offset": offsets}
-    return {"index": index, "text": sample["text"], "logprobs": logprobs,
+        generated = ((text(token, at), logprob, [(text(top["token_id"], at), top["logprob"]) for top in tops])
+                     for at, token, logprob, tops in _positions(sample))
+        asked = len((sample["top_logprobs"] or [[]])[0] or [])  # the body's logprobs
+        for token, logprob, tops in [*(_echoed(row, token_texts, asked) if echo is not None else ()), *generated]:
+            logprobs["tokens"].append(token)
+            logprobs["token_logprobs"].append(None if logprob is None else _finite(logprob))
+            # The top ones and the chosen one, as OpenAI's spec has it ("up to logprobs + 1");
+            # where two show the same text, the chosen one's logprob (vLLM's overwrites it).
+            logprobs["top_logprobs"].append(
+                None if logprob is None else {**{t: _finite(lp) for t, lp in tops}, token: _finite(logprob)})
+            logprobs["text_offset"].append(offset)
+            offset += len(token)
+    return {"index": index, "text": (echo or "") + sample["text"], "logprobs": logprobs,
             "finish_reason": sample["finish_reason"], "stop_reason": _stop_reason(sample)}
+
+
+def _echoed(row: Mapping, token_texts, asked: int) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
+    """An echoed prompt's tokens as a completion's logprobs list them, vLLM's way: per token its
+    text, logprob and top ones; the first has no logprob, and its text is its bytes decoded
+    alone; the top ones are the first `asked` of the prompt logprobs other than the prompt
+    token (which vLLM lists first and keeps `asked` + 1 of)."""
+    prompt = row["prompt_token_ids"]
+    text = token_texts(prompt[1:])
+    tops = row["prompt_top_logprobs"] or [None] * len(prompt)
+    positions = [(token_texts.decoded(prompt[0]), None, [])]
+    for at in range(1, len(prompt)):
+        others = [top for top in tops[at] or [] if top["token_id"] != prompt[at]][:asked]
+        positions.append((text(prompt[at], at - 1), row["prompt_logprobs"][at],
+                          [(text(top["token_id"], at - 1), top["logprob"]) for top in others]))
+    return positions
 
 
 def _prompt_logprobs(row: Mapping, token_texts) -> list[dict | None]:

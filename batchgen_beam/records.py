@@ -28,8 +28,12 @@ Choices:
   from_pandas reads it as null). A whole float in an integer field (2.0: pandas keeps a column
   of ints with gaps as float64, some JSON writers print it so) counts as that int; 2.5 does not.
 - OpenAI body keys: harmless ones (`model`, `user`, ...) are ignored; keys that would change the
-  output (`tools`, `echo`, ...) are accepted only at their no-op value; any other key is
-  rejected, naming it, rather than silently not honoured. `response_format` (`json_object`: any
+  output (`tools`, `suffix`, ...) are accepted only at their no-op value; any other key is
+  rejected, naming it, rather than silently not honoured. A completion's `echo` (true: the
+  output puts the prompt before each choice's text, and with `logprobs` its tokens before the
+  choice's, so `prompt_logprobs` defaults to `logprobs`: vLLM's rule) is carried to the row as
+  its `echo` column, the prompt; a chat body's `echo` only at false (vLLM's chat echo repeats
+  the last message, a different thing). `response_format` (`json_object`: any
   JSON object; `json_schema`: its schema) and vLLM's `guided_json` become our `json_schema`,
   vLLM's `guided_regex` and `guided_choice` our `regex` and `choice`, and so does vLLM 0.32's
   `structured_outputs` (`json`, `regex`, `choice`, `json_object`).
@@ -104,7 +108,7 @@ _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
 _OPENAI_URLS = {
     "/v1/chat/completions": ("messages", {"messages", "max_tokens", "max_completion_tokens",
                                           "logprobs", "top_logprobs", *CHAT_FIELDS}),
-    "/v1/completions": ("prompt", {"prompt", "max_tokens", "logprobs"}),
+    "/v1/completions": ("prompt", {"prompt", "max_tokens", "logprobs", "echo"}),
 }
 # Body keys that ask for structured output: OpenAI's response_format and vLLM's guided_json
 # (our json_schema), vLLM's guided_regex and guided_choice (our regex and choice), and vLLM
@@ -143,6 +147,7 @@ class Parsed:
     params: SamplingParams
     passthrough: dict = field(default_factory=dict)
     chat: ChatOptions = field(default_factory=ChatOptions)
+    echo: bool = False  # an OpenAI completion's: its output shows the prompt first
 
     def to_request(self) -> Request:
         return Request(self.id, prompt=self.prompt, messages=self.messages, params=self.params, chat=self.chat)
@@ -415,11 +420,12 @@ def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
         prompt, messages = _check_prompt(fields)
         params = _params(fields, base, record_id)
         chat = _chat_options(fields, base, messages is not None)
+        echo = openai and _openai_echo(record["body"])
     except _Invalid as bad:
         if record_id is None and record.get(id_key) is not None and id_key not in unwritable:
             passthrough = {id_key: record[id_key], **passthrough}  # what the row can be traced by
         return Rejected(record_id, str(bad), passthrough)
-    return Parsed(record_id, prompt, messages, params, passthrough, chat)
+    return Parsed(record_id, prompt, messages, params, passthrough, chat, echo)
 
 
 def _utf8(value: Any, where: str) -> Any:
@@ -665,7 +671,19 @@ def _openai_fields(record: Mapping) -> dict:
     fields.update(_openai_structure(given))
     fields["max_tokens"] = _openai_max_tokens(given)
     fields["logprobs"] = _chat_logprobs(given) if input_key == "messages" else given.get("logprobs")
+    if _openai_echo(given) and "prompt_logprobs" not in fields:
+        fields["prompt_logprobs"] = fields["logprobs"]  # the echoed prompt's (vLLM's rule)
     return fields
+
+
+def _openai_echo(body: Mapping) -> bool:
+    """A completion body's echo (a chat body's is a no-op, checked as such)."""
+    echo = body.get("echo")
+    if is_missing(echo):
+        return False
+    if not isinstance(echo, bool):
+        raise _Invalid(f"body.echo: must be true or false, got {_show(echo)}")
+    return bool(echo)
 
 
 def _openai_structure(body: dict) -> dict:
@@ -774,7 +792,7 @@ def completion_row(parsed: Parsed, completion: Completion) -> dict:
                     "logprobs": _list_or_none(o.logprobs), "top_logprobs": _ranked(o.top_logprobs)}
                    for o in completion.outputs[1:]]
     return _row(parsed.id, parsed.passthrough, chat=parsed.messages is not None,
-                text=first.text, token_ids=first.token_ids,
+                echo=parsed.prompt if parsed.echo else None, text=first.text, token_ids=first.token_ids,
                 finish_reason=first.finish_reason, stop_reason=first.stop_reason,
                 prompt_tokens=completion.prompt_tokens,
                 completion_tokens=completion.completion_tokens, samples=samples,
@@ -817,7 +835,7 @@ def error_row(rejected_or_id: Rejected | str | None, message: str | None = None,
 
 
 def _row(id: str | None, passthrough: Mapping | None, *, chat: bool | None = None,
-         text: str | None = None,
+         echo: str | None = None, text: str | None = None,
          token_ids: Sequence[int] = (), finish_reason: str = "error",
          stop_reason: int | str | None = None, prompt_tokens: int = 0,
          completion_tokens: int = 0, error: str | None = None, error_type: str | None = None,
@@ -834,7 +852,7 @@ def _row(id: str | None, passthrough: Mapping | None, *, chat: bool | None = Non
             "top_logprobs": top_logprobs,
             "prompt_token_ids": _list_or_none(prompt_token_ids), "prompt_logprobs": _list_or_none(prompt_logprobs),
             "prompt_ranks": _list_or_none(prompt_ranks), "prompt_top_logprobs": prompt_top_logprobs,
-            **_durations(timings), "chat": chat, "passthrough": dict(passthrough or {})}
+            **_durations(timings), "chat": chat, "echo": echo, "passthrough": dict(passthrough or {})}
 
 
 def _durations(timings: Timings | None) -> dict:
@@ -881,6 +899,7 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("first_token_s", pa.float64()),
     pa.field("total_s", pa.float64()),
     pa.field("chat", pa.bool_()),  # messages (true) or a prompt (false); null: did not parse
+    pa.field("echo", pa.string()),  # an OpenAI completion's echo: its prompt; null: not asked
     # JSON text: passthrough fields differ from record to record, a column type cannot.
     pa.field("passthrough", pa.string(), nullable=False),
 ])

@@ -85,6 +85,11 @@ class TokenTexts:
         text = self._tokenizer.decode(run)
         return "" if text.endswith("\ufffd") else text
 
+    def decoded(self, token_id: int) -> str:
+        """The token's bytes decoded alone, as they are (vLLM shows an echoed prompt's first
+        token so)."""
+        return f"token_id:{token_id}" if self._tokenizer is None else self._tokenizer.decode([token_id])
+
     def alone(self, token_id: int) -> str:
         if token_id not in self._alone:
             text = self._tokenizer.decode([token_id])

@@ -19,11 +19,24 @@ TIMINGS = Timings(submitted=1.0, first_scheduled=1.5, first_token=2.0, finished=
 TEXTS = {5: "Hel", 6: "lo", 7: "!", 9: " there", 11: "\ufffd"}
 
 
-def texts(completion):
-    def text(token_id, position):
-        assert 0 <= position < len(completion)
-        return TEXTS[token_id]
-    return text
+class FakeTexts:
+    """TokenTexts' interface over a table, checking each position read lies in the completion."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def __call__(self, completion):
+        def text(token_id, position):
+            assert 0 <= position < len(completion)
+            return self.table(token_id, position)
+        return text
+
+    def decoded(self, token_id):
+        return f"<{token_id}>"
+
+
+def texts():
+    return FakeTexts(lambda token_id, position: TEXTS[token_id])
 
 
 def chat_record(**body):
@@ -110,7 +123,7 @@ def test_logprobs_without_top_ones_and_no_logprobs():
     line = line_of(text_record(logprobs=0), SampleOutput(0, [7], "!", "length", [-0.125]))
     assert line["response"]["body"]["choices"][0]["logprobs"]["top_logprobs"] == [{"!": -0.125}]
 
-    def untouched(completion):
+    def untouched():
         raise AssertionError("no logprobs: no token text needed")
 
     row = completion_row(parse_record(chat_record()),
@@ -144,12 +157,9 @@ def test_failed_records_have_openai_s_http_error_shape():
     assert response_line(error_row(unparsed), model="m", created=0)["custom_id"] is None
 
 
-def prompt_texts(prompt):
+def prompt_texts():
     """Token texts that name the token and the position read, to check what is read where."""
-    def text(token_id, position):
-        assert 0 <= position < len(prompt)
-        return f"{token_id}@{position}"
-    return text
+    return FakeTexts(lambda token_id, position: f"{token_id}@{position}")
 
 
 def test_prompt_logprobs_take_vllm_s_shape():
@@ -330,3 +340,51 @@ def test_spaces_are_restored_by_the_metaspace_pre_tokenizer_s_own_marker():
 
 def test_token_texts_without_a_tokenizer_name_the_id():
     assert TokenTexts(None)([42])(42, 0) == "token_id:42"
+
+
+def test_echo_puts_the_prompt_before_each_choice_s_text():
+    record = text_record(echo=True, n=2, temperature=1.0)
+    parsed = parse_record(record)
+    assert parsed.echo and parsed.params.prompt_logprobs is None  # no logprobs asked: none scored
+    row = completion_row(parsed, Completion("r", [SampleOutput(0, [7], "!", "length"),
+                                                  SampleOutput(1, [9], " there", "length")], 2, TIMINGS))
+    assert row["echo"] == "Say"
+    for read_back in (row, row_from_json(row_to_json(row)), arrow_to_rows(rows_to_arrow([row]))[0]):
+        body = response_line(read_back, model="m", created=0, token_texts=texts)["response"]["body"]
+        assert [c["text"] for c in body["choices"]] == ["Say!", "Say there"]
+        assert [c["logprobs"] for c in body["choices"]] == [None, None]
+        assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    assert completion_row(parse_record(text_record(echo=False)),
+                          Completion("r", [SampleOutput(0, [7], "!", "length")], 2, TIMINGS))["echo"] is None
+
+
+def test_echo_with_logprobs_scores_the_prompt_and_lists_its_tokens_first():
+    """vLLM's shape: the prompt's tokens, the first with no logprob and no top ones, then the
+    completion's; text offsets run on across both; the prompt logprobs default to `logprobs`."""
+    parsed = parse_record(text_record(echo=True, logprobs=1))
+    assert parsed.params.prompt_logprobs == 1
+    line = line_of(text_record(echo=True, logprobs=1),
+                   SampleOutput(0, [7], "!", "length", [-0.5], [{7: -0.5, 9: -1.0}]), prompt_tokens=3,
+                   prompt_token_ids=[5, 6, 9], prompt_logprobs=[None, -2.0, -0.25], prompt_ranks=[None, 3, 1],
+                   prompt_top_logprobs=[None, {7: -0.5}, {9: -0.25}])
+    [choice] = line["response"]["body"]["choices"]
+    assert choice["text"] == "Say!"
+    assert choice["logprobs"] == {"tokens": ["<5>", "lo", " there", "!"],  # the first decoded alone
+                                  "token_logprobs": [None, -2.0, -0.25, -0.5],
+                                  "top_logprobs": [None, {"!": -0.5, "lo": -2.0}, {" there": -0.25},
+                                                   {" there": -1.0, "!": -0.5}],
+                                  "text_offset": [0, 3, 5, 11]}
+    assert choice["prompt_logprobs"][1] == {6: {"logprob": -2.0, "rank": 3, "decoded_token": "lo"},
+                                            7: {"logprob": -0.5, "rank": 1, "decoded_token": "!"}}
+
+
+def test_echoed_prompt_tokens_show_as_many_top_ones_as_logprobs_asks():
+    """Where prompt_logprobs asks more than logprobs, a prompt position shows the first `logprobs`
+    top ones other than the prompt token, and the prompt token (vLLM keeps logprobs + 1 of
+    its prompt logprobs, the prompt token first)."""
+    line = line_of(text_record(echo=True, logprobs=1, prompt_logprobs=3),
+                   SampleOutput(0, [7], "!", "length", [-0.5], [{7: -0.5}]), prompt_tokens=3,
+                   prompt_token_ids=[5, 6, 9], prompt_logprobs=[None, -0.1, -3.0], prompt_ranks=[None, 1, 3],
+                   prompt_top_logprobs=[None, {6: -0.1, 7: -2.5, 9: -3.5}, {5: -0.2, 7: -0.3, 9: -3.0}])
+    [choice] = line["response"]["body"]["choices"]
+    assert choice["logprobs"]["top_logprobs"][1:3] == [{"!": -2.5, "lo": -0.1}, {"Hel": -0.2, " there": -3.0}]

@@ -193,6 +193,35 @@ def test_openai_format_writes_prompt_logprobs_as_vllm_does(chat_model, jsonl_inp
         assert texts == tokenizer.decode(prompt[1:])
 
 
+def test_echo_lists_the_prompt_before_the_completion_as_vllm_does(chat_model, tmp_path):
+    """A completion line with echo and logprobs: the prompt's text before the completion's, its
+    tokens (the first with no logprob) before the completion's, their logprobs the row's
+    prompt logprobs; one without logprobs gets the text alone."""
+    lines = [{"custom_id": f"e{logprobs}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "Once upon a time", "echo": True, "max_tokens": 3,
+                       **({} if logprobs is None else {"logprobs": logprobs})}} for logprobs in (None, 1)]
+    path = tmp_path / "echo.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rows = run(chat_model, "--input", str(path), "--output", str(tmp_path / "rows/gen"), "--format", "jsonl")
+    rows = {r["id"]: r for r in read_jsonl(rows["output_files"])}
+    summary = run(chat_model, "--input", str(path), "--output", str(tmp_path / "oa/gen"), "--format", "openai")
+    bodies = {line["custom_id"]: line["response"]["body"] for line in read_jsonl(summary["output_files"])}
+    tokenizer = load_tokenizer(chat_model)
+    for custom_id, row in rows.items():
+        assert row["echo"] == "Once upon a time"
+        [choice] = bodies[custom_id]["choices"]
+        assert choice["text"] == "Once upon a time" + row["text"]
+    assert bodies["eNone"]["choices"][0]["logprobs"] is None and rows["eNone"]["prompt_logprobs"] is None
+    row, [choice] = rows["e1"], bodies["e1"]["choices"]
+    prompt, logprobs = row["prompt_token_ids"], choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(prompt) + len(row["token_ids"])
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1:len(prompt)] == pytest.approx(row["prompt_logprobs"][1:], abs=1e-5)
+    assert logprobs["token_logprobs"][len(prompt):] == pytest.approx(row["logprobs"], abs=1e-5)
+    assert "".join(logprobs["tokens"][:len(prompt)]) == tokenizer.decode(prompt)
+    assert all(1 <= len(top) <= 2 for top in logprobs["top_logprobs"][1:])
+
+
 def test_chat_fields_render_the_prompt_as_transformers_does(chat_model, tmp_path):
     """A record's continue_final_message and the job's template variables reach the template:
     the prompt the engine ran is transformers' rendering of the same messages."""

@@ -25,7 +25,7 @@ from runtime.sampling import SamplingParams
 
 ROW_KEYS = ["id", "text", "token_ids", "finish_reason", "stop_reason", "stop_token_id",
             "prompt_tokens", "completion_tokens", "error", "error_type", "samples", "logprobs", "top_logprobs",
-            "prompt_token_ids", "prompt_logprobs", "prompt_ranks", "prompt_top_logprobs", "queue_s", "first_token_s", "total_s", "chat",
+            "prompt_token_ids", "prompt_logprobs", "prompt_ranks", "prompt_top_logprobs", "queue_s", "first_token_s", "total_s", "chat", "echo",
             "passthrough"]
 
 
@@ -186,7 +186,8 @@ BAD_RECORDS = {
                                  ["json_schema: must be a schema the grammar engine compiles"]),
     "json_schema not json": ({"id": "j", "prompt": "Hi", "json_schema": "{oops"}, "j",
                              ["json_schema: must be a JSON schema", "not JSON"]),
-    "openai echo": (completions_line(echo=True), "c2", ["body.echo: not supported", "True"]),
+    "openai echo not a bool": (completions_line(echo="yes"), "c2", ["body.echo: must be true or false", "'yes'"]),
+    "openai chat echo": (chat_line({"echo": True}), "c1", ["body.echo: not supported", "True"]),
     "openai logit_bias not a token": (chat_line({"logit_bias": {"the": 5}}), "c1",
                                       ["logit_bias: must be an integer", "'the'"]),
     "openai logit_bias out of range": (chat_line({"logit_bias": {"7": -101}}), "c1",
@@ -861,7 +862,7 @@ def test_completion_row_n1():
                    "stop_reason": None, "stop_token_id": None, "prompt_tokens": 4, "completion_tokens": 3, "error": None, "error_type": None, "samples": None,
                    "logprobs": [-0.5, -1.25, -0.0], "top_logprobs": None, "prompt_token_ids": None,
                    "prompt_logprobs": None, "prompt_ranks": None, "prompt_top_logprobs": None, "queue_s": 0.25,
-                   "first_token_s": 0.75, "total_s": 3.5, "chat": False, "passthrough": {"meta": {"k": [1]}}}
+                   "first_token_s": 0.75, "total_s": 3.5, "chat": False, "echo": None, "passthrough": {"meta": {"k": [1]}}}
 
 
 def test_a_scored_prompt_keeps_its_logprobs_through_parquet_and_jsonl(tmp_path):
@@ -920,7 +921,7 @@ def test_engine_error_completion_becomes_an_error_row():
                    "error": "prompt too long: 9000 tokens", "error_type": "engine", "samples": None, "logprobs": None,
                    "top_logprobs": None, "prompt_token_ids": None, "prompt_logprobs": None,
                    "prompt_ranks": None, "prompt_top_logprobs": None,
-                   "queue_s": None, "first_token_s": None, "total_s": 0.5, "chat": False,
+                   "queue_s": None, "first_token_s": None, "total_s": 0.5, "chat": False, "echo": None,
                    "passthrough": {"src": "x"}}
 
 
