@@ -12,9 +12,9 @@ Pure Python: no Beam, no model math. A row becomes one line:
   a -inf logprob is written as -9999.0, as vLLM writes it, since JSON has no infinity. A
   completion's `top_logprobs` hold the chosen token too, as OpenAI's spec has them; chat's hold
   the top ones alone.
-- A completion asked with `echo` (the row's `echo`: its prompt) shows the prompt before each
-  choice's text, and with logprobs the prompt's tokens before the choice's (vLLM's shape: the
-  first with no logprob and null top ones).
+- A line asked with `echo` shows the row's `echo` (records.echo_text) before each choice's
+  text; a completion's, with logprobs, the prompt's tokens before the choice's too (vLLM's
+  shape: the first with no logprob and null top ones).
 - A record that failed has OpenAI's HTTP error shape: status 400 and an
   `invalid_request_error` where the record was at fault (`error_type` "record": it did not
   parse, or the engine refused its prompt or values), 500 and a `server_error` where the
@@ -56,7 +56,7 @@ def response_line(row: Mapping, *, model: str, created: int,
     wanted = row["prompt_logprobs"] is not None or any(sample["logprobs"] is not None for sample in samples)
     token_texts = token_texts() if wanted else None
     if chat:
-        choices = [_chat_choice(index, sample, token_texts) for index, sample in enumerate(samples)]
+        choices = [_chat_choice(index, sample, token_texts, row) for index, sample in enumerate(samples)]
     else:
         choices = [_text_choice(index, sample, token_texts, row) for index, sample in enumerate(samples)]
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -88,7 +88,7 @@ def _stop_reason(sample: Mapping) -> str | int | None:
     return sample["stop_reason"] if sample["stop_reason"] is not None else sample["stop_token_id"]
 
 
-def _chat_choice(index: int, sample: Mapping, token_texts) -> dict:
+def _chat_choice(index: int, sample: Mapping, token_texts, row: Mapping) -> dict:
     logprobs = None
     if sample["logprobs"] is not None:
         text = token_texts(sample["token_ids"])
@@ -96,7 +96,8 @@ def _chat_choice(index: int, sample: Mapping, token_texts) -> dict:
             {**_chat_token(text(token, at), logprob),
              "top_logprobs": [_chat_token(text(top["token_id"], at), top["logprob"]) for top in tops]}
             for at, token, logprob, tops in _positions(sample)]}
-    return {"index": index, "message": {"role": "assistant", "content": sample["text"], "refusal": None},
+    content = (row.get("echo") or "") + sample["text"]  # .get: rows written before it was a column
+    return {"index": index, "message": {"role": "assistant", "content": content, "refusal": None},
             "logprobs": logprobs, "finish_reason": sample["finish_reason"],
             "stop_reason": _stop_reason(sample)}
 

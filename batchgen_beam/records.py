@@ -29,11 +29,10 @@ Choices:
   of ints with gaps as float64, some JSON writers print it so) counts as that int; 2.5 does not.
 - OpenAI body keys: harmless ones (`model`, `user`, ...) are ignored; keys that would change the
   output (`tools`, `suffix`, ...) are accepted only at their no-op value; any other key is
-  rejected, naming it, rather than silently not honoured. A completion's `echo` (true: the
-  output puts the prompt before each choice's text, and with `logprobs` its tokens before the
-  choice's, so `prompt_logprobs` defaults to `logprobs`: vLLM's rule) is carried to the row as
-  its `echo` column, the prompt; a chat body's `echo` only at false (vLLM's chat echo repeats
-  the last message, a different thing). `response_format` (`json_object`: any
+  rejected, naming it, rather than silently not honoured. `echo` is carried to the row as its
+  `echo` column, the text the output puts before each choice's (`echo_text`): a completion's
+  prompt (with `logprobs` its tokens come first too, so `prompt_logprobs` defaults to
+  `logprobs`: vLLM's rule), a chat's last message where the answer continues it (vLLM's rule). `response_format` (`json_object`: any
   JSON object; `json_schema`: its schema) and vLLM's `guided_json` become our `json_schema`,
   vLLM's `guided_regex` and `guided_choice` our `regex` and `choice`, and so does vLLM 0.32's
   `structured_outputs` (`json`, `regex`, `choice`, `json_object`).
@@ -107,7 +106,7 @@ _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
 # Per endpoint: the body key holding the input, and the endpoint-specific keys we understand.
 _OPENAI_URLS = {
     "/v1/chat/completions": ("messages", {"messages", "max_tokens", "max_completion_tokens",
-                                          "logprobs", "top_logprobs", *CHAT_FIELDS}),
+                                          "logprobs", "top_logprobs", "echo", *CHAT_FIELDS}),
     "/v1/completions": ("prompt", {"prompt", "max_tokens", "logprobs", "echo"}),
 }
 # Body keys that ask for structured output: OpenAI's response_format and vLLM's guided_json
@@ -131,7 +130,7 @@ _OPENAI_SAMPLING = {"temperature", "top_p", "seed", "stop", "n", "top_k", "min_p
 _OPENAI_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
                    "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
 # Body keys we cannot honour, accepted only at the value that makes them a no-op.
-_OPENAI_NO_OP = {"echo": False, "best_of": 1, "suffix": "", "stream": False, "tools": [],
+_OPENAI_NO_OP = {"best_of": 1, "suffix": "", "stream": False, "tools": [],
                  "tool_choice": "none", "modalities": ["text"]}
 # A body may carry vLLM's request fields as well (files written for vLLM), on the same terms
 # (the chat fields, at their defaults, in a completion's too).
@@ -147,7 +146,7 @@ class Parsed:
     params: SamplingParams
     passthrough: dict = field(default_factory=dict)
     chat: ChatOptions = field(default_factory=ChatOptions)
-    echo: bool = False  # an OpenAI completion's: its output shows the prompt first
+    echo: bool = False  # an OpenAI line's: its output shows the input first (echo_text)
 
     def to_request(self) -> Request:
         return Request(self.id, prompt=self.prompt, messages=self.messages, params=self.params, chat=self.chat)
@@ -671,13 +670,13 @@ def _openai_fields(record: Mapping) -> dict:
     fields.update(_openai_structure(given))
     fields["max_tokens"] = _openai_max_tokens(given)
     fields["logprobs"] = _chat_logprobs(given) if input_key == "messages" else given.get("logprobs")
-    if _openai_echo(given) and "prompt_logprobs" not in fields:
+    if input_key == "prompt" and _openai_echo(given) and "prompt_logprobs" not in fields:
         fields["prompt_logprobs"] = fields["logprobs"]  # the echoed prompt's (vLLM's rule)
     return fields
 
 
 def _openai_echo(body: Mapping) -> bool:
-    """A completion body's echo (a chat body's is a no-op, checked as such)."""
+    """A body's echo, checked."""
     echo = body.get("echo")
     if is_missing(echo):
         return False
@@ -792,7 +791,7 @@ def completion_row(parsed: Parsed, completion: Completion) -> dict:
                     "logprobs": _list_or_none(o.logprobs), "top_logprobs": _ranked(o.top_logprobs)}
                    for o in completion.outputs[1:]]
     return _row(parsed.id, parsed.passthrough, chat=parsed.messages is not None,
-                echo=parsed.prompt if parsed.echo else None, text=first.text, token_ids=first.token_ids,
+                echo=echo_text(parsed), text=first.text, token_ids=first.token_ids,
                 finish_reason=first.finish_reason, stop_reason=first.stop_reason,
                 prompt_tokens=completion.prompt_tokens,
                 completion_tokens=completion.completion_tokens, samples=samples,
@@ -800,6 +799,22 @@ def completion_row(parsed: Parsed, completion: Completion) -> dict:
                 prompt_token_ids=completion.prompt_token_ids, prompt_logprobs=completion.prompt_logprobs,
                 prompt_ranks=completion.prompt_ranks,
                 prompt_top_logprobs=_ranked(completion.prompt_top_logprobs), timings=completion.timings)
+
+
+def echo_text(parsed: Parsed) -> str | None:
+    """What an OpenAI line asking `echo` shows before each choice's text, vLLM's rule: a
+    completion's prompt; a chat's last message where the answer continues its turn (the
+    template opens no new one, or that message is the assistant's), its text parts joined by
+    newlines; else "". None where echo was not asked."""
+    if not parsed.echo:
+        return None
+    if parsed.messages is None:
+        return parsed.prompt
+    last = parsed.messages[-1]
+    if parsed.chat.add_generation_prompt and last["role"] != "assistant":
+        return ""
+    content = last.get("content") or ""
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
 
 
 def _stop_columns(stop_reason: int | str | None) -> dict:
@@ -899,7 +914,7 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("first_token_s", pa.float64()),
     pa.field("total_s", pa.float64()),
     pa.field("chat", pa.bool_()),  # messages (true) or a prompt (false); null: did not parse
-    pa.field("echo", pa.string()),  # an OpenAI completion's echo: its prompt; null: not asked
+    pa.field("echo", pa.string()),  # echo_text: what an OpenAI line asking echo shows first; null: not asked
     # JSON text: passthrough fields differ from record to record, a column type cannot.
     pa.field("passthrough", pa.string(), nullable=False),
 ])

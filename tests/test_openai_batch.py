@@ -388,3 +388,23 @@ def test_echoed_prompt_tokens_show_as_many_top_ones_as_logprobs_asks():
                    prompt_top_logprobs=[None, {6: -0.1, 7: -2.5, 9: -3.5}, {5: -0.2, 7: -0.3, 9: -3.0}])
     [choice] = line["response"]["body"]["choices"]
     assert choice["logprobs"]["top_logprobs"][1:3] == [{"!": -2.5, "lo": -0.1}, {"Hel": -0.2, " there": -3.0}]
+
+
+@pytest.mark.parametrize("messages, options, shown", [
+    ([{"role": "user", "content": "Hi"}], {}, ""),  # a new assistant turn: nothing to repeat
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer"}], {}, "The answer"),
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The"}],
+     {"add_generation_prompt": False, "continue_final_message": True}, "The"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+     {"add_generation_prompt": False}, "a\nb"),
+])
+def test_chat_echo_repeats_the_last_message_where_the_answer_continues_it(messages, options, shown):
+    """vLLM's rule: the last message's content goes before each choice's where the answer is in
+    its turn (no generation prompt opens another, or it is the assistant's)."""
+    record = {"custom_id": "q", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": messages, "echo": True, **options}}
+    line = line_of(record, SampleOutput(0, [9], " there", "length"))
+    assert line["response"]["body"]["choices"][0]["message"]["content"] == shown + " there"
+    record["body"]["echo"] = False
+    assert line_of(record, SampleOutput(0, [9], " there", "length"))["response"]["body"]["choices"][0][
+        "message"]["content"] == " there"

@@ -187,7 +187,7 @@ BAD_RECORDS = {
     "json_schema not json": ({"id": "j", "prompt": "Hi", "json_schema": "{oops"}, "j",
                              ["json_schema: must be a JSON schema", "not JSON"]),
     "openai echo not a bool": (completions_line(echo="yes"), "c2", ["body.echo: must be true or false", "'yes'"]),
-    "openai chat echo": (chat_line({"echo": True}), "c1", ["body.echo: not supported", "True"]),
+    "openai chat echo not a bool": (chat_line({"echo": 1}), "c1", ["body.echo: must be true or false", "1"]),
     "openai logit_bias not a token": (chat_line({"logit_bias": {"the": 5}}), "c1",
                                       ["logit_bias: must be an integer", "'the'"]),
     "openai logit_bias out of range": (chat_line({"logit_bias": {"7": -101}}), "c1",
