@@ -6,7 +6,8 @@ Pure Python: no Beam, no model math. A problem with a record never raises: it be
 defaults) raises ValueError instead, since it would reject every record.
 
 `parse_record` accepts:
-- a mapping in our format: `id`, `prompt` or `messages`, optional sampling fields
+- a mapping in our format: `id`, `prompt` (or vLLM's `prompt_token_ids`, a tokenized one) or
+  `messages`, optional sampling fields
   (`SAMPLING_FIELDS`) and chat fields (`CHAT_FIELDS`); every other key passes through to the
   output row untouched;
 - a mapping in the OpenAI Batch API format (`custom_id`, `method`, `url`, `body`), told apart
@@ -97,7 +98,7 @@ _TOKEN_ID = re.compile(r"-?[0-9]+")  # a logit_bias key (JSON keys are text)
 RAW_PREVIEW_CHARS = 200
 MAX_NESTING = 32  # levels of mappings and lists in a record: far past any real one
 
-_NATIVE_KEYS = {"id", "prompt", "messages", *SAMPLING_FIELDS, *CHAT_FIELDS}
+_NATIVE_KEYS = {"id", "prompt", "prompt_token_ids", "messages", *SAMPLING_FIELDS, *CHAT_FIELDS}
 # vLLM's request fields we cannot honour, accepted only at the value that makes them a no-op:
 # a record written for vLLM must not silently get something else than it asked for.
 _NATIVE_NO_OP = {"best_of": 1, "use_beam_search": False, "length_penalty": 1.0,
@@ -147,9 +148,11 @@ class Parsed:
     passthrough: dict = field(default_factory=dict)
     chat: ChatOptions = field(default_factory=ChatOptions)
     echo: bool = False  # an OpenAI line's: its output shows the input first (echo_text)
+    prompt_token_ids: list[int] | None = None  # a tokenized prompt, given instead of prompt
 
     def to_request(self) -> Request:
-        return Request(self.id, prompt=self.prompt, messages=self.messages, params=self.params, chat=self.chat)
+        return Request(self.id, prompt=self.prompt, messages=self.messages, params=self.params, chat=self.chat,
+                       prompt_token_ids=self.prompt_token_ids)
 
     @cached_property
     def request_digest(self) -> str:
@@ -416,15 +419,17 @@ def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
         if not openai:
             _check_no_ops(record)
         fields = _openai_fields(record) if openai else record
-        prompt, messages = _check_prompt(fields)
+        prompt, messages, prompt_token_ids = _check_prompt(fields)
         params = _params(fields, base, record_id)
         chat = _chat_options(fields, base, messages is not None)
         echo = openai and _openai_echo(record["body"])
+        if echo and prompt_token_ids is not None:
+            raise _Invalid("body.echo: needs the prompt as text (this one is token ids)")
     except _Invalid as bad:
         if record_id is None and record.get(id_key) is not None and id_key not in unwritable:
             passthrough = {id_key: record[id_key], **passthrough}  # what the row can be traced by
         return Rejected(record_id, str(bad), passthrough)
-    return Parsed(record_id, prompt, messages, params, passthrough, chat, echo)
+    return Parsed(record_id, prompt, messages, params, passthrough, chat, echo, prompt_token_ids)
 
 
 def _utf8(value: Any, where: str) -> Any:
@@ -452,21 +457,36 @@ def _check_id(value: Any, key: str) -> str:
     return value
 
 
-def _check_prompt(fields: Mapping) -> tuple[str | None, list[dict] | None]:
+def _check_prompt(fields: Mapping) -> tuple[str | None, list[dict] | None, list[int] | None]:
+    """The record's prompt, messages or prompt token ids (one of them; the others None)."""
     # NaN is absent: a DataFrame of prompt rows and chat rows holds it in the other column.
-    prompt, messages = (None if is_missing(v) else v for v in (fields.get("prompt"), fields.get("messages")))
-    if prompt is None and messages is None:
+    given = {k: fields[k] for k in ("prompt", "messages", "prompt_token_ids") if not is_missing(fields.get(k))}
+    if not given:
         raise _Invalid("prompt: missing (give prompt, a string, or messages, a chat list)")
-    if prompt is not None and messages is not None:
-        raise _Invalid("prompt, messages: give one of them, not both")
-    if messages is not None:
-        return None, _check_messages(messages)
-    prompt = _utf8(prompt, "prompt")
+    if len(given) > 1:
+        raise _Invalid(f"{', '.join(given)}: give one of them, not both")
+    if "messages" in given:
+        return None, _check_messages(given["messages"]), None
+    if "prompt_token_ids" in given:
+        return None, None, _check_token_ids(given["prompt_token_ids"], "prompt_token_ids")
+    prompt = _utf8(given["prompt"], "prompt")
     if not isinstance(prompt, str):
         raise _Invalid(f"prompt: must be a string, got {_type_name(prompt)}")
     if not prompt.strip():
         raise _Invalid("prompt: must not be empty or only whitespace")
-    return prompt, None
+    return prompt, None, None
+
+
+def _check_token_ids(ids: Any, where: str) -> list[int]:
+    """A tokenized prompt: a non-empty list of token ids (the engine checks them against the
+    model's vocabulary)."""
+    if not isinstance(ids, list) or not ids:
+        raise _Invalid(f"{where}: must be a non-empty list of token ids, got {_show(ids)}")
+    for token in ids:
+        token = _whole(token)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise _Invalid(f"{where}: must be a list of token ids (integers >= 0), got {_show(token)} in it")
+    return [_whole(token) for token in ids]
 
 
 def _check_messages(messages: Any) -> list[dict]:
@@ -666,13 +686,34 @@ def _openai_fields(record: Mapping) -> dict:
         if not _is_no_op(value, _BODY_NO_OP[key]):
             raise _Invalid(f"body.{key}: not supported (only {_BODY_NO_OP[key]!r} is), got {_show(value)}")
     fields = {k: v for k, v in given.items() if k in _OPENAI_SAMPLING or k in CHAT_FIELDS}
-    fields[input_key] = given[input_key]
+    if input_key == "prompt":
+        fields.update(_openai_prompt(given["prompt"]))
+    else:
+        fields[input_key] = given[input_key]
     fields.update(_openai_structure(given))
     fields["max_tokens"] = _openai_max_tokens(given)
     fields["logprobs"] = _chat_logprobs(given) if input_key == "messages" else given.get("logprobs")
     if input_key == "prompt" and _openai_echo(given) and "prompt_logprobs" not in fields:
         fields["prompt_logprobs"] = fields["logprobs"]  # the echoed prompt's (vLLM's rule)
     return fields
+
+
+def _openai_prompt(prompt: Any) -> dict:
+    """A completion body's prompt as our prompt or prompt_token_ids. OpenAI's API takes text,
+    token ids, or a list of either for several prompts in one request: one, here, as each line
+    answers with one row."""
+    if not isinstance(prompt, list):
+        return {"prompt": prompt}
+    prompts = sum(isinstance(item, (str, list)) for item in prompt)
+    if prompts == 0:
+        return {"prompt_token_ids": prompt}  # checked as such (an empty one too)
+    if prompts < len(prompt):
+        raise _Invalid("body.prompt: a list of token ids or of prompts, not both")
+    if len(prompt) != 1:
+        raise _Invalid(f"body.prompt: must hold one prompt (text or token ids), got a list of {len(prompt)}; "
+                       f"give each prompt its own line")
+    [one] = prompt
+    return {"prompt_token_ids": one} if isinstance(one, list) else {"prompt": one}
 
 
 def _openai_echo(body: Mapping) -> bool:

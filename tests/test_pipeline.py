@@ -222,6 +222,31 @@ def test_echo_lists_the_prompt_before_the_completion_as_vllm_does(chat_model, tm
     assert all(1 <= len(top) <= 2 for top in logprobs["top_logprobs"][1:])
 
 
+def test_a_tokenized_prompt_runs_as_its_text_does(chat_model, tmp_path):
+    """Token ids (vLLM's prompt_token_ids; an OpenAI completion's prompt as ids), from JSONL and
+    from a Parquet list column, give the text prompt's greedy answer; ids the model has no
+    embedding for give that record's error row."""
+    ids = load_tokenizer(chat_model).encode("Once upon a time")
+    records = [{"id": "text", "prompt": "Once upon a time"}, {"id": "ids", "prompt_token_ids": ids},
+               {"custom_id": "openai", "method": "POST", "url": "/v1/completions", "body": {"prompt": ids}},
+               {"id": "outside", "prompt_token_ids": [*ids, 10 ** 6]}]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    rows = {r["id"]: r for r in read_jsonl(run(chat_model, "--input", str(path), "--output",
+                                                str(tmp_path / "js/gen"), "--format", "jsonl")["output_files"])}
+    assert rows["text"]["error"] is None and rows["text"]["token_ids"]
+    for name in ("ids", "openai"):
+        assert rows[name]["token_ids"] == rows["text"]["token_ids"] and rows[name]["text"] == rows["text"]["text"]
+        assert rows[name]["prompt_tokens"] == len(ids)
+    assert rows["outside"]["error_type"] == "record" and "prompt_token_ids" in rows["outside"]["error"]
+    table = pa.table({"id": ["pq"], "prompt_token_ids": pa.array([ids], pa.list_(pa.int64()))})
+    pq.write_table(table, tmp_path / "in.parquet")
+    summary = run(chat_model, "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "pq/gen"),
+                  "--format", "jsonl")
+    [row] = read_jsonl(summary["output_files"])
+    assert row["token_ids"] == rows["text"]["token_ids"]
+
+
 def test_chat_fields_render_the_prompt_as_transformers_does(chat_model, tmp_path):
     """A record's continue_final_message and the job's template variables reach the template:
     the prompt the engine ran is transformers' rendering of the same messages."""

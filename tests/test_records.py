@@ -187,6 +187,18 @@ BAD_RECORDS = {
     "json_schema not json": ({"id": "j", "prompt": "Hi", "json_schema": "{oops"}, "j",
                              ["json_schema: must be a JSON schema", "not JSON"]),
     "openai echo not a bool": (completions_line(echo="yes"), "c2", ["body.echo: must be true or false", "'yes'"]),
+    "openai echo of token ids": (completions_line(prompt=[1, 2], echo=True), "c2",
+                                 ["body.echo: needs the prompt as text"]),
+    "openai several prompts": (completions_line(prompt=["a", "b"]), "c2",
+                               ["body.prompt: must hold one prompt", "list of 2", "its own line"]),
+    "openai token ids mixed with text": (completions_line(prompt=[1, "b"]), "c2", ["token ids or of prompts, not both"]),
+    "openai empty prompt list": (completions_line(prompt=[]), "c2", ["prompt_token_ids: must be a non-empty list"]),
+    "token ids not a list": ({"id": "t", "prompt_token_ids": "1 2"}, "t", ["prompt_token_ids: must be a non-empty list"]),
+    "token id negative": ({"id": "t", "prompt_token_ids": [3, -1]}, "t", ["integers >= 0", "-1"]),
+    "token id a bool": ({"id": "t", "prompt_token_ids": [True]}, "t", ["integers >= 0", "True"]),
+    "token id a fraction": ({"id": "t", "prompt_token_ids": [1.5]}, "t", ["integers >= 0", "1.5"]),
+    "token ids and a prompt": ({"id": "t", "prompt": "x", "prompt_token_ids": [1]}, "t",
+                               ["prompt, prompt_token_ids: give one of them"]),
     "openai chat echo not a bool": (chat_line({"echo": 1}), "c1", ["body.echo: must be true or false", "1"]),
     "openai logit_bias not a token": (chat_line({"logit_bias": {"the": 5}}), "c1",
                                       ["logit_bias: must be an integer", "'the'"]),
@@ -202,8 +214,6 @@ BAD_RECORDS = {
                                   ["body.top_logprobs: needs logprobs: true"]),
     "openai max tokens differ": (chat_line({"max_tokens": 10, "max_completion_tokens": 20}),
                                  "c1", ["max_completion_tokens", "max_tokens", "differ"]),
-    "openai prompt list": (completions_line(prompt=["a", "b"]), "c2",
-                           ["prompt: must be a string", "got list"]),
     "openai bad temperature": (chat_line({"temperature": "warm"}), "c1",
                                ["temperature: must be a finite number, got 'warm'"]),
     "openai bad message": (chat_line({"messages": [{"role": "user"}]}), "c1",
@@ -1023,3 +1033,23 @@ def test_passthrough_bytes_are_written_in_base64():
     for written in (row_from_json(row_to_json(row)), arrow_to_rows(rows_to_arrow([row]))[0]):
         assert base64.b64decode(written["passthrough"]["blob"]) == blob
         assert [base64.b64decode(p) for p in written["passthrough"]["parts"]] == [b"\xff\x00", b"ok"]
+
+
+@pytest.mark.parametrize("record", [
+    {"id": "t", "prompt_token_ids": [5, 6, 7]},
+    {"id": "t", "prompt_token_ids": np.array([5, 6, 7])},  # a Parquet list column through pandas
+    {"id": "t", "prompt_token_ids": [5.0, 6, 7]},  # a JSON writer's whole floats
+    {"custom_id": "t", "method": "POST", "url": "/v1/completions", "body": {"prompt": [5, 6, 7]}},
+    {"custom_id": "t", "method": "POST", "url": "/v1/completions", "body": {"prompt": [[5, 6, 7]]}},
+])
+def test_a_tokenized_prompt_reaches_the_engine_as_token_ids(record):
+    parsed = parse_record(record)
+    assert parsed.prompt is None and parsed.prompt_token_ids == [5, 6, 7]
+    request = parsed.to_request()
+    assert request.prompt_token_ids == [5, 6, 7] and request.prompt is None
+    assert parse_record({"id": "t", "prompt_token_ids": [5, 6, 8]}).request_digest != parsed.request_digest
+
+
+def test_an_openai_prompt_in_a_one_item_list_is_that_prompt():
+    parsed = parse_record({"custom_id": "t", "method": "POST", "url": "/v1/completions", "body": {"prompt": ["Hi"]}})
+    assert parsed.prompt == "Hi" and parsed.prompt_token_ids is None
