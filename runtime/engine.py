@@ -2,6 +2,7 @@
 over sequence coroutines. Callers submit from any thread and collect completions as they finish;
 the sequence primitives (suspend, resume, evict, migrate; fork happens for n > 1) are public."""
 
+import atexit
 import contextlib
 import functools
 import json
@@ -11,6 +12,7 @@ import queue
 import secrets
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +48,16 @@ SCORE_ROWS = 256  # prompt positions scored at once: [256, vocab] fp32 logits (5
 # The layout of a migrate_out state, raised when it changes: a state another release exported
 # (a Beam job updated while its sequences were resident) is refused, not misread.
 STATE_FORMAT = 2
+# Engines whose loop runs (start()): stopped at interpreter exit. A daemon loop thread inside a
+# torch op while the interpreter finalizes aborts the process ("terminate called without an
+# active exception", status 134 instead of the script's own).
+_LOOPING: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_looping_engines() -> None:
+    for engine in list(_LOOPING):
+        engine.stop()
 
 
 def on_a_passing_thread(build, *args, **kwargs):
@@ -774,6 +786,7 @@ class Engine:
             self._stopping.clear()
             self._thread = threading.Thread(target=self._loop, name="batchgen-engine", daemon=True)
             self._thread.start()
+            _LOOPING.add(self)
         return self
 
     def stop(self) -> None:
@@ -782,6 +795,7 @@ class Engine:
             self._wake.set()
             self._thread.join()
             self._thread = None
+            _LOOPING.discard(self)
 
     def __enter__(self) -> "Engine":
         return self.start()
