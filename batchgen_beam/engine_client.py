@@ -37,6 +37,8 @@ _ENGINE_GONE = (EOFError, ConnectionError, BrokenPipeError, OSError)
 # A request in flight through this many deaths of the engine process (a request that crashes
 # it, most likely) ends as an error completion instead of being resubmitted once more.
 MAX_ENGINE_DEATHS = 3
+# The owner of a request whose client left while it ran (EngineService.leave).
+_NO_CLIENT = "<left>"
 
 
 def _finishes_when_interrupted(method):
@@ -141,9 +143,20 @@ class EngineService:
             self._clients.add(client_id)
 
     def leave(self, client_id: str) -> int:
-        """The client has no more use for this engine; returns how many clients still have."""
+        """The client has no more use for this engine; returns how many clients still have.
+        What it was owed is dropped (the engine may serve other clients long after): its
+        completions, taken or not (acknowledgements ride on a poll that will not come), and
+        those of its requests still running once they finish, unless a retry claims them."""
         with self._ready:
             self._clients.discard(client_id)
+            self._taken.pop(client_id, None)
+            finished = {*self._outboxes.pop(client_id, {}), *self._delivered}
+            for request_id in [rid for rid, owner in self._owner.items() if owner == client_id]:
+                if request_id in finished:
+                    self._delivered.pop(request_id, None)
+                    del self._owner[request_id]
+                else:
+                    self._owner[request_id] = _NO_CLIENT
             return len(self._clients)
 
     def _route(self) -> None:
@@ -196,7 +209,11 @@ class EngineService:
         with self._ready:
             self._finished += 1
             self._generated_tokens += completion.completion_tokens
-            self._outboxes[self._owner[completion.id]][completion.id] = completion
+            owner = self._owner[completion.id]
+            if owner == _NO_CLIENT:  # its client left (see leave)
+                del self._owner[completion.id]
+                return
+            self._outboxes[owner][completion.id] = completion
             self._ready.notify_all()
 
     def _claim(self, client_id: str, request_ids: list[str]) -> set[str]:
@@ -210,8 +227,9 @@ class EngineService:
                     fresh.add(request_id)
                 elif owner != client_id:
                     self._owner[request_id] = client_id
-                    self._taken[owner].append(request_id)
-                    finished = (self._outboxes[owner].pop(request_id, None)
+                    if owner != _NO_CLIENT:
+                        self._taken[owner].append(request_id)
+                    finished = (self._outboxes.get(owner, {}).pop(request_id, None)
                                 or self._delivered.pop(request_id, None))
                     if finished is not None:
                         self._outboxes[client_id][request_id] = finished

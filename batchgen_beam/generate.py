@@ -135,6 +135,7 @@ class _LiveJobs:
             cls._alive[job] += 1  # first: its teardown follows, whatever the cancels do
             cls._namespaces[job][namespace] = config
             for over in [j for j in cls._namespaces if not cls._alive[j]]:
+                del cls._alive[over]  # a process running job after job keeps none of theirs
                 for ns, cfg in cls._namespaces.pop(over).items():
                     EngineClient.shared(cfg).cancel(f"{ns}:")
 

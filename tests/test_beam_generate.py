@@ -10,6 +10,7 @@ import signal
 import tempfile
 import threading
 import time
+import types
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -555,6 +556,28 @@ def test_rows_reach_clients_while_another_client_submits(model_dir, bare_engine)
     assert not still_waiting and rows == ["later-0"]
 
 
+def test_a_client_that_leaves_leaves_nothing_behind_in_a_shared_engine(model_dir, bare_engine):
+    """The engine outlives a client that leaves while others use it: what that client was owed
+    (its taken but unacknowledged completions, those of its requests still running) is
+    dropped, not kept for the life of the process; a retry elsewhere still gets its rows."""
+    service = EngineService(EngineConfig.of(str(model_dir), **ENGINE_ARGS))
+    prompts = bundled_prompts(bare_engine.tokenizer, 4, 20)
+    service.join("stays")
+    service.join("leaves")
+    service.submit("leaves", engine_requests(prompts[:2], "done-", max_tokens=2))
+    assert sorted(collect(service, "leaves", 2)) == ["done-0", "done-1"]  # taken, never acknowledged
+    service.submit("leaves", engine_requests(prompts[2:], "running-", max_tokens=30))
+    assert service.leave("leaves") == 1
+    service.submit("stays", engine_requests(prompts[2:], "running-", max_tokens=30)[1:])  # a retry claims one
+    assert sorted(collect(service, "stays", 1)) == ["running-1"]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(service._owner) > 1:  # running-0 finishes unowned
+        time.sleep(0.1)
+    with service._ready:
+        assert service._owner == {"running-1": "stays"} and list(service._delivered) == ["running-1"]
+        assert set(service._outboxes) <= {"stays"} and set(service._taken) <= {"stays"}
+
+
 def collect(service, client_id, count, acknowledge=()):
     done, deadline = {}, time.monotonic() + 120
     while len(done) < count and time.monotonic() < deadline:
@@ -1042,6 +1065,18 @@ def test_a_retry_setting_up_while_its_job_is_cancelled_waits_for_the_cancel(monk
     events.append("retry set up")
     another.join()
     assert events == ["cancel ns-f:", "cancelled", "retry set up"]
+
+
+def test_jobs_run_one_after_another_leave_no_trace_of_the_ended_ones(monkeypatch):
+    """A notebook process runs pipeline after pipeline: what _LiveJobs keeps stays bounded."""
+    monkeypatch.setattr(_LiveJobs, "_alive", Counter())
+    monkeypatch.setattr(_LiveJobs, "_namespaces", defaultdict(dict))
+    monkeypatch.setattr(EngineClient, "shared", lambda config: types.SimpleNamespace(cancel=lambda prefix: None))
+    config = EngineConfig.of(None)
+    for job in range(50):
+        _LiveJobs.set_up(f"job{job}", "ns", config)
+        _LiveJobs.torn_down(f"job{job}")
+    assert set(_LiveJobs._alive) <= {"job49"} and set(_LiveJobs._namespaces) == {"job49"}
 
 
 def test_cancelling_never_restarts_a_dead_engine(monkeypatch):

@@ -696,3 +696,60 @@ def test_a_dtype_the_triton_kernels_have_no_tiles_for_is_refused_on_cuda(tiny, m
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before any CUDA call
     with pytest.raises(ValueError, match="dtype=torch.float64: CUDA runs the Triton kernels, which take"):
         make_engine(tiny.dir("llama"), device="cuda", dtype=torch.float64)
+
+
+def test_finished_sequences_are_freed_without_waiting_for_the_garbage_collector(tiny_chat, monkeypatch):
+    """A sequence's coroutine frame holds the sequence: unless the engine breaks that cycle when
+    it ends, every finished one (and its grammar matcher's native memory) waits for a full
+    collection, which a busy worker seldom runs."""
+    import gc
+    import weakref
+
+    from runtime.sequence import Sequence
+
+    made = []
+    init = Sequence.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(Sequence, "__init__", recording)
+    engine = make_engine(tiny_chat.dir(FAMILY))
+    requests = [Request(f"r{i}", prompt="Hi", params=SamplingParams(max_tokens=3, n=1 + i % 2, regex="[a-z]+"))
+                for i in range(6)]
+    gc.disable()
+    try:
+        engine.generate(requests)
+        engine.submit(Request("moved", prompt="Hi there", params=SamplingParams(max_tokens=20, ignore_eos=True)))
+        engine.step()
+        engine.migrate_out("moved")
+        assert len(made) == 10 and [ref() for ref in made] == [None] * 10
+    finally:
+        gc.enable()
+
+
+def test_a_script_that_exits_while_the_loop_steps_exits_with_its_own_status(tiny_chat):
+    """The loop thread is a daemon: left inside a torch op while the interpreter finalizes, it
+    aborted the process (status 134, "terminate called without an active exception")."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    script = f"""
+import sys, time
+sys.path[:0] = [{str(tests)!r}, {str(tests.parent)!r}]
+import torch
+torch.set_num_threads(1)
+from helpers import make_engine
+from runtime import Request, SamplingParams
+engine = make_engine({str(tiny_chat.dir(FAMILY))!r}).start()
+for i in range(2000):
+    engine.submit(Request(f"r{{i}}", prompt="Hi there", params=SamplingParams(max_tokens=50, ignore_eos=True)))
+time.sleep(0.5)
+sys.exit(3)
+"""
+    statuses = [subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120).returncode
+                for _ in range(2)]
+    assert statuses == [3, 3]
