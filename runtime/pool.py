@@ -20,6 +20,7 @@ Loads are expected remaining output tokens: each engine's own estimate, reported
 queue, running set, counters and migrations, and `idle(start, end)` the time it had nothing to run.
 """
 
+import contextlib
 import multiprocessing
 import pickle
 import queue
@@ -441,11 +442,19 @@ class EnginePool:
         for engine in self._engines:
             if engine.process.is_alive():
                 engine.inbox.put(("stop",))
+        # A process exits only once its queues' pipes took what it put: its last updates, and
+        # states it donated to an engine that stopped first. Read and dropped here, else each
+        # waited out its join on a full pipe and was terminated (10 s an engine, mid-write).
+        deadline = time.monotonic() + 10
+        while any(e.process.is_alive() for e in self._engines) and time.monotonic() < deadline:
+            for queue_ in [self._outbox, *(e.inbox for e in self._engines if not e.process.is_alive())]:
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        queue_.get(timeout=0.05)
         for engine in self._engines:
-            engine.process.join(10)
             if engine.process.is_alive():
                 engine.process.terminate()
-                engine.process.join(5)
+            engine.process.join(5)
 
     def __enter__(self) -> "EnginePool":
         return self

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import make_engine, random_prompts
+from helpers import kv_block_bytes, make_engine, random_prompts
 from runtime import Request, SamplingParams
 from runtime.engine import RequestLoad
 from runtime.pool import EnginePool, idle_seconds
@@ -112,6 +112,20 @@ def test_closing_the_pool_releases_callers_still_waiting(tiny):
     pool.close()
     waiter.join(30)
     assert not waiter.is_alive() and failures == ["engine pool failed: it was closed"]
+
+
+def test_a_busy_pool_closes_with_its_engines_exiting_on_their_own(tiny):
+    """Engines busy sending big updates (logprobs) when closed: each exits once its last
+    updates leave its queue, which the pool reads and drops; nobody read them, each waited out
+    its join on a full pipe and was terminated (exit code -15)."""
+    model = tiny.dir(FAMILY)
+    pool = EnginePool(model, num_engines=2, kv_cache_bytes=256 * kv_block_bytes(model), max_num_seqs=64)
+    for i, prompt in enumerate(random_prompts([200] * 300, seed=1)):
+        scored = SamplingParams(max_tokens=[1, 2, 3, 200][i % 4], ignore_eos=True, logprobs=20, prompt_logprobs=20)
+        pool.submit(Request(f"r{i}", prompt_token_ids=prompt, params=scored))
+    time.sleep(1.5)  # busy, updates on their way, none collected
+    pool.close()
+    assert [e.process.exitcode for e in pool._engines] == [0, 0]
 
 
 PROMPTS = random_prompts([5, 9, 13, 20, 7, 11, 30, 8, 16, 6], seed=31)
