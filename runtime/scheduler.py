@@ -123,9 +123,13 @@ class Scheduler:
             budget -= num
         # Stable: ties keep arrival order.
         self.waiting.sort(key=lambda s: self.admission_key(s, self.estimator))
-        while self.waiting and budget and len(self.running) < self.max_num_seqs \
-                and not self.suspended:
+        # Sample 0 of n forks the others once prefilled: it takes room for all n (vLLM counts
+        # each sample), unless nothing runs (n above the limit would never start).
+        occupied = sum(_seats(s) for s in self.running)
+        while self.waiting and budget and not self.suspended:
             seq = self.waiting[0]
+            if self.running and occupied + _seats(seq) > self.max_num_seqs:
+                break
             # A prompt being scored needs every token's hidden state: no cached prefix for it.
             cached, hashes = ([], []) if seq.scores_prompt else self.blocks.match_prefix(seq.token_ids)
             num = min(seq.num_tokens - len(cached) * self.blocks.block_size, budget)
@@ -138,6 +142,7 @@ class Scheduler:
             if cached:
                 seq.send(Event.PREFILLED, len(cached) * self.blocks.block_size)
             self.running.append(seq)
+            occupied += _seats(seq)
             self._reserve(seq, num, scheduled)
             scheduled.add(id(seq))
             self._place(seq, num, batch)
@@ -226,3 +231,8 @@ class Scheduler:
         seq.block_hashes = []
         seq.send(Event.EVICTED)
         self.waiting.insert(0, seq)  # first in line when space returns
+
+
+def _seats(seq: Sequence) -> int:
+    """The sequences it stands for in the running set: sample 0 of n, not yet forked, all n."""
+    return 1 if seq.forked else seq.params.n

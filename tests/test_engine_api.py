@@ -753,3 +753,20 @@ sys.exit(3)
     statuses = [subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120).returncode
                 for _ in range(2)]
     assert statuses == [3, 3]
+
+
+def test_a_request_s_samples_count_against_max_num_seqs(tiny_chat):
+    """Sample 0 of n forks the others once prefilled: it is admitted only with room for all n
+    (vLLM counts each sample), unless nothing else runs."""
+    engine = make_engine(tiny_chat.dir(FAMILY), max_num_seqs=4)
+    for i in range(3):
+        engine.submit(Request(f"r{i}", prompt="Hi", params=SamplingParams(max_tokens=6, n=3, temperature=1.0,
+                                                                         seed=i, ignore_eos=True)))
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, len(engine.scheduler.running))
+    assert peak == 3 and sorted(c.id for c in engine.finished()) == ["r0", "r1", "r2"]
+    alone = make_engine(tiny_chat.dir(FAMILY), max_num_seqs=2)
+    [done] = alone.generate([Request("n5", prompt="Hi", params=SamplingParams(max_tokens=3, n=5, temperature=1.0))])
+    assert len(done.outputs) == 5  # above the limit: it runs alone
