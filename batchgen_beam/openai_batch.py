@@ -114,7 +114,9 @@ def _text_choice(index: int, sample: Mapping, token_texts, row: Mapping) -> dict
         offset, text = 0, token_texts(sample["token_ids"])
         generated = ((text(token, at), logprob, [(text(top["token_id"], at), top["logprob"]) for top in tops])
                      for at, token, logprob, tops in _positions(sample))
-        asked = len((sample["top_logprobs"] or [[]])[0] or [])  # the body's logprobs
+        # The body's logprobs: as many as a generated position holds (none generated, echo
+        # with max_tokens 0: all of the prompt logprobs', which default to it).
+        asked = len((sample["top_logprobs"] or [[]])[0] or []) if sample["token_ids"] else None
         for token, logprob, tops in [*(_echoed(row, token_texts, asked) if echo is not None else ()), *generated]:
             logprobs["tokens"].append(token)
             logprobs["token_logprobs"].append(None if logprob is None else _finite(logprob))
@@ -128,7 +130,7 @@ def _text_choice(index: int, sample: Mapping, token_texts, row: Mapping) -> dict
             "finish_reason": sample["finish_reason"], "stop_reason": _stop_reason(sample)}
 
 
-def _echoed(row: Mapping, token_texts, asked: int) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
+def _echoed(row: Mapping, token_texts, asked: int | None) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
     """An echoed prompt's tokens as a completion's logprobs list them, vLLM's way: per token its
     text, logprob and top ones; the first has no logprob, and its text is its bytes decoded
     alone; the top ones are the first `asked` of the prompt logprobs other than the prompt
@@ -138,7 +140,7 @@ def _echoed(row: Mapping, token_texts, asked: int) -> list[tuple[str, float | No
     tops = row["prompt_top_logprobs"] or [None] * len(prompt)
     positions = [(token_texts.decoded(prompt[0]), None, [])]
     for at in range(1, len(prompt)):
-        others = [top for top in tops[at] or [] if top["token_id"] != prompt[at]][:asked]
+        others = [top for top in tops[at] or [] if top["token_id"] != prompt[at]][slice(asked)]
         positions.append((text(prompt[at], at - 1), row["prompt_logprobs"][at],
                           [(text(top["token_id"], at - 1), top["logprob"]) for top in others]))
     return positions

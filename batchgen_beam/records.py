@@ -69,7 +69,7 @@ import math
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -149,6 +149,8 @@ class Parsed:
     chat: ChatOptions = field(default_factory=ChatOptions)
     echo: bool = False  # an OpenAI line's: its output shows the input first (echo_text)
     prompt_token_ids: list[int] | None = None  # a tokenized prompt, given instead of prompt
+    # echo with max_tokens 0: the prompt alone (vLLM's: its one token generated is dropped)
+    echo_only: bool = False
 
     def to_request(self) -> Request:
         return Request(self.id, prompt=self.prompt, messages=self.messages, params=self.params, chat=self.chat,
@@ -425,11 +427,12 @@ def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
         echo = openai and _openai_echo(record["body"])
         if echo and prompt_token_ids is not None:
             raise _Invalid("body.echo: needs the prompt as text (this one is token ids)")
+        echo_only = echo and messages is None and _asks_no_tokens(_openai_max_tokens(record["body"]))
     except _Invalid as bad:
         if record_id is None and record.get(id_key) is not None and id_key not in unwritable:
             passthrough = {id_key: record[id_key], **passthrough}  # what the row can be traced by
         return Rejected(record_id, str(bad), passthrough)
-    return Parsed(record_id, prompt, messages, params, passthrough, chat, echo, prompt_token_ids)
+    return Parsed(record_id, prompt, messages, params, passthrough, chat, echo, prompt_token_ids, echo_only)
 
 
 def _utf8(value: Any, where: str) -> Any:
@@ -693,9 +696,16 @@ def _openai_fields(record: Mapping) -> dict:
     fields.update(_openai_structure(given))
     fields["max_tokens"] = _openai_max_tokens(given)
     fields["logprobs"] = _chat_logprobs(given) if input_key == "messages" else given.get("logprobs")
-    if input_key == "prompt" and _openai_echo(given) and "prompt_logprobs" not in fields:
-        fields["prompt_logprobs"] = fields["logprobs"]  # the echoed prompt's (vLLM's rule)
+    if input_key == "prompt" and _openai_echo(given):
+        if "prompt_logprobs" not in fields:
+            fields["prompt_logprobs"] = fields["logprobs"]  # the echoed prompt's (vLLM's rule)
+        if _asks_no_tokens(fields["max_tokens"]):
+            fields["max_tokens"] = 1  # vLLM's echo alone: one token generated, shown nowhere
     return fields
+
+
+def _asks_no_tokens(max_tokens: Any) -> bool:
+    return not isinstance(max_tokens, bool) and _same(_whole(max_tokens), 0)
 
 
 def _openai_prompt(prompt: Any) -> dict:
@@ -824,13 +834,17 @@ def completion_row(parsed: Parsed, completion: Completion) -> dict:
                     prompt_tokens=completion.prompt_tokens,
                     error=completion.error or "the engine failed without a message",
                     error_type="record" if completion.invalid else "engine", timings=completion.timings)
-    first = completion.outputs[0]
+    outputs = completion.outputs
+    if parsed.echo_only:  # the token generated is shown nowhere; usage counts it, as vLLM's does
+        outputs = [replace(o, token_ids=[], text="", logprobs=o.logprobs and [], top_logprobs=o.top_logprobs and [])
+                   for o in outputs]
+    first = outputs[0]
     samples = None
     if parsed.params.n > 1:
         samples = [{"text": o.text, "token_ids": list(o.token_ids), "finish_reason": o.finish_reason,
                     **_stop_columns(o.stop_reason),
                     "logprobs": _list_or_none(o.logprobs), "top_logprobs": _ranked(o.top_logprobs)}
-                   for o in completion.outputs[1:]]
+                   for o in outputs[1:]]
     return _row(parsed.id, parsed.passthrough, chat=parsed.messages is not None,
                 echo=echo_text(parsed), text=first.text, token_ids=first.token_ids,
                 finish_reason=first.finish_reason, stop_reason=first.stop_reason,

@@ -408,3 +408,21 @@ def test_chat_echo_repeats_the_last_message_where_the_answer_continues_it(messag
     record["body"]["echo"] = False
     assert line_of(record, SampleOutput(0, [9], " there", "length"))["response"]["body"]["choices"][0][
         "message"]["content"] == " there"
+
+
+def test_echo_with_max_tokens_zero_shows_the_prompt_alone():
+    """vLLM's scoring request: one token is generated and shown nowhere (usage counts it)."""
+    record = text_record(echo=True, max_tokens=0, logprobs=1)
+    parsed = parse_record(record)
+    assert parsed.echo_only and parsed.params.max_tokens == 1 and parsed.params.prompt_logprobs == 1
+    line = line_of(record, SampleOutput(0, [7], "!", "length", [-0.5], [{7: -0.5}]), prompt_tokens=2,
+                   prompt_token_ids=[5, 6], prompt_logprobs=[None, -2.0], prompt_ranks=[None, 3],
+                   prompt_top_logprobs=[None, {9: -0.5}])
+    body = line["response"]["body"]
+    [choice] = body["choices"]
+    assert choice["text"] == "Say" and choice["finish_reason"] == "length"
+    assert choice["logprobs"] == {"tokens": ["<5>", "lo"], "token_logprobs": [None, -2.0],
+                                  "top_logprobs": [None, {" there": -0.5, "lo": -2.0}], "text_offset": [0, 3]}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    for refused in (text_record(max_tokens=0), chat_record(echo=True, max_tokens=0), text_record(echo=True, max_tokens=False)):
+        assert "max_tokens" in parse_record(refused).error
