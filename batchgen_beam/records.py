@@ -33,7 +33,8 @@ Choices:
   rejected, naming it, rather than silently not honoured. `echo` is carried to the row as its
   `echo` column, the text the output puts before each choice's (`echo_text`): a completion's
   prompt (with `logprobs` its tokens come first too, so `prompt_logprobs` defaults to
-  `logprobs`: vLLM's rule), a chat's last message where the answer continues it (vLLM's rule). `response_format` (`json_object`: any
+  `logprobs`: vLLM's rule), a chat's last message where the answer continues it (vLLM's rule).
+  `response_format` (`json_object`: any
   JSON object; `json_schema`: its schema) and vLLM's `guided_json` become our `json_schema`,
   vLLM's `guided_regex` and `guided_choice` our `regex` and `choice`, and so does vLLM 0.32's
   `structured_outputs` (`json`, `regex`, `choice`, `json_object`).
@@ -465,7 +466,8 @@ def _check_prompt(fields: Mapping) -> tuple[str | None, list[dict] | None, list[
     # NaN is absent: a DataFrame of prompt rows and chat rows holds it in the other column.
     given = {k: fields[k] for k in ("prompt", "messages", "prompt_token_ids") if not is_missing(fields.get(k))}
     if not given:
-        raise _Invalid("prompt: missing (give prompt, a string, or messages, a chat list)")
+        raise _Invalid("prompt: missing (give prompt, a string, or messages, a chat list, or "
+                       "prompt_token_ids, a tokenized prompt)")
     if len(given) > 1:
         raise _Invalid(f"{', '.join(given)}: give one of them, not both")
     if "messages" in given:
