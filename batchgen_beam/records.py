@@ -698,11 +698,12 @@ def _openai_fields(record: Mapping) -> dict:
     fields.update(_openai_structure(given))
     fields["max_tokens"] = _openai_max_tokens(given)
     fields["logprobs"] = _chat_logprobs(given) if input_key == "messages" else given.get("logprobs")
-    if input_key == "prompt" and _openai_echo(given):
-        if "prompt_logprobs" not in fields:
-            fields["prompt_logprobs"] = fields["logprobs"]  # the echoed prompt's (vLLM's rule)
-        if _asks_no_tokens(fields["max_tokens"]):
-            fields["max_tokens"] = 1  # vLLM's echo alone: one token generated, shown nowhere
+    if _openai_echo(given) and "prompt_logprobs" not in fields:
+        # vLLM's rule: echo scores the prompt, as many top ones as a completion's logprobs or
+        # a chat's top_logprobs ask (0 where a chat's are not given at all)
+        fields["prompt_logprobs"] = fields["logprobs"] if input_key == "prompt" else body.get("top_logprobs", 0)
+    if input_key == "prompt" and _openai_echo(given) and _asks_no_tokens(fields["max_tokens"]):
+        fields["max_tokens"] = 1  # vLLM's echo alone: one token generated, shown nowhere
     return fields
 
 
@@ -718,14 +719,14 @@ def _openai_prompt(prompt: Any) -> dict:
         return {"prompt": prompt}
     prompts = sum(isinstance(item, (str, list)) for item in prompt)
     if prompts == 0:
-        return {"prompt_token_ids": prompt}  # checked as such (an empty one too)
+        return {"prompt_token_ids": _check_token_ids(prompt, "body.prompt")}
     if prompts < len(prompt):
         raise _Invalid("body.prompt: a list of token ids or of prompts, not both")
     if len(prompt) != 1:
         raise _Invalid(f"body.prompt: must hold one prompt (text or token ids), got a list of {len(prompt)}; "
                        f"give each prompt its own line")
     [one] = prompt
-    return {"prompt_token_ids": one} if isinstance(one, list) else {"prompt": one}
+    return {"prompt_token_ids": _check_token_ids(one, "body.prompt[0]")} if isinstance(one, list) else {"prompt": one}
 
 
 def _openai_echo(body: Mapping) -> bool:

@@ -403,9 +403,11 @@ def test_chat_echo_repeats_the_last_message_where_the_answer_continues_it(messag
     its turn (no generation prompt opens another, or it is the assistant's)."""
     record = {"custom_id": "q", "method": "POST", "url": "/v1/chat/completions",
               "body": {"messages": messages, "echo": True, **options}}
+    assert parse_record(record).params.prompt_logprobs == 0  # vLLM's: echo scores the prompt
     line = line_of(record, SampleOutput(0, [9], " there", "length"))
     assert line["response"]["body"]["choices"][0]["message"]["content"] == shown + " there"
     record["body"]["echo"] = False
+    assert parse_record(record).params.prompt_logprobs is None
     assert line_of(record, SampleOutput(0, [9], " there", "length"))["response"]["body"]["choices"][0][
         "message"]["content"] == " there"
 

@@ -192,7 +192,7 @@ BAD_RECORDS = {
     "openai several prompts": (completions_line(prompt=["a", "b"]), "c2",
                                ["body.prompt: must hold one prompt", "list of 2", "its own line"]),
     "openai token ids mixed with text": (completions_line(prompt=[1, "b"]), "c2", ["token ids or of prompts, not both"]),
-    "openai empty prompt list": (completions_line(prompt=[]), "c2", ["prompt_token_ids: must be a non-empty list"]),
+    "openai empty prompt list": (completions_line(prompt=[]), "c2", ["body.prompt: must be a non-empty list"]),
     "token ids not a list": ({"id": "t", "prompt_token_ids": "1 2"}, "t", ["prompt_token_ids: must be a non-empty list"]),
     "token id negative": ({"id": "t", "prompt_token_ids": [3, -1]}, "t", ["integers >= 0", "-1"]),
     "token id a bool": ({"id": "t", "prompt_token_ids": [True]}, "t", ["integers >= 0", "True"]),
