@@ -375,17 +375,21 @@ class EnginePool:
         order = QUEUE_ORDERS[self.policy]
         self._queue.sort(key=lambda r: order(r, self.estimator))  # stable: ties keep arrival order
         loads = [e.load() for e in self._engines]
-        room = [e.capacity - len(e.in_flight) for e in self._engines]
+        # Samples, as max_num_seqs counts them; a request above it goes to an empty engine.
+        room = [e.capacity - sum(self._params[rid].n for rid in e.in_flight) for e in self._engines]
+        empty = [not e.in_flight for e in self._engines]
         batches = defaultdict(list)
         while self._queue:
-            free = [i for i in range(len(self._engines)) if room[i] > 0]
+            n = self._queue[0].params.n
+            free = [i for i in range(len(self._engines)) if room[i] >= n or (empty[i] and room[i] > 0)]
             if not free:
                 break
             request = self._queue.pop(0)
             index = min(free, key=lambda i: loads[i])
             batches[index].append(request)
             loads[index] += self._expected(request)
-            room[index] -= 1
+            room[index] -= n
+            empty[index] = False
         for index, batch in batches.items():
             self._send_requests(index, batch)
 

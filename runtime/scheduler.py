@@ -109,12 +109,18 @@ class Scheduler:
                     scheduled.add(id(seq))
                     self._place(seq, num, batch)
                     budget -= num
-        while self.suspended and budget and len(self.running) < self.max_num_seqs:
+        # Sample 0 of n forks the others once prefilled: it takes room for all n (vLLM counts
+        # each sample), unless nothing runs (n above the limit would never start).
+        occupied = sum(_seats(s) for s in self.running)
+        while self.suspended and budget:
             seq = self.suspended[0]
+            if self.running and occupied + _seats(seq) > self.max_num_seqs:
+                break
             if not self._fits(self._blocks_for_all_tokens(seq)):
                 break
             self.suspended.popleft()
             self.swap_in(seq)
+            occupied += _seats(seq)
             num = min(seq.num_uncomputed, budget)
             if not self._reserve(seq, num, scheduled):
                 break
@@ -123,9 +129,6 @@ class Scheduler:
             budget -= num
         # Stable: ties keep arrival order.
         self.waiting.sort(key=lambda s: self.admission_key(s, self.estimator))
-        # Sample 0 of n forks the others once prefilled: it takes room for all n (vLLM counts
-        # each sample), unless nothing runs (n above the limit would never start).
-        occupied = sum(_seats(s) for s in self.running)
         while self.waiting and budget and not self.suspended:
             seq = self.waiting[0]
             if self.running and occupied + _seats(seq) > self.max_num_seqs:

@@ -770,3 +770,22 @@ def test_a_request_s_samples_count_against_max_num_seqs(tiny_chat):
     alone = make_engine(tiny_chat.dir(FAMILY), max_num_seqs=2)
     [done] = alone.generate([Request("n5", prompt="Hi", params=SamplingParams(max_tokens=3, n=5, temperature=1.0))])
     assert len(done.outputs) == 5  # above the limit: it runs alone
+
+
+def test_a_resumed_request_waits_for_room_beside_an_unforked_one(tiny_chat):
+    """A held request resumed while sample 0 of n is still prefilling (in chunks) takes a seat
+    only where all n samples leave one: the fork would run past max_num_seqs."""
+    engine = make_engine(tiny_chat.dir(FAMILY), max_num_seqs=2, max_num_batched_tokens=8)
+    engine.submit(Request("held", prompt_token_ids=[5, 6, 7, 8], params=SamplingParams(max_tokens=40, ignore_eos=True)))
+    engine.step()
+    engine.step()
+    engine.suspend("held")
+    engine.submit(Request("two", prompt_token_ids=list(range(10, 70)),
+                          params=SamplingParams(max_tokens=10, n=2, temperature=1.0, ignore_eos=True)))
+    engine.step()  # admitted: two seats, prefilling 8 tokens a step
+    engine.resume("held")
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, len(engine.scheduler.running))
+    assert peak == 2 and sorted(c.id for c in engine.finished()) == ["held", "two"]

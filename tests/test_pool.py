@@ -128,6 +128,21 @@ def test_a_busy_pool_closes_with_its_engines_exiting_on_their_own(tiny):
     assert [e.process.exitcode for e in pool._engines] == [0, 0]
 
 
+def test_a_shared_queue_hands_an_engine_as_many_samples_as_it_runs(tiny):
+    """max_num_seqs counts samples: with n = 2 and room for 2, each engine holds one request,
+    and the rest wait in the pool's queue for whichever engine frees first."""
+    model = tiny.dir(FAMILY)
+    with EnginePool(model, num_engines=2, reallocate=False, max_num_seqs=2, kv_cache_bytes=KV_BYTES) as pool:
+        for i in range(4):
+            pool.submit(Request(f"r{i}", prompt_token_ids=[5, 6, 7, 8 + i],
+                                params=SamplingParams(max_tokens=300, n=2, temperature=1.0, seed=i, ignore_eos=True)))
+        held = 0
+        while pool.has_unfinished():
+            held = max(held, *(engine["in_flight"] for engine in pool.stats()))
+            time.sleep(0.02)
+    assert held == 1
+
+
 PROMPTS = random_prompts([5, 9, 13, 20, 7, 11, 30, 8, 16, 6], seed=31)
 LENGTHS = [150, 10, 12, 120, 8, 9, 140, 11, 60, 7]  # skewed: three long, one medium
 
