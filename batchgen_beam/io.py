@@ -84,7 +84,7 @@ _DELIMITERS = {"csv": ",", "tsv": "\t"}
 # cell stays text: "5" or "null" as a stop string, a regex, a schema (which is JSON text).
 _LISTS_AND_OBJECTS = {"messages": list, "stop": (str, list), "stop_token_ids": list,
                       "logit_bias": dict, "choice": list, "chat_template_kwargs": dict,
-                      "allowed_token_ids": list, "bad_words": (str, list)}
+                      "allowed_token_ids": list, "bad_words": (str, list), "prompt_token_ids": list}
 _TEXT_FIELDS = ("regex", "json_schema")
 _JSON_CELLS = {**{field: (int, float) for field in (*SAMPLING_FIELDS, *CHAT_FIELDS)
                   if field not in _TEXT_FIELDS}, **_LISTS_AND_OBJECTS}

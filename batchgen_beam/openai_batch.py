@@ -47,6 +47,10 @@ def response_line(row: Mapping, *, model: str, created: int,
         return _error_line(row, 400, "invalid_request_error",  # a row written before they were columns
                            "prompt_logprobs: this row has no prompt_token_ids, which OpenAI's output "
                            "format keys them by; rerun it")
+    if (row["error"] is None and row.get("echo") is not None and not row.get("chat")
+            and row["logprobs"] is not None and row["prompt_logprobs"] is None):
+        return _error_line(row, 400, "invalid_request_error",  # records.parse_record scores them
+                           "echo: this row's prompt was not scored, which its logprobs list first; rerun it")
     if row["error"] is not None:
         if row.get("error_type") == "record":  # .get: rows written before it was a column
             return _error_line(row, 400, "invalid_request_error", row["error"])

@@ -428,6 +428,11 @@ def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
         echo = openai and _openai_echo(record["body"])
         if echo and prompt_token_ids is not None:
             raise _Invalid("body.echo: needs the prompt as text (this one is token ids)")
+        if echo and params.prompt_logprobs is None:
+            # vLLM's rule: echo scores the prompt, as many top ones as a completion's logprobs
+            # (the job's, where the line gives none) or a chat's top_logprobs (0 if none) ask
+            scored = params.logprobs if messages is None else params.logprobs or 0
+            params = _with_prompt_logprobs(params, scored)
         echo_only = echo and messages is None and _asks_no_tokens(_openai_max_tokens(record["body"]))
     except _Invalid as bad:
         if record_id is None and record.get(id_key) is not None and id_key not in unwritable:
@@ -560,6 +565,13 @@ def _params(fields: Mapping, base: dict, record_id: str) -> SamplingParams:
         base = {**base, "seed": record_seed(base["seed"], record_id)}
     try:
         return SamplingParams(**{**base, **given})
+    except ValueError as exc:
+        raise _Invalid(_field_message(exc)) from None
+
+
+def _with_prompt_logprobs(params: SamplingParams, prompt_logprobs: int | None) -> SamplingParams:
+    try:
+        return replace(params, prompt_logprobs=prompt_logprobs)
     except ValueError as exc:
         raise _Invalid(_field_message(exc)) from None
 
@@ -698,10 +710,6 @@ def _openai_fields(record: Mapping) -> dict:
     fields.update(_openai_structure(given))
     fields["max_tokens"] = _openai_max_tokens(given)
     fields["logprobs"] = _chat_logprobs(given) if input_key == "messages" else given.get("logprobs")
-    if _openai_echo(given) and "prompt_logprobs" not in fields:
-        # vLLM's rule: echo scores the prompt, as many top ones as a completion's logprobs or
-        # a chat's top_logprobs ask (0 where a chat's are not given at all)
-        fields["prompt_logprobs"] = fields["logprobs"] if input_key == "prompt" else body.get("top_logprobs", 0)
     if input_key == "prompt" and _openai_echo(given) and _asks_no_tokens(fields["max_tokens"]):
         fields["max_tokens"] = 1  # vLLM's echo alone: one token generated, shown nowhere
     return fields

@@ -223,8 +223,8 @@ def test_echo_lists_the_prompt_before_the_completion_as_vllm_does(chat_model, tm
 
 
 def test_a_tokenized_prompt_runs_as_its_text_does(chat_model, tmp_path):
-    """Token ids (vLLM's prompt_token_ids; an OpenAI completion's prompt as ids), from JSONL and
-    from a Parquet list column, give the text prompt's greedy answer; ids the model has no
+    """Token ids (vLLM's prompt_token_ids; an OpenAI completion's prompt as ids), from JSONL, a
+    Parquet list column and a CSV cell, give the text prompt's greedy answer; ids the model has no
     embedding for give that record's error row."""
     ids = load_tokenizer(chat_model).encode("Once upon a time")
     records = [{"id": "text", "prompt": "Once upon a time"}, {"id": "ids", "prompt_token_ids": ids},
@@ -245,6 +245,11 @@ def test_a_tokenized_prompt_runs_as_its_text_does(chat_model, tmp_path):
                   "--format", "jsonl")
     [row] = read_jsonl(summary["output_files"])
     assert row["token_ids"] == rows["text"]["token_ids"]
+    (tmp_path / "in.csv").write_text(f'id,prompt_token_ids\ncsv,"{json.dumps(ids)}"\n')
+    summary = run(chat_model, "--input", str(tmp_path / "in.csv"), "--output", str(tmp_path / "csv/gen"),
+                  "--format", "jsonl")
+    [row] = read_jsonl(summary["output_files"])
+    assert row["token_ids"] == rows["text"]["token_ids"]  # the cell read as JSON, as other list fields
 
 
 def test_chat_fields_render_the_prompt_as_transformers_does(chat_model, tmp_path):

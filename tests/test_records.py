@@ -1053,3 +1053,15 @@ def test_a_tokenized_prompt_reaches_the_engine_as_token_ids(record):
 def test_an_openai_prompt_in_a_one_item_list_is_that_prompt():
     parsed = parse_record({"custom_id": "t", "method": "POST", "url": "/v1/completions", "body": {"prompt": ["Hi"]}})
     assert parsed.prompt == "Hi" and parsed.prompt_token_ids is None
+
+
+def test_echo_scores_the_prompt_with_the_logprobs_the_job_gives():
+    """vLLM's rule, prompt_logprobs default to the logprobs: the job's too, where the line has none."""
+    line = {"custom_id": "e", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi", "echo": True}}
+    assert parse_record(line, {"logprobs": 2}).params.prompt_logprobs == 2
+    assert parse_record(line).params.prompt_logprobs is None
+    chat = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "Hi"}], "echo": True}}
+    assert parse_record(chat, {"logprobs": 3}).params.prompt_logprobs == 3
+    assert parse_record(chat).params.prompt_logprobs == 0
+    assert parse_record(line, {"logprobs": 2, "prompt_logprobs": 4}).params.prompt_logprobs == 4
