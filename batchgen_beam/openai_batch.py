@@ -62,7 +62,10 @@ def response_line(row: Mapping, *, model: str, created: int,
     if chat:
         choices = [_chat_choice(index, sample, token_texts, row) for index, sample in enumerate(samples)]
     else:
-        choices = [_text_choice(index, sample, token_texts, row) for index, sample in enumerate(samples)]
+        # The echoed prompt's tokens, listed before every choice's (whose logprobs ask the same).
+        echoed = _echoed(row, token_texts) if row.get("echo") is not None and row["logprobs"] is not None else []
+        choices = [_text_choice(index, sample, token_texts, row.get("echo"), echoed)
+                   for index, sample in enumerate(samples)]
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion" if chat else "text_completion",
             "created": created, "model": model, "choices": choices,
@@ -110,18 +113,15 @@ def _chat_token(text: str, logprob: float) -> dict:
     return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
 
 
-def _text_choice(index: int, sample: Mapping, token_texts, row: Mapping) -> dict:
-    echo = row.get("echo")  # .get: rows written before it was a column
+def _text_choice(index: int, sample: Mapping, token_texts, echo: str | None,
+                 echoed: list[tuple[str, float | None, list[tuple[str, float]]]]) -> dict:
     logprobs = None
     if sample["logprobs"] is not None:
         logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset, text = 0, token_texts(sample["token_ids"])
         generated = ((text(token, at), logprob, [(text(top["token_id"], at), top["logprob"]) for top in tops])
                      for at, token, logprob, tops in _positions(sample))
-        # The body's logprobs: as many as a generated position holds (none generated, echo
-        # with max_tokens 0: all of the prompt logprobs', which default to it).
-        asked = len((sample["top_logprobs"] or [[]])[0] or []) if sample["token_ids"] else None
-        for token, logprob, tops in [*(_echoed(row, token_texts, asked) if echo is not None else ()), *generated]:
+        for token, logprob, tops in [*echoed, *generated]:
             logprobs["tokens"].append(token)
             logprobs["token_logprobs"].append(None if logprob is None else _finite(logprob))
             # The top ones and the chosen one, as OpenAI's spec has it ("up to logprobs + 1");
@@ -134,11 +134,14 @@ def _text_choice(index: int, sample: Mapping, token_texts, row: Mapping) -> dict
             "finish_reason": sample["finish_reason"], "stop_reason": _stop_reason(sample)}
 
 
-def _echoed(row: Mapping, token_texts, asked: int | None) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
+def _echoed(row: Mapping, token_texts) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
     """An echoed prompt's tokens as a completion's logprobs list them, vLLM's way: per token its
     text, logprob and top ones; the first has no logprob, and its text is its bytes decoded
-    alone; the top ones are the first `asked` of the prompt logprobs other than the prompt
-    token (which vLLM lists first and keeps `asked` + 1 of)."""
+    alone; the top ones are the first `asked` (the body's logprobs) of the prompt logprobs
+    other than the prompt token (which vLLM lists first and keeps `asked` + 1 of)."""
+    # As many as a generated position holds; none generated (echo with max_tokens 0): all of
+    # the prompt logprobs', which default to the body's logprobs.
+    asked = len((row["top_logprobs"] or [[]])[0] or []) if row["token_ids"] else None
     prompt = row["prompt_token_ids"]
     text = token_texts(prompt[1:])
     tops = row["prompt_top_logprobs"] or [None] * len(prompt)

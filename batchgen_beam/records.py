@@ -423,17 +423,19 @@ def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
             _check_no_ops(record)
         fields = _openai_fields(record) if openai else record
         prompt, messages, prompt_token_ids = _check_prompt(fields)
-        params = _params(fields, base, record_id)
-        chat = _chat_options(fields, base, messages is not None)
         echo = openai and _openai_echo(record["body"])
         if echo and prompt_token_ids is not None:
             raise _Invalid("body.echo: needs the prompt as text (this one is token ids)")
+        echo_only = echo and messages is None and _asks_no_tokens(fields["max_tokens"])
+        if echo_only:
+            fields = {**fields, "max_tokens": 1}  # vLLM's echo alone: one token generated, shown nowhere
+        params = _params(fields, base, record_id)
+        chat = _chat_options(fields, base, messages is not None)
         if echo and params.prompt_logprobs is None:
             # vLLM's rule: echo scores the prompt, as many top ones as a completion's logprobs
             # (the job's, where the line gives none) or a chat's top_logprobs (0 if none) ask
             scored = params.logprobs if messages is None else params.logprobs or 0
             params = _with_prompt_logprobs(params, scored)
-        echo_only = echo and messages is None and _asks_no_tokens(_openai_max_tokens(record["body"]))
     except _Invalid as bad:
         if record_id is None and record.get(id_key) is not None and id_key not in unwritable:
             passthrough = {id_key: record[id_key], **passthrough}  # what the row can be traced by
@@ -710,8 +712,6 @@ def _openai_fields(record: Mapping) -> dict:
     fields.update(_openai_structure(given))
     fields["max_tokens"] = _openai_max_tokens(given)
     fields["logprobs"] = _chat_logprobs(given) if input_key == "messages" else given.get("logprobs")
-    if input_key == "prompt" and _openai_echo(given) and _asks_no_tokens(fields["max_tokens"]):
-        fields["max_tokens"] = 1  # vLLM's echo alone: one token generated, shown nowhere
     return fields
 
 

@@ -451,10 +451,8 @@ class EnginePool:
         # waited out its join on a full pipe and was terminated (10 s an engine, mid-write).
         deadline = time.monotonic() + 10
         while any(e.process.is_alive() for e in self._engines) and time.monotonic() < deadline:
-            for queue_ in [self._outbox, *(e.inbox for e in self._engines if not e.process.is_alive())]:
-                with contextlib.suppress(queue.Empty):
-                    while True:
-                        queue_.get(timeout=0.05)
+            for stopped_reader in [self._outbox, *(e.inbox for e in self._engines if not e.process.is_alive())]:
+                _drain(stopped_reader)
         for engine in self._engines:
             if engine.process.is_alive():
                 engine.process.terminate()
@@ -465,3 +463,10 @@ class EnginePool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _drain(messages) -> None:
+    """Read and drop what a queue holds, until it stays empty for a moment."""
+    with contextlib.suppress(queue.Empty):
+        while True:
+            messages.get(timeout=0.05)
