@@ -421,7 +421,7 @@ def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
             raise _Invalid(next(iter(unwritable.values())))
         if not openai:
             _check_no_ops(record)
-        fields = _openai_fields(record) if openai else record
+        fields = _openai_fields(record) if openai else _as_text(record, consumed)
         prompt, messages, prompt_token_ids = _check_prompt(fields)
         echo = openai and _openai_echo(record["body"])
         if echo and prompt_token_ids is not None:
@@ -452,6 +452,12 @@ def _utf8(value: Any, where: str) -> Any:
         return value.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise _Invalid(f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def _as_text(record: Mapping, keys) -> dict:
+    """record with the bytes of its `keys` as the text they hold: a Parquet column of strings
+    stored as binary, or a CSV cell that is not UTF-8, which says so rather than its type."""
+    return {k: _utf8(v, str(k)) if k in keys else v for k, v in record.items()}
 
 
 def _check_id(value: Any, key: str) -> str:

@@ -239,9 +239,10 @@ def _local_or_gcs(path: str | None) -> str | None:
 
 
 def as_chat(record):
-    """A record with a plain `prompt` as a one-message chat (the engine then applies the model's
-    chat template). Anything else, OpenAI Batch lines and records that will fail validation
-    included, passes unchanged so that `Generate` handles it as it would without this step."""
+    """A record with a plain `prompt` (text, or UTF-8 bytes) as a one-message chat (the engine
+    then applies the model's chat template). Anything else, OpenAI Batch lines, token-id prompts
+    and records that will fail validation included, passes unchanged so that `Generate` handles
+    it as it would without this step."""
     raw = record
     if isinstance(record, (bytes, str)):
         try:
@@ -250,9 +251,15 @@ def as_chat(record):
             return raw
     # As Generate reads them: a field given as null (a Parquet file's other kind of row) is
     # absent, and our records may carry a passthrough field named custom_id.
-    if not isinstance(record, dict) or is_openai_line(record) or not is_missing(record.get("messages")):
+    if not isinstance(record, dict) or is_openai_line(record) or any(
+            not is_missing(record.get(key)) for key in ("messages", "prompt_token_ids")):
         return raw
     prompt = record.get("prompt")
+    if isinstance(prompt, bytes):  # a Parquet column of strings stored as binary
+        try:
+            prompt = prompt.decode("utf-8")
+        except UnicodeDecodeError:  # Generate says what is wrong
+            return raw
     if not isinstance(prompt, str) or not prompt.strip():
         return raw
     converted = {k: v for k, v in record.items() if k not in ("prompt", "messages")}

@@ -510,8 +510,13 @@ def test_as_chat():
     for null in (None, float("nan")):
         assert cli.as_chat({"id": "a", "prompt": "hi", "messages": null}) == {
             "id": "a", "messages": [{"role": "user", "content": "hi"}]}
-    # Whatever would not validate, or is not a bare prompt, passes unchanged.
+    # A Parquet column of strings stored as binary gives bytes.
+    assert cli.as_chat({"id": "a", "prompt": "hé".encode()}) == {
+        "id": "a", "messages": [{"role": "user", "content": "hé"}]}
+    # Whatever would not validate, or is not a bare prompt, passes unchanged (so Generate's
+    # error names the record's own fields).
     for raw in (b"not json", b"\xff", {"id": "a", "prompt": ""}, {"id": "a", "prompt": 3},
+                {"id": "a", "prompt": b"\xff"}, {"id": "a", "prompt": "hi", "prompt_token_ids": [5]},
                 {"id": "a", "messages": []}, {"custom_id": "a", "body": {"prompt": "x"}}, [1],
                 "[" * 100_000 + "]" * 100_000):  # too deep for json: Generate's error row says so
         assert cli.as_chat(raw) is raw

@@ -454,6 +454,12 @@ def test_text_fields_given_as_bytes_are_utf8():
                             ({"id": "a", "messages": [{"role": "user", "content": b"\xc3"}]},
                              "messages[0].content: not valid UTF-8")):
         assert parse_record(record).error.startswith(problem), record
+    # Any field of ours: a binary column of stop strings reads as text; a CSV cell that is not
+    # UTF-8 (io hands it on as bytes) says so, not that bytes are the wrong type.
+    assert parse_record({"id": "a", "prompt": "x", "stop": b"END"}).params.stop == ("END",)
+    for field in ("prompt_token_ids", "messages", "stop", "temperature"):
+        got = parse_record({"id": "a", field: b"[1,\xff2]"})
+        assert got.error.startswith(f"{field}: not valid UTF-8"), got
 
 
 def _nested(depth: int):
