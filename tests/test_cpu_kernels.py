@@ -231,6 +231,23 @@ def test_the_panel_kernel_matches_torch(rows, in_features, out_features):
                                **LINEAR_TOLERANCE)
 
 
+@pytest.mark.parametrize("in_features", [1536, 4096])
+def test_the_panel_kernel_sums_in_blocks_where_an_input_is_massive(in_features):
+    """A massive input early in k (an LLM's outlier channels reach ~1e4) cancelled by one at the
+    end: one running sum rounds every later product at the massive value's ulp, an error that
+    grows with sqrt(k) (a prompt logprob 1e-3 off transformers'); summed in blocks it does not."""
+    g = gen(in_features)
+    x = torch.randn(13, in_features, generator=g)
+    x[:, 0], x[:, -1] = 1e4, -1e4
+    weight = torch.randn(64, in_features, generator=g)
+    weight[:, 0] = weight[:, -1] = 1
+    y = cpu_kernels.build().panel_linear(x, cpu_kernels.pack_panels(weight), 64, None)
+    error = y.double() - x.double() @ weight.double().T
+    ulp = torch.finfo(torch.float32).eps * 2 ** 13  # of values in [8192, 16384)
+    running_sum_rms = ulp / 12 ** 0.5 * in_features ** 0.5  # k roundings of uniform error
+    assert error.pow(2).mean().sqrt() < running_sum_rms / 2
+
+
 def test_the_panel_kernel_refuses_what_does_not_fit_its_panels():
     panel_linear = cpu_kernels.build().panel_linear
     packed = cpu_kernels.pack_panels(torch.randn(40, 16))  # two panels

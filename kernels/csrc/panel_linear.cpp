@@ -13,6 +13,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <array>
 #include <utility>
 
@@ -34,34 +35,48 @@ constexpr int64_t kRowBlock = 192;
 // model's linears at 13 rows: 27 -> 24 ms against one panel ahead).
 constexpr int64_t kAhead = 2;
 
+// Each output sums k products. In one running sum every addition rounds at the sum's size:
+// where a few inputs are large (an LLM's massive activations, ~1e3 on a few channels of a few
+// tokens) that error grows with k, and at k = 1,536 it was 5-30x MKL's, whose sgemm sums in
+// blocks (a prompt logprob 1e-3 off transformers' through 30 layers). So each tile sums this
+// many steps along k, then adds them to its total: the error grows with k / kSumSteps + kSumSteps.
+constexpr int64_t kSumSteps = 64;
+
 // One tile: R rows of x, k-major (x[i * R + r], as pack_rows left them), against one panel; the
 // group-th of `groups` tiles on this panel prefetches every groups-th step of the panel ahead,
 // so the reads spread over all of them.
 template <int R, typename W>
 void tile(const float* x, int64_t k, const W* panel, float* y, int64_t n_total, int64_t cols,
           const float* bias, const W* ahead, int64_t group, int64_t groups) {
-  vec16 acc[R][2] = {};
+  vec16 total[R][2] = {};
   int64_t countdown = group + 1;
-  for (int64_t i = 0; i < k; ++i) {
-    const W* w = panel + i * kPanel;
-    const vec16 w0 = load16(w), w1 = load16(w + 16);
-    if (ahead && --countdown == 0) {
-      countdown = groups;
-      __builtin_prefetch(ahead + i * kPanel, 0, 2);
-      __builtin_prefetch(ahead + i * kPanel + 16, 0, 2);
+  for (int64_t i0 = 0; i0 < k; i0 += kSumSteps) {
+    vec16 acc[R][2] = {};
+    for (int64_t i = i0, end = std::min(k, i0 + kSumSteps); i < end; ++i) {
+      const W* w = panel + i * kPanel;
+      const vec16 w0 = load16(w), w1 = load16(w + 16);
+      if (ahead && --countdown == 0) {
+        countdown = groups;
+        __builtin_prefetch(ahead + i * kPanel, 0, 2);
+        __builtin_prefetch(ahead + i * kPanel + 16, 0, 2);
+      }
+      for (int r = 0; r < R; ++r) {
+        const float xv = x[i * R + r];
+        acc[r][0] += w0 * xv;
+        acc[r][1] += w1 * xv;
+      }
     }
     for (int r = 0; r < R; ++r) {
-      const float xv = x[i * R + r];
-      acc[r][0] += w0 * xv;
-      acc[r][1] += w1 * xv;
+      total[r][0] += acc[r][0];
+      total[r][1] += acc[r][1];
     }
   }
   float b[kPanel] = {};
   for (int64_t j = 0; bias && j < cols; ++j) b[j] = bias[j];
   for (int r = 0; r < R; ++r) {
     float out[kPanel];
-    store16(out, acc[r][0] + load16(b));
-    store16(out + 16, acc[r][1] + load16(b + 16));
+    store16(out, total[r][0] + load16(b));
+    store16(out + 16, total[r][1] + load16(b + 16));
     for (int64_t j = 0; j < cols; ++j) y[r * n_total + j] = out[j];
   }
 }
