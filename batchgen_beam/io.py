@@ -477,14 +477,16 @@ class WriteRows(beam.PTransform):
 
 class _OpenAILines(beam.DoFn):
     """Rows → OpenAI Batch output lines. The model's tokenizer, which the token texts of
-    logprobs and prompt logprobs need, is loaded on the first row that has them (the engine has
-    fetched the model by then)."""
+    logprobs and prompt logprobs need, is loaded on the first row that has them; the model's
+    folder is found at setup, so a `model` that is not one fails the job before it generates
+    (a local folder may exist only on the workers, so not at construction)."""
 
     def __init__(self, model: str | None):
         self._model = model
         self._name = DEFAULT_MODEL_NAME if model is None else model
 
     def setup(self):
+        self._folder = resolve_model(self._model)
         self._token_texts = None
 
     def process(self, row):
@@ -494,7 +496,7 @@ class _OpenAILines(beam.DoFn):
     def _texts(self):
         if self._token_texts is None:
             from runtime.tokenizer import TokenTexts, load_tokenizer  # transformers: only if needed
-            self._token_texts = TokenTexts(load_tokenizer(resolve_model(self._model)))
+            self._token_texts = TokenTexts(load_tokenizer(self._folder))
         return self._token_texts
 
 

@@ -618,6 +618,16 @@ def test_a_rerun_of_as_many_shards_of_the_same_size_replaces_them(format, tmp_pa
         assert read == [{"tag": tag}] * 4
 
 
+def test_an_openai_writer_whose_model_is_no_folder_fails_before_writing_any_row(tmp_path):
+    """`model` names the folder (or gs:// prefix) the rows came from; a model's name instead
+    failed only at the first row with logprobs, after every record had been generated."""
+    rows = [error_row("r0", "a bad record", {})]  # no logprobs: its tokenizer would not be needed
+    with pytest.raises(FileNotFoundError, match="model directory .*SmolLM2-135M-Instruct does not exist"):
+        with beam.Pipeline(options=PipelineOptions(IN_MEMORY)) as pipeline:
+            _ = pipeline | beam.Create(rows) | WriteRows(str(tmp_path / "gen"), "openai",
+                                                         model="SmolLM2-135M-Instruct")
+
+
 def test_an_output_prefix_under_home_is_written_there(chat_model, jsonl_input, tmp_path, monkeypatch):
     """"--output=~/..." reaches the program unexpanded (no shell expands "~" after "=")."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
