@@ -189,7 +189,7 @@ def parse_record(raw: Any, defaults: Mapping[str, Any] | None = None,
     try:
         record = _to_mapping(raw, fallback_id)
     except _Invalid as bad:
-        return Rejected(_id_of_undecodable(raw), str(bad), {"raw": _preview(raw)})
+        return Rejected(_id_of_unread(raw), str(bad), {"raw": _preview(raw)})
     try:
         if _nests_deeper(record, MAX_NESTING):
             # Checking it (or writing its row: json, pyarrow, repr) would recurse past Python's
@@ -236,7 +236,9 @@ def _to_mapping(raw: Any, fallback_id: str | None) -> Mapping:
         if fallback_id is not None:
             return {"id": fallback_id, "prompt": raw}
         try:
-            raw = json.loads(raw)
+            raw = loads_record(raw)
+        except RepeatedKey as exc:
+            raise _Invalid(f"record: {exc}") from None
         except ValueError as exc:  # bad JSON, or an integer too long for int() (CPython's limit)
             raise _Invalid(f"record: invalid JSON ({exc})") from None
         except RecursionError:
@@ -249,22 +251,44 @@ def _to_mapping(raw: Any, fallback_id: str | None) -> Mapping:
     return raw
 
 
-def _id_of_undecodable(raw: Any) -> str | None:
-    """The id of a JSON line rejected because its bytes are not all UTF-8, where the id itself
-    reads (so its error row carries it); else None."""
-    if not isinstance(raw, bytes):
+class RepeatedKey(ValueError):
+    """A JSON object that names a key twice."""
+
+
+def loads_record(text: str | bytes) -> Any:
+    """A JSON line's value, refusing an object that names a key twice: json keeps the last one
+    silently, and which was meant is not ours to guess (nor is a Parquet or CSV column named
+    twice)."""
+    return json.loads(text, object_pairs_hook=_distinct_keys)
+
+
+def _distinct_keys(pairs: list[tuple[str, Any]]) -> dict:
+    record = dict(pairs)
+    if len(record) < len(pairs):
+        seen = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise RepeatedKey(f"key {json.dumps(twice, ensure_ascii=False)} given twice in one object")
+    return record
+
+
+def _id_of_unread(raw: Any) -> str | None:
+    """The id of a JSON line rejected whole (its bytes not all UTF-8, or a key given twice),
+    where the id itself reads and is given once (so its error row carries it); else None."""
+    if isinstance(raw, bytes):
+        raw = raw.decode("utf-8", "surrogateescape")
+    if not isinstance(raw, str):
         return None
     try:
-        record = json.loads(raw.decode("utf-8", "surrogateescape"))
+        pairs = json.loads(raw, object_pairs_hook=list)  # every object as its (key, value) pairs
     except (ValueError, RecursionError):
         return None
-    if not isinstance(record, dict):
+    if not isinstance(pairs, list) or not all(isinstance(p, tuple) for p in pairs):
         return None
     for key in ("id", "custom_id"):
-        value = record.get(key)
-        if _unwritable(value, key) is None:
+        values = [value for name, value in pairs if name == key]
+        if len(values) == 1 and _unwritable(values[0], key) is None:
             try:
-                return _check_id(value, key)
+                return _check_id(values[0], key)
             except _Invalid:
                 pass
     return None

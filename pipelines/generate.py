@@ -37,8 +37,8 @@ from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.generate import METRICS_NAMESPACE, Generate
 from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, absolute_path,
                               check_input, check_output, file_records, infer_format)
-from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, check_defaults, is_missing, is_openai_line,
-                                   default_sampling_params)
+from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, check_defaults, default_sampling_params,
+                                   is_missing, is_openai_line, loads_record)
 
 BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"
 # Sampling flags that set their record field's transform-wide default: (name, type, help).
@@ -246,7 +246,7 @@ def as_chat(record):
     raw = record
     if isinstance(record, (bytes, str)):
         try:
-            record = json.loads(record)
+            record = loads_record(record)
         except (ValueError, UnicodeDecodeError, RecursionError):  # Generate says what is wrong
             return raw
     # As Generate reads them: a field given as null (a Parquet file's other kind of row) is

@@ -517,6 +517,7 @@ def test_as_chat():
     # error names the record's own fields).
     for raw in (b"not json", b"\xff", {"id": "a", "prompt": ""}, {"id": "a", "prompt": 3},
                 {"id": "a", "prompt": b"\xff"}, {"id": "a", "prompt": "hi", "prompt_token_ids": [5]},
+                b'{"id": "a", "prompt": "x", "prompt": "y"}',
                 {"id": "a", "messages": []}, {"custom_id": "a", "body": {"prompt": "x"}}, [1],
                 "[" * 100_000 + "]" * 100_000):  # too deep for json: Generate's error row says so
         assert cli.as_chat(raw) is raw

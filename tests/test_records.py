@@ -51,6 +51,12 @@ BAD_RECORDS = {
     "undecodable bytes": (b'{"id": "a", "prompt": "caf\xe9"}', "a", ["not valid UTF-8"]),
     "undecodable bytes, no id": (b'{"prompt": "caf\xe9"}', None, ["not valid UTF-8"]),
     "invalid JSON": ('{"id": "a", "prompt": ', None, ["invalid JSON"]),
+    # json keeps a repeated key's last value: which was meant is not ours to guess.
+    "a key given twice": ('{"id": "a", "prompt": "x", "prompt": "y"}', "a", ['key "prompt" given twice']),
+    "the id given twice": (b'{"id": "a", "id": "b", "prompt": "x"}', None, ['key "id" given twice']),
+    "a body's key given twice": ('{"custom_id": "c", "method": "POST", "url": "/v1/completions", '
+                                 '"body": {"prompt": "x", "echo": true, "echo": false}}', "c",
+                                 ['key "echo" given twice']),
     "empty line": ("", None, ["invalid JSON"]),
     "JSON nested past the parser's depth": ('{"id": "a", "prompt": "x", "tag": ' + "[" * 100_000
                                             + "]" * 100_000 + "}", None, ["JSON nested too deeply"]),
