@@ -480,6 +480,22 @@ def test_gcs_input_and_output(chat_model, jsonl_input, gcs_emulator):
     assert time.perf_counter() - started < 60
 
 
+def test_a_gcs_model_writes_openai_lines_with_its_tokenizer(chat_model, jsonl_input, gcs_emulator, tmp_path):
+    """The OpenAI writer finds a gs:// model's folder (the engine's cached copy) for its token
+    texts."""
+    uri = gcs_emulator.upload_dir(chat_model, "gs://models/chat-openai")
+    summary = cli.main(["--input", str(jsonl_input), "--output", str(tmp_path / "out/gen"), "--format",
+                        "openai", "--model", uri, *ENGINE_FLAGS, "--max_tokens", "3", "--logprobs", "1",
+                        "--no_progress"])
+    lines = [json.loads(line) for f in summary["output_files"] for line in open(f)]
+    assert len(lines) == summary["records"]
+    answered = [line["response"]["body"] for line in lines if line["response"]["status_code"] == 200]
+    assert answered and all(body["model"] == uri for body in answered)
+    assert all(isinstance(token, str) for body in answered for choice in body["choices"]
+                            for token in (choice["logprobs"].get("tokens")
+                                          or [t["token"] for t in choice["logprobs"]["content"]]))
+
+
 # --- pieces ------------------------------------------------------------------------------------
 
 def test_formats_from_extensions():
