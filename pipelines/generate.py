@@ -24,6 +24,7 @@ import logging
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import apache_beam as beam
@@ -37,6 +38,7 @@ from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.generate import METRICS_NAMESPACE, Generate
 from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, absolute_path,
                               check_input, check_output, file_records, infer_format)
+from batchgen_beam.model_sources import resolve_adapter, resolve_model
 from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, check_defaults, default_sampling_params,
                                    is_missing, is_openai_line, loads_record)
 
@@ -418,7 +420,23 @@ def check_paths_for_workers(paths: dict[str, str], runner: str | None, options: 
                              f"(running elsewhere) cannot reach: give a gs:// one")
 
 
-def main(argv: list[str] | None = None) -> dict:
+@dataclass
+class Job:
+    """A job its flags, paths and (on this machine) engine have passed, its pipeline built."""
+    args: argparse.Namespace
+    input_pattern: str
+    input_format: str
+    runner: str | None
+    pipeline: beam.Pipeline
+    earlier: list[str]  # shards an earlier run left under the output prefix
+    client: EngineClient | None  # this machine's engine, where the runner is local
+    engine_start_s: float | None
+    started: float
+
+
+def prepare(argv: list[str] | None = None) -> Job:
+    """The job the flags describe, checked before anything runs: a flag, path or sampling value
+    it cannot run with raises here (ValueError, TypeError or OSError, saying which)."""
     started = time.perf_counter()
     args, beam_args = parse_args(argv)
     bundled = args.input is None
@@ -457,9 +475,13 @@ def main(argv: list[str] | None = None) -> dict:
      | "Write" >> write
      | "NoteFiles" >> beam.ParDo(_NoteFiles()))
 
-    local = _is_local(runner)
-    engine_start_s = None
-    if local:
+    client = engine_start_s = None
+    if _is_local(runner):
+        # The engine's folders are this machine's: a missing one is named here, not in the
+        # crash of the process that would hold the engine.
+        resolve_model(model)
+        if args.lora is not None:
+            resolve_adapter(engine_args["lora"])
         load_started = time.perf_counter()
         client = EngineClient.shared(config).connect()  # starts (or finds) this machine's engine
         engine_start_s = time.perf_counter() - load_started
@@ -467,45 +489,65 @@ def main(argv: list[str] | None = None) -> dict:
             client.check_params(default_sampling_params(check_defaults(defaults)))
         except ValueError as bad:
             raise ValueError(f"--{bad}") from None
-    run_started = time.perf_counter()
-    if local:
-        with Progress(client, lambda: count_records(input_pattern, input_format),
+    return Job(args, input_pattern, input_format, runner, pipeline, earlier, client, engine_start_s, started)
+
+
+def run_job(job: Job) -> dict:
+    """Runs the job (with a progress bar where its engine is this machine's); returns and
+    prints its summary."""
+    args, run_started = job.args, time.perf_counter()
+    if job.client is not None:
+        with Progress(job.client, lambda: count_records(job.input_pattern, job.input_format),
                       enabled=not args.no_progress) as progress:
-            result = pipeline.run()
+            result = job.pipeline.run()
             result.wait_until_finish()
             counters, sets = _metrics(result)
             progress.finish(counters.get("sequences_finished", 0))
     else:
-        result = pipeline.run()
+        result = job.pipeline.run()
         result.wait_until_finish()
         counters, sets = _metrics(result)
     pipeline_s = time.perf_counter() - run_started
     written = sets.get("output_files", set())
     # Replaced by this run's shards of the same names, or removed (unknown if none were reported).
-    removed = sorted(set(earlier) - set(written)) if written and str(result.state) == "DONE" else []
+    removed = sorted(set(job.earlier) - set(written)) if written and str(result.state) == "DONE" else []
 
     completion_tokens = counters.get("tokens_generated", 0)
     summary = {
-        "input": "bundled prompts" if bundled else input_pattern,
-        "input_format": input_format,
-        "chat_template": chat,
+        "input": "bundled prompts" if args.input is None else job.input_pattern,
+        "input_format": job.input_format,
+        "chat_template": args.input is None if args.chat is None else args.chat,
         "model": args.model or "default (SmolLM2-135M-Instruct)",
-        "runner": str(runner),
+        "runner": str(job.runner),
         "state": str(result.state),
         "records": counters.get("sequences_finished", 0),
         "errors": counters.get("errors", 0),
         "prompt_tokens": counters.get("prompt_tokens", 0),
         "completion_tokens": completion_tokens,
         "tokens_per_s": round(completion_tokens / pipeline_s, 2) if pipeline_s > 0 else None,
-        "engine_start_s": None if engine_start_s is None else round(engine_start_s, 2),
+        "engine_start_s": None if job.engine_start_s is None else round(job.engine_start_s, 2),
         "pipeline_s": round(pipeline_s, 2),
-        "wall_s": round(time.perf_counter() - started, 2),
+        "wall_s": round(time.perf_counter() - job.started, 2),
         "output_files": sorted(written),
         "removed_files": removed,
         "format": args.format,
     }
     print(format_summary(summary))
     return summary
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return run_job(prepare(argv))
+
+
+def cli() -> None:
+    """`python -m pipelines.generate`: a job refused before it runs exits with a line that
+    says why (status 2, as a bad flag does), not a traceback."""
+    try:
+        job = prepare()
+    except (ValueError, TypeError, OSError) as refused:
+        build_parser().exit(2, f"{build_parser().prog}: error: {refused}\n")
+    run_job(job)
 
 
 def format_summary(s: dict) -> str:
@@ -525,5 +567,5 @@ def format_summary(s: dict) -> str:
 if __name__ == "__main__":  # engine processes are spawned and re-import __main__
     # Run the importable module's main, so that the functions and DoFns above pickle as
     # pipelines.generate.* (which remote workers import) rather than as __main__.*.
-    from pipelines.generate import main as _main
-    _main()
+    from pipelines.generate import cli as _cli
+    _cli()

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import sys
 import time
 
 import pyarrow as pa
@@ -699,6 +700,22 @@ def test_argument_handling():
             cli.parse_args(["--input", "x.jsonl", *mistyped, "--direct_num_workers=2"])
     with pytest.raises(ValueError, match="temperature"):
         cli.main(["--input", "x.jsonl", "--temperature", "-1", "--no_progress"])
+
+
+@pytest.mark.parametrize("flags,why", [
+    (["--temperature", "-1"], "temperature: must be >= 0"),
+    (["--input", "/no/such/input.jsonl"], "no input files match"),
+    (["--model", "/no/such/model"], "model directory /no/such/model does not exist"),
+    (["--lora", "/no/such/adapter"], "LoRA adapter directory /no/such/adapter does not exist")])
+def test_the_command_refuses_a_job_it_cannot_run_with_a_line_not_a_traceback(flags, why, monkeypatch, capsys):
+    """As argparse refuses a bad flag: status 2 and the reason (a missing adapter came from the
+    crash of the process that would have held the engine)."""
+    monkeypatch.setattr(sys, "argv", ["generate", *flags, "--no_progress"])
+    with pytest.raises(SystemExit) as exited:
+        cli.cli()
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("python -m pipelines.generate: error: ") and why in error, error
 
 
 @pytest.mark.parametrize("runner_flags,remote", [
