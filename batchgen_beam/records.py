@@ -522,7 +522,7 @@ def _check_prompt(fields: Mapping) -> tuple[str | None, list[dict] | None, list[
 def _check_token_ids(ids: Any, where: str) -> list[int]:
     """A tokenized prompt: a non-empty list of token ids (the engine checks them against the
     model's vocabulary)."""
-    if not isinstance(ids, list) or not ids:
+    if not isinstance(ids, (list, tuple)) or not ids:
         raise _Invalid(f"{where}: must be a non-empty list of token ids, got {_show(ids)}")
     for token in ids:
         token = _whole(token)

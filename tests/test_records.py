@@ -1051,6 +1051,7 @@ def test_passthrough_bytes_are_written_in_base64():
     {"id": "t", "prompt_token_ids": [5, 6, 7]},
     {"id": "t", "prompt_token_ids": np.array([5, 6, 7])},  # a Parquet list column through pandas
     {"id": "t", "prompt_token_ids": [5.0, 6, 7]},  # a JSON writer's whole floats
+    {"id": "t", "prompt_token_ids": (5, 6, 7)},  # an in-memory record's tuple, as messages may be
     {"custom_id": "t", "method": "POST", "url": "/v1/completions", "body": {"prompt": [5, 6, 7]}},
     {"custom_id": "t", "method": "POST", "url": "/v1/completions", "body": {"prompt": [[5, 6, 7]]}},
 ])
