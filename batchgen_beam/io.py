@@ -68,8 +68,8 @@ import pyarrow.compute as pc
 
 from batchgen_beam.model_sources import resolve_model
 from batchgen_beam.openai_batch import response_line
-from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, OUTPUT_SCHEMA, Rejected, row_to_arrow_dict,
-                                   row_to_json)
+from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, OUTPUT_SCHEMA, Rejected, RepeatedKey,
+                                   loads_record, row_to_arrow_dict, row_to_json)
 from runtime.default_model import DEFAULT_MODEL_NAME
 
 INPUT_FORMATS = ("jsonl", "parquet", "text", "csv", "tsv")
@@ -375,7 +375,11 @@ def _delimited_records(binary_file, name: str, fmt: str):
             yield Rejected(fallback_id, f"{name}: row {number} has {len(cells)} cells, the header "
                                         f"{len(header)}")
         else:
-            record = {column: _cell(column, cell) for column, cell in zip(header, cells) if cell}
+            try:
+                record = {column: _cell(column, cell) for column, cell in zip(header, cells) if cell}
+            except RepeatedKey as bad:  # in a cell of JSON: which value was meant is not ours to guess
+                yield Rejected(fallback_id, f"{name}: row {number}: {bad}")
+                continue
             record.setdefault("id", fallback_id)
             yield record
 
@@ -393,7 +397,9 @@ def _cell(column: str | bytes, cell: str):
     value = _text_or_bytes(cell)
     if column in _JSON_CELLS and isinstance(value, str):
         try:
-            parsed = json.loads(value)
+            parsed = loads_record(value)
+        except RepeatedKey:
+            raise
         except (ValueError, RecursionError):  # not JSON: text, such as a stop string
             return value
         return parsed if isinstance(parsed, _JSON_CELLS[column]) else value
@@ -477,16 +483,18 @@ class WriteRows(beam.PTransform):
 
 class _OpenAILines(beam.DoFn):
     """Rows → OpenAI Batch output lines. The model's tokenizer, which the token texts of
-    logprobs and prompt logprobs need, is loaded on the first row that has them; the model's
-    folder is found at setup, so a `model` that is not one fails the job before it generates
-    (a local folder may exist only on the workers, so not at construction)."""
+    logprobs and prompt logprobs need, is loaded on the first row that has them (the default
+    model or a gs:// one fetched only then). A local `model` that is no model folder (its name,
+    say) fails the job at setup, before it generates: not at construction, as a local folder may
+    exist only on the workers."""
 
     def __init__(self, model: str | None):
         self._model = model
         self._name = DEFAULT_MODEL_NAME if model is None else model
 
     def setup(self):
-        self._folder = resolve_model(self._model)
+        if self._model is not None and not self._model.startswith("gs://"):
+            resolve_model(self._model)
         self._token_texts = None
 
     def process(self, row):
@@ -496,7 +504,7 @@ class _OpenAILines(beam.DoFn):
     def _texts(self):
         if self._token_texts is None:
             from runtime.tokenizer import TokenTexts, load_tokenizer  # transformers: only if needed
-            self._token_texts = TokenTexts(load_tokenizer(self._folder))
+            self._token_texts = TokenTexts(load_tokenizer(resolve_model(self._model)))
         return self._token_texts
 
 

@@ -49,12 +49,14 @@ def resolve_adapter(adapter: str | os.PathLike) -> pathlib.Path:
     path = pathlib.Path(adapter).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"LoRA adapter directory {path} does not exist")
-    return path  # what else it must hold, the engine checks as it merges it
+    _check_adapter_dir(path, str(path))
+    return path
 
 
 def _check_adapter_dir(path: pathlib.Path, source: str) -> None:
-    """ValueError where the adapter lacks its config or weights (a gs:// copy taken mid-upload
-    would otherwise be cached as complete)."""
+    """ValueError where the adapter lacks its config or weights: a gs:// copy taken mid-upload
+    would otherwise be cached as complete, and a local folder of something else is named before
+    an engine tries to merge it."""
     from runtime.lora import ADAPTER_WEIGHTS  # what merging reads
 
     for name in ("adapter_config.json", ADAPTER_WEIGHTS):

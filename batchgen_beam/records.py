@@ -266,8 +266,10 @@ def _distinct_keys(pairs: list[tuple[str, Any]]) -> dict:
     record = dict(pairs)
     if len(record) < len(pairs):
         seen = set()
-        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
-        raise RepeatedKey(f"key {json.dumps(twice, ensure_ascii=False)} given twice in one object")
+        for key, _ in pairs:
+            if key in seen:
+                raise RepeatedKey(f"key {_writable(_show(key))} given twice in one object")
+            seen.add(key)
     return record
 
 
@@ -278,19 +280,20 @@ def _id_of_unread(raw: Any) -> str | None:
         raw = raw.decode("utf-8", "surrogateescape")
     if not isinstance(raw, str):
         return None
-    try:
-        pairs = json.loads(raw, object_pairs_hook=list)  # every object as its (key, value) pairs
+    try:  # every object as its (key, value) pairs
+        pairs = json.loads(raw.removeprefix("\ufeff"), object_pairs_hook=list)
     except (ValueError, RecursionError):
         return None
     if not isinstance(pairs, list) or not all(isinstance(p, tuple) for p in pairs):
         return None
-    for key in ("id", "custom_id"):
-        values = [value for name, value in pairs if name == key]
-        if len(values) == 1 and _unwritable(values[0], key) is None:
-            try:
-                return _check_id(values[0], key)
-            except _Invalid:
-                pass
+    keys = [name for name, _ in pairs]
+    key = "id" if "id" in keys else "custom_id"  # an OpenAI line's, only where there is no id (is_openai_line)
+    values = [value for name, value in pairs if name == key]
+    if len(values) == 1 and _unwritable(values[0], key) is None:
+        try:
+            return _check_id(values[0], key)
+        except _Invalid:
+            pass
     return None
 
 

@@ -15,7 +15,9 @@ shows records done and tokens/s, polled from the engine's counters in a backgrou
 remote runner (Dataflow, ...) the workers start their own engines and there is no progress bar.
 
 `main(argv)` returns the run's summary (also printed): records, errors, prompt and completion
-tokens, tokens/s, the files written and the time taken, read from the pipeline's metrics.
+tokens, tokens/s, the files written and the time taken, read from the pipeline's metrics. It is
+`prepare` (every check of flags, paths and sampling values, and the engine started) then
+`run_job`; the command exits with one line and status 2 where `prepare` refuses the job.
 """
 
 import argparse
@@ -39,8 +41,8 @@ from batchgen_beam.generate import METRICS_NAMESPACE, Generate
 from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, absolute_path,
                               check_input, check_output, file_records, infer_format)
 from batchgen_beam.model_sources import resolve_adapter, resolve_model
-from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, check_defaults, default_sampling_params,
-                                   is_missing, is_openai_line, loads_record)
+from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, RepeatedKey, check_defaults,
+                                   default_sampling_params, is_missing, is_openai_line, loads_record)
 
 BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"
 # Sampling flags that set their record field's transform-wide default: (name, type, help).
@@ -223,7 +225,9 @@ def sampling_defaults_of(args: argparse.Namespace) -> dict:
 
 def _json_object(text: str) -> dict:
     try:
-        value = json.loads(text)
+        value = loads_record(text)
+    except RepeatedKey as bad:
+        raise argparse.ArgumentTypeError(str(bad)) from None
     except json.JSONDecodeError as bad:
         raise argparse.ArgumentTypeError(f"not JSON ({bad})") from None
     if not isinstance(value, dict):
@@ -422,10 +426,12 @@ def check_paths_for_workers(paths: dict[str, str], runner: str | None, options: 
 
 @dataclass
 class Job:
-    """A job its flags, paths and (on this machine) engine have passed, its pipeline built."""
+    """A job whose flags, paths and (on a local runner) engine passed their checks, its pipeline
+    built."""
     args: argparse.Namespace
     input_pattern: str
     input_format: str
+    chat: bool  # prompts rendered as one-message chats
     runner: str | None
     pipeline: beam.Pipeline
     earlier: list[str]  # shards an earlier run left under the output prefix
@@ -436,7 +442,7 @@ class Job:
 
 def prepare(argv: list[str] | None = None) -> Job:
     """The job the flags describe, checked before anything runs: a flag, path or sampling value
-    it cannot run with raises here (ValueError, TypeError or OSError, saying which)."""
+    it cannot run with raises here (ValueError or OSError, saying which)."""
     started = time.perf_counter()
     args, beam_args = parse_args(argv)
     bundled = args.input is None
@@ -477,19 +483,20 @@ def prepare(argv: list[str] | None = None) -> Job:
 
     client = engine_start_s = None
     if _is_local(runner):
+        load_started = time.perf_counter()
         # The engine's folders are this machine's: a missing one is named here, not in the
         # crash of the process that would hold the engine.
         resolve_model(model)
         if args.lora is not None:
             resolve_adapter(engine_args["lora"])
-        load_started = time.perf_counter()
         client = EngineClient.shared(config).connect()  # starts (or finds) this machine's engine
         engine_start_s = time.perf_counter() - load_started
         try:  # values no record could run with (logprobs past the vocabulary, say)
             client.check_params(default_sampling_params(check_defaults(defaults)))
         except ValueError as bad:
             raise ValueError(f"--{bad}") from None
-    return Job(args, input_pattern, input_format, runner, pipeline, earlier, client, engine_start_s, started)
+    return Job(args, input_pattern, input_format, chat, runner, pipeline, earlier, client, engine_start_s,
+               started)
 
 
 def run_job(job: Job) -> dict:
@@ -516,7 +523,7 @@ def run_job(job: Job) -> dict:
     summary = {
         "input": "bundled prompts" if args.input is None else job.input_pattern,
         "input_format": job.input_format,
-        "chat_template": args.input is None if args.chat is None else args.chat,
+        "chat_template": job.chat,
         "model": args.model or "default (SmolLM2-135M-Instruct)",
         "runner": str(job.runner),
         "state": str(result.state),
@@ -545,8 +552,9 @@ def cli() -> None:
     says why (status 2, as a bad flag does), not a traceback."""
     try:
         job = prepare()
-    except (ValueError, TypeError, OSError) as refused:
-        build_parser().exit(2, f"{build_parser().prog}: error: {refused}\n")
+    except (ValueError, OSError) as refused:
+        parser = build_parser()
+        parser.exit(2, f"{parser.prog}: error: {refused}\n")
     run_job(job)
 
 

@@ -192,6 +192,8 @@ def test_a_lora_adapter_resolves_locally_or_from_gcs(gcs_emulator, tiny, tmp_pat
     assert resolve_adapter(str(local)) == local
     with pytest.raises(FileNotFoundError, match="LoRA adapter directory .* does not exist"):
         resolve_adapter(tmp_path / "missing")
+    with pytest.raises(ValueError, match="LoRA adapter .* has no adapter_config.json"):
+        resolve_adapter(tiny.dir("llama"))  # a model's folder, not an adapter's
     uri = gcs_emulator.upload_dir(local, "gs://adapters/tiny/q")
     copy = resolve_adapter(uri)
     assert copy.is_relative_to(cache / "gcs" / "adapters") and _files(copy) == _files(local)

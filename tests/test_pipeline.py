@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -21,8 +22,9 @@ from apache_beam.options.pipeline_options import PipelineOptions, StandardOption
 from apache_beam.testing.util import assert_that, equal_to
 
 from batchgen_beam.io import (MalformedRow, ReadRecords, WriteRows, _fixed_dir, delimited_rows,
-                              infer_format, text_lines)
-from batchgen_beam.records import OUTPUT_SCHEMA, error_row, row_from_arrow_dict, row_from_json, rows_to_arrow
+                              file_records, infer_format, text_lines)
+from batchgen_beam.records import (OUTPUT_SCHEMA, Rejected, error_row, row_from_arrow_dict, row_from_json,
+                                   rows_to_arrow)
 from beam_helpers import ENGINE_ARGS, IN_MEMORY, chat_model_dir
 from pipelines import generate as cli
 from runtime.tokenizer import load_tokenizer
@@ -328,6 +330,14 @@ def test_csv_and_tsv_rows_are_records(chat_model, tmp_path, name):
     assert rows[ids[3]]["error"] == f"{name}: row 4 has 6 cells, the header 5"
     assert rows[ids[4]]["error"].startswith("prompt: not valid UTF-8")
     assert rows[ids[5]]["error"].startswith("prompt: missing")
+
+
+def test_a_cell_of_json_naming_a_key_twice_is_an_error_row():
+    """As a JSON line's: json would keep the last value."""
+    data = b'prompt,logit_bias,tag\nHi,"{""5"": 1, ""5"": -100}",a\nHi,"{""5"": 1}",b\n'
+    first, second = file_records(io.BytesIO(data), "in.csv", "csv")
+    assert first == Rejected("in.csv:1", "in.csv: row 1: key '5' given twice in one object")
+    assert second == {"prompt": "Hi", "logit_bias": {"5": 1}, "tag": "b", "id": "in.csv:2"}
 
 
 def test_quoting_mistakes_and_long_cells_are_error_rows_not_guesses(chat_model, tmp_path):
@@ -679,7 +689,7 @@ def test_argument_handling():
         cli.main(["--input", "x.jsonl", "--json_schema", "{not json", "--no_progress"])
     args, _ = cli.parse_args(["--chat_template_kwargs", '{"enable_thinking": false}'])
     assert cli.sampling_defaults_of(args)["chat_template_kwargs"] == {"enable_thinking": False}
-    for bad in ("{oops", "[1]"):
+    for bad in ("{oops", "[1]", '{"a": 1, "a": 2}'):
         with pytest.raises(SystemExit):
             cli.parse_args(["--chat_template_kwargs", bad])
     args, beam_args = cli.parse_args(["--runner", "FnApiRunner", "--kv_cache_mb", "2"])
@@ -706,7 +716,8 @@ def test_argument_handling():
     (["--temperature", "-1"], "temperature: must be >= 0"),
     (["--input", "/no/such/input.jsonl"], "no input files match"),
     (["--model", "/no/such/model"], "model directory /no/such/model does not exist"),
-    (["--lora", "/no/such/adapter"], "LoRA adapter directory /no/such/adapter does not exist")])
+    (["--lora", "/no/such/adapter"], "LoRA adapter directory /no/such/adapter does not exist"),
+    (["--lora", str(Path(__file__).parent)], "has no adapter_config.json")])  # a folder of something else
 def test_the_command_refuses_a_job_it_cannot_run_with_a_line_not_a_traceback(flags, why, monkeypatch, capsys):
     """As argparse refuses a bad flag: status 2 and the reason (a missing adapter came from the
     crash of the process that would have held the engine)."""

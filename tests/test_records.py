@@ -52,11 +52,16 @@ BAD_RECORDS = {
     "undecodable bytes, no id": (b'{"prompt": "caf\xe9"}', None, ["not valid UTF-8"]),
     "invalid JSON": ('{"id": "a", "prompt": ', None, ["invalid JSON"]),
     # json keeps a repeated key's last value: which was meant is not ours to guess.
-    "a key given twice": ('{"id": "a", "prompt": "x", "prompt": "y"}', "a", ['key "prompt" given twice']),
-    "the id given twice": (b'{"id": "a", "id": "b", "prompt": "x"}', None, ['key "id" given twice']),
+    "a key given twice": ('{"id": "a", "prompt": "x", "prompt": "y"}', "a", ["key 'prompt' given twice"]),
+    "the id given twice": (b'{"id": "a", "id": "b", "custom_id": "c", "prompt": "x"}', None,
+                           ["key 'id' given twice"]),  # custom_id: a record's passthrough field
+    "a key given twice after a byte-order mark": (b'\xef\xbb\xbf{"id": "a", "n": 1, "n": 2}', "a",
+                                                  ["key 'n' given twice"]),
+    "a key UTF-8 cannot hold given twice": ('{"id": "a", "prompt": "x", "\\ud800": 1, "\\ud800": 2}', "a",
+                                            ["key '\\ud800' given twice"]),
     "a body's key given twice": ('{"custom_id": "c", "method": "POST", "url": "/v1/completions", '
                                  '"body": {"prompt": "x", "echo": true, "echo": false}}', "c",
-                                 ['key "echo" given twice']),
+                                 ["key 'echo' given twice"]),
     "empty line": ("", None, ["invalid JSON"]),
     "JSON nested past the parser's depth": ('{"id": "a", "prompt": "x", "tag": ' + "[" * 100_000
                                             + "]" * 100_000 + "}", None, ["JSON nested too deeply"]),
