@@ -66,7 +66,7 @@ from apache_beam.io.textio import ReadFromText, WriteToText, _TextSink
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchgen_beam.model_sources import resolve_model
+from batchgen_beam.model_sources import check_local_folders, resolve_model
 from batchgen_beam.openai_batch import response_line
 from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, OUTPUT_SCHEMA, Rejected, RepeatedKey,
                                    loads_record, row_to_arrow_dict, row_to_json)
@@ -493,8 +493,7 @@ class _OpenAILines(beam.DoFn):
         self._name = DEFAULT_MODEL_NAME if model is None else model
 
     def setup(self):
-        if self._model is not None and not self._model.startswith("gs://"):
-            resolve_model(self._model)
+        check_local_folders(self._model)
         self._token_texts = None
 
     def process(self, row):

@@ -53,6 +53,17 @@ def resolve_adapter(adapter: str | os.PathLike) -> pathlib.Path:
     return path
 
 
+def check_local_folders(model: str | os.PathLike | None = None,
+                        adapter: str | os.PathLike | None = None) -> None:
+    """That a local model or adapter folder holds one (FileNotFoundError or ValueError saying
+    what is wrong), so a mistake is named where the job is set up; the default model and gs://
+    ones are fetched, and checked, only where an engine needs them."""
+    if model is not None and not os.fspath(model).startswith("gs://"):
+        resolve_model(model)
+    if adapter is not None and not os.fspath(adapter).startswith("gs://"):
+        resolve_adapter(adapter)
+
+
 def _check_adapter_dir(path: pathlib.Path, source: str) -> None:
     """ValueError where the adapter lacks its config or weights: a gs:// copy taken mid-upload
     would otherwise be cached as complete, and a local folder of something else is named before

@@ -40,7 +40,7 @@ from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.generate import METRICS_NAMESPACE, Generate
 from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, absolute_path,
                               check_input, check_output, file_records, infer_format)
-from batchgen_beam.model_sources import resolve_adapter, resolve_model
+from batchgen_beam.model_sources import check_local_folders
 from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, RepeatedKey, check_defaults,
                                    default_sampling_params, is_missing, is_openai_line, loads_record)
 
@@ -483,12 +483,10 @@ def prepare(argv: list[str] | None = None) -> Job:
 
     client = engine_start_s = None
     if _is_local(runner):
-        load_started = time.perf_counter()
         # The engine's folders are this machine's: a missing one is named here, not in the
         # crash of the process that would hold the engine.
-        resolve_model(model)
-        if args.lora is not None:
-            resolve_adapter(engine_args["lora"])
+        check_local_folders(model, engine_args.get("lora"))
+        load_started = time.perf_counter()
         client = EngineClient.shared(config).connect()  # starts (or finds) this machine's engine
         engine_start_s = time.perf_counter() - load_started
         try:  # values no record could run with (logprobs past the vocabulary, say)
