@@ -327,10 +327,12 @@ def _rope_table(config: PretrainedConfig, params: dict, head_dim: int, max_posit
             dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         attention_scaling = 1.0
-    elif rope_type == "dynamic":
-        # Its frequencies depend on the current sequence length: not a fixed table.
-        raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
+    elif rope_type not in ROPE_INIT_FUNCTIONS:
+        raise NotImplementedError(f"rope_type {rope_type!r} is not supported (transformers knows "
+                                  f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
     else:
+        # "dynamic" too: transformers recomputes its frequencies only for positions past
+        # max_position_embeddings, which caps our context, so its initial table is the table.
         extra = {} if layer_type is None else {"layer_type": layer_type}
         inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **extra)
         if 2 * len(inv_freq) != head_dim and config.model_type not in _PARTIAL_ROTARY:

@@ -254,7 +254,8 @@ class Engine:
         self.weights_id = weights_fingerprint(safetensors_files(self.model_dir)
                                               + ([Path(lora) / ADAPTER_WEIGHTS] if lora is not None else []))
         if greedy_screen is None:
-            greedy_screen = not streaming and dtype == torch.float32 and kernels.bf16_matmul_is_fast(self.device)
+            greedy_screen = (not streaming and dtype == torch.float32 and self.model.logits_grow_with_head
+                             and kernels.bf16_matmul_is_fast(self.device))
         if greedy_screen and streaming:
             raise ValueError("greedy_screen keeps a bf16 copy of the lm_head, outside weight_budget_bytes")
         if greedy_screen:

@@ -310,9 +310,18 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
         return logits
 
+    @property
+    def logits_grow_with_head(self) -> bool:
+        """Whether finish_logits keeps the lm_head output's order (the screen's premise): a soft
+        cap does; a negative logits_scaling reverses it."""
+        return self.spec.logits_scaling > 0
+
     def screen_logits(self) -> None:
         """From here on, greedy tokens come from a bf16 screen of the vocabulary verified in
         fp32 (runtime/logit_screen.py); once the weights are final, as it keeps a copy."""
+        if not self.logits_grow_with_head:
+            raise ValueError(f"greedy_screen: logits_scaling {self.spec.logits_scaling} reverses the "
+                             "logits' order, and the screen picks the largest of the lm_head's outputs")
         self.logit_screen = LogitScreen.of(self.lm_head.weight)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:

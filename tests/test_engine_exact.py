@@ -361,14 +361,12 @@ def test_other_block_sizes_with_chunks_prefix_sharing_and_preemption(tiny, block
     (dict(model_type="gpt2"), "model_type 'gpt2' is not supported yet"),
     (dict(hidden_act="relu2"), "hidden_act 'relu2' is not supported yet"),
     (dict(model_type="mixtral", hidden_act="gelu"), "hidden_act 'gelu' is not supported yet"),
-    (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
-     "rope_type 'dynamic' is not supported"),
     (dict(model_type="gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention"),
     (dict(sliding_window=8, max_position_embeddings=64), "sliding_window 8 on model_type 'llama'"),
     (dict(quantization_config={"quant_method": "gptq", "bits": 4}), r"quantization_config \(gptq\)"),
     (dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0,
                            "partial_rotary_factor": 0.5}), "partial_rotary_factor with rope_type 'linear'"),
-], ids=["model_type", "hidden_act", "moe-gelu", "rope_type", "bidirectional", "foreign-window",
+], ids=["model_type", "hidden_act", "moe-gelu", "bidirectional", "foreign-window",
         "quantised", "partial-rotary-off-phi3"])
 def test_a_config_we_would_compute_wrong_is_refused(overrides, problem):
     """Load-time refusal, never a model that runs and differs from transformers."""
@@ -381,6 +379,30 @@ def test_a_config_we_would_compute_wrong_is_refused(overrides, problem):
                                   num_hidden_layers=1, **overrides)
     with pytest.raises(NotImplementedError, match=problem):
         rope_cos_sin(config, model_spec(config).head_dim, 16)
+
+
+def test_a_rope_type_transformers_does_not_know_is_refused_by_name(tmp_path):
+    from tiny_models import make_tiny_model
+
+    directory = make_tiny_model("qwen2", tmp_path / "m")
+    config = json.loads((directory / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "mrope", "rope_theta": 10000.0}
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match="rope_type 'mrope' is not supported"):
+        make_engine(directory)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_dynamic_rope_matches_transformers_up_to_the_context_end(tiny, family):
+    """transformers rescales dynamic RoPE only past max_position_embeddings, where our context
+    ends: up to there its initial table holds, the longest prompt here running to the end."""
+    overrides = dict(max_position_embeddings=124,
+                     rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
+    engine = make_engine(tiny.dir(family, **overrides))
+    assert engine.max_model_len == 124
+    for prompt, ours in zip(PROMPTS, engine.generate(greedy_requests(PROMPTS, MAX_TOKENS))):
+        tokens, logprobs = tiny.greedy(family, prompt, MAX_TOKENS, **overrides)
+        assert_matches(ours, tokens, logprobs, max_tokens=MAX_TOKENS)
 
 
 @pytest.mark.parametrize("model_type", ["gemma3_text", "olmo3", "qwen2"])

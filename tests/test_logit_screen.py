@@ -175,6 +175,23 @@ def test_a_half_precision_engine_screens_to_the_tokens_it_gives_unscreened(tiny)
     assert screened == plain and engine.stats.screened_rows > 0
 
 
+def test_a_negative_logits_scaling_turns_the_screen_off(tiny, monkeypatch):
+    """Granite divides the logits by logits_scaling: a negative one reverses their order, so the
+    largest lm_head outputs the screen keeps hold the smallest logits. Asked for, the screen is
+    refused; by default it stays off, and the tokens are transformers'."""
+    overrides = dict(logits_scaling=-2.0)
+    with pytest.raises(ValueError, match="greedy_screen: logits_scaling -2.0 reverses"):
+        make_engine(tiny.dir("granite", **overrides), greedy_screen=True)
+    monkeypatch.setattr(kernels, "bf16_matmul_is_fast", lambda device: True)  # its default: on
+    engine = make_engine(tiny.dir("granite", **overrides))
+    assert engine.model.logit_screen is None
+    prompts = random_prompts((5, 12), seed=8)
+    for prompt, ours in zip(prompts, engine.generate([Request(f"r{i}", prompt_token_ids=p,
+                                                              params=SamplingParams(max_tokens=8))
+                                                      for i, p in enumerate(prompts)])):
+        assert ours.token_ids == tiny.greedy("granite", prompt, 8, **overrides)[0]
+
+
 def test_the_screen_is_refused_under_a_weight_budget(tiny):
     with pytest.raises(ValueError, match="greedy_screen"):
         make_engine(tiny.dir("llama"), greedy_screen=True, weight_budget_bytes=1 << 30)
