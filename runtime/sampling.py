@@ -11,7 +11,9 @@ import kernels
 from runtime.structured import canonical_json_schema, check_regex, choice_regex, grammar_of, keep_allowed
 
 
-# Temperatures below this sample greedily (vLLM's rule): at 1e-6 a draw would only split ties.
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): at 1e-6 a draw would only
+# split ties. Above it we sample at the temperature given; vLLM 0.32 raises one under 0.01 to
+# 0.01 (README).
 SAMPLING_EPS = 1e-5
 _FP32_MAX = torch.finfo(torch.float32).max
 
