@@ -124,10 +124,12 @@ def _text_choice(index: int, sample: Mapping, token_texts, echo: str | None,
         for token, logprob, tops in [*echoed, *generated]:
             logprobs["tokens"].append(token)
             logprobs["token_logprobs"].append(None if logprob is None else _finite(logprob))
-            # The top ones and the chosen one, as OpenAI's spec has it ("up to logprobs + 1");
-            # where two show the same text, the chosen one's logprob (vLLM's overwrites it).
+            # The chosen one, then the top ones, as OpenAI's spec has it ("up to logprobs + 1")
+            # and in vLLM's order; where two show the same text, the chosen one's logprob
+            # (vLLM's overwrites it).
             logprobs["top_logprobs"].append(
-                None if logprob is None else {**{t: _finite(lp) for t, lp in tops}, token: _finite(logprob)})
+                None if logprob is None else {token: _finite(logprob),
+                                              **{t: _finite(lp) for t, lp in tops if t != token}})
             logprobs["text_offset"].append(offset)
             offset += len(token)
     return {"index": index, "text": (echo or "") + sample["text"], "logprobs": logprobs,

@@ -100,6 +100,7 @@ def test_a_prompt_row_is_a_text_completion_with_legacy_logprobs():
                                  # the top one, and the chosen one where it is not
                                  "top_logprobs": [{"Hel": -0.5}, {"!": -0.125, "lo": -0.25}],
                                  "text_offset": [0, 3]}
+    assert list(first["logprobs"]["top_logprobs"][1]) == ["lo", "!"]  # the chosen one first, as vLLM
     assert (second["index"], second["stop_reason"]) == (1, 11)  # a stop token id
     assert second["logprobs"]["text_offset"] == [0, 6]
 
