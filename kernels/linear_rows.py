@@ -13,7 +13,8 @@ it up to ~256 rows; on an Intel Xeon (AVX-512) the few-row kernel won at 4-24 ro
 W1's prefill 20% faster on MKL). So a process times all three once, on weights larger than
 the CPU caches (memory-bound, as a model's are), at a ladder of row counts up to a full prefill
 step; each kernel's span runs from its first rung to beat MKL up to where MKL beats it at two
-rungs in a row (this machine's noise flips single rungs). The panel kernel blocks its rows (192
+rungs in a row and the kernel does not win two in a row after (this machine's noise flips
+single rungs, and sometimes two ties). The panel kernel blocks its rows (192
 at a time), so its cost per row is flat past the last rung: a span no loss ended stays open. (A
 calibration that ended it at 64, 128 or 256 rows on a noisy tie sent the rest to MKL: whole W1
 runs 20% slower.)
@@ -91,10 +92,13 @@ def verdict(kernel_s: float, other_s: float) -> bool | None:
 
 def span_of_wins(wins: dict[int, bool | None], open_ended: bool = False) -> range:
     """From each rung's verdict, the rows from the kernel's first winning rung up to where it
-    loses for good: a loss ends the span only where the next rung loses too (or there is none);
-    a loss the next rung does not confirm is the machine's noise, and so is a tie. An ended span
-    keeps the ties before its first loss: MKL at a calibration tie was 8-10% slower in whole
-    decode steps (129-256 rows, Xeon). `open_ended`: a span no loss ended has no end."""
+    loses for good: a loss ends the span only where the next rung loses too (or there is none)
+    and the kernel never again wins two rungs in a row; a loss the next rung does not confirm is
+    the machine's noise, and so is a tie, and so is a pair of losses the kernel comes back from
+    (on a Xeon, ties at 2 and 3 rows timed as losses ended a span at 1 row: W1 sampled 34%
+    slower). An ended span keeps the ties before its first loss: MKL at a calibration tie was
+    8-10% slower in whole decode steps (129-256 rows, Xeon). `open_ended`: a span no loss ended
+    has no end."""
     rungs = sorted(wins)
     won, end = [], None
     for index, rows in enumerate(rungs):
@@ -102,7 +106,9 @@ def span_of_wins(wins: dict[int, bool | None], open_ended: bool = False) -> rang
             won.append(rows)
         elif wins[rows] is False and won:
             following = rungs[index + 1:index + 2]
-            if all(wins[after] is False for after in following):
+            later = [wins[rung] for rung in rungs[index + 2:]]
+            comes_back = any(a and b for a, b in zip(later, later[1:]))
+            if all(wins[after] is False for after in following) and not comes_back:
                 end = rungs[index - 1] + 1  # a win or a tie: a loss there would have ended it
                 break
     if not won:

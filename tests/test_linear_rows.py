@@ -50,6 +50,10 @@ def test_a_malformed_span_is_refused(text):
     ({1: None, 2: True, 4: None, 8: False}, range(2, 5)),  # the tie before the end stays
     ({8: True, 128: True, 256: None, 512: False, 1024: False, 2048: True}, range(8, 257)),
     ({1: True, 2: None, 4: None}, range(1, 2)),  # trailing ties no loss ended: not won
+    # Two losses before a longer winning run: noise (memory-bound ties at 2 and 3 rows)
+    ({1: True, 2: False, 3: False, 4: True, 8: True, 16: True, 64: True, 256: True, 512: False,
+      1024: False, 2048: False}, range(1, 257)),
+    ({1: True, 2: False, 3: False, 4: True, 8: False}, range(1, 2)),  # as many wins as losses after: the end
 ])
 def test_the_span_runs_from_the_first_winning_rung_to_the_last_before_it_loses_for_good(wins, span):
     assert linear_rows.span_of_wins(wins) == span
