@@ -17,7 +17,8 @@ import kernels
 
 pytest_plugins = ["gcs_emulator"]  # the `gcs_emulator` fixture (tests/gcs_emulator.py)
 
-from tiny_models import ALL_FAMILIES, hf_greedy, hf_model, make_tiny_chat_model, make_tiny_model
+from tiny_models import (ALL_FAMILIES, NEAR_TIE, assert_decisive, hf_greedy_with_margin, hf_model,
+                         make_tiny_chat_model, make_tiny_model)
 
 # The machine is shared: one thread keeps each test process to one core.
 torch.set_num_threads(1)
@@ -60,10 +61,21 @@ class TinyModels:
         return self._hf[directory]
 
     def greedy(self, family: str, prompt_ids, max_new_tokens: int, **overrides):
-        """transformers' greedy (tokens, logprobs) for this prompt, memoised."""
+        """transformers' greedy (tokens, logprobs) for this prompt, memoised; refuses a
+        continuation with a near-tie (tiny_models.NEAR_TIE)."""
+        tokens, logprobs, margin = self._greedy_with_margin(family, prompt_ids, max_new_tokens, **overrides)
+        assert_decisive(margin, prompt_ids)
+        return tokens, logprobs
+
+    def decisive(self, family: str, prompt_ids, max_new_tokens: int, **overrides) -> bool:
+        """Whether transformers' greedy continuation has no near-tie, so a test may use it."""
+        return self._greedy_with_margin(family, prompt_ids, max_new_tokens, **overrides)[2] >= NEAR_TIE
+
+    def _greedy_with_margin(self, family, prompt_ids, max_new_tokens, **overrides):
         key = (self.dir(family, **overrides), tuple(prompt_ids), max_new_tokens)
         if key not in self._greedy:
-            self._greedy[key] = hf_greedy(self.hf(family, **overrides), list(prompt_ids), max_new_tokens)
+            self._greedy[key] = hf_greedy_with_margin(self.hf(family, **overrides), list(prompt_ids),
+                                                      max_new_tokens)
         return self._greedy[key]
 
 

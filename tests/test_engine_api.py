@@ -449,9 +449,15 @@ def test_engine_argument_checks(tiny):
 
 def test_concurrent_submit_with_background_loop_completes_each_request_once(tiny):
     rng = random.Random(5)
-    per_thread = [[Request(f"t{t}-{i}", prompt_token_ids=random_prompt(rng.randint(1, 40), rng),
-                           params=SamplingParams(max_tokens=rng.randint(1, 10), logprobs=0))
-                   for i in range(25)] for t in range(4)]
+
+    def decisive_request(request_id):  # the batches here vary with thread timing: no near-ties
+        while True:
+            prompt, max_tokens = random_prompt(rng.randint(1, 40), rng), rng.randint(1, 10)
+            if tiny.decisive(FAMILY, prompt, max_tokens):
+                return Request(request_id, prompt_token_ids=prompt,
+                               params=SamplingParams(max_tokens=max_tokens, logprobs=0))
+
+    per_thread = [[decisive_request(f"t{t}-{i}") for i in range(25)] for t in range(4)]
     per_thread[2][7] = Request("t2-7", prompt_token_ids=[])  # an error completion among them
     everything = {r.id: r for requests in per_thread for r in requests}
 

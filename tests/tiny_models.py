@@ -110,15 +110,36 @@ def save_fused_experts(per_expert: Path, fused: Path) -> Path:
     return fused
 
 
+# A greedy step whose two best fp32 logits lie closer than this (a few ulps of O(1) logits) is
+# decided by rounding: any other summation order (another batch, another kernel) may flip it.
+NEAR_TIE = 1e-5
+
+
 @torch.inference_mode()
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy continuation and the log-softmax of each chosen token."""
+def hf_greedy_with_margin(model, prompt_ids: list[int],
+                          max_new_tokens: int) -> tuple[list[int], list[float], float]:
+    """transformers' greedy continuation, the log-softmax of each chosen token, and the smallest
+    gap between the two best logits over its steps."""
     out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     tokens = out.sequences[0, len(prompt_ids):].tolist()
-    logprobs = [torch.log_softmax(step_logits[0].float(), -1)[t].item()
-                for step_logits, t in zip(out.logits, tokens)]
+    logits = [step_logits[0].float() for step_logits in out.logits]
+    logprobs = [torch.log_softmax(row, -1)[t].item() for row, t in zip(logits, tokens)]
+    margin = min(float(top[0] - top[1]) for top in (row.topk(2).values for row in logits))
+    return tokens, logprobs, margin
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation and the log-softmax of each chosen token; refuses a
+    continuation with a near-tie, which would test rounding rather than the engine."""
+    tokens, logprobs, margin = hf_greedy_with_margin(model, prompt_ids, max_new_tokens)
+    assert_decisive(margin, prompt_ids)
     return tokens, logprobs
+
+
+def assert_decisive(margin: float, prompt_ids) -> None:
+    assert margin >= NEAR_TIE, (f"the reference continuation of {list(prompt_ids)} has a near-tie "
+                                f"(top-2 logit gap {margin:.2g}): choose another prompt")
 
 
 def make_lora_adapter(base_dir, adapter_dir, seed=0, base_model=None, **config):
