@@ -121,7 +121,23 @@ def test_messages_a_chat_template_refuses_are_an_error_completion(tiny_chat, tmp
     # loops over the parts itself, as Gemma 3's and Mistral Small 3.1's do
     ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
      "{% else %}{% for part in m['content'] %}{{ part['text'] | trim }}{% endfor %}{% endif %}<|im_end|>\n"
-     "{% endfor %}", False)])
+     "{% endfor %}", False),
+    # the same with a training template's {% generation %} tag, which transformers' jinja knows
+    ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}"
+     "{{ m['content'] }}{% endgeneration %}{% elif m['content'] is string %}{{ m['content'] }}{% else %}"
+     "{% for part in m['content'] %}[{{ part['text'] }}]{% endfor %}{% endif %}<|im_end|>\n{% endfor %}", False),
+    # through a variable the content is set to
+    ("{% for m in messages %}{% set content = m.content %}{% set text = content %}<|im_start|>{{ m['role'] }}\n"
+     "{% if text is string %}{{ text }}{% else %}{% for part in text %}[{{ part.text }}]{% endfor %}{% endif %}"
+     "<|im_end|>\n{% endfor %}", False),
+    # through a macro's parameter
+    ("{% macro render(body) %}{% if body is string %}{{ body }}{% else %}{% for part in body %}"
+     "[{{ part.text }}]{% endfor %}{% endif %}{% endmacro %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+     "{{ render(m['content']) }}<|im_end|>\n{% endfor %}", False),
+    # a loop over something else the template set
+    ("{% for m in messages %}{% set words = m['role'] ~ ' ' ~ m['content'] %}{% set lines = [words] %}"
+     "{% for line in lines %}{{ line }}{% endfor %}\n{% endfor %}", True)],
+    ids=["string", "loops-over-parts", "generation-tag", "set-variable", "macro-parameter", "other-loop"])
 def test_text_parts_render_as_transformers_renders_them(tiny_chat, tmp_path, template, joins):
     from transformers import AutoTokenizer
     model_dir = tmp_path / "template"
