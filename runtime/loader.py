@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from runtime.config import load_hf_config, model_spec, rope_cos_sin
 from runtime.model import CausalLM, Linear, RMSNorm
-from runtime.moe import read_experts
+from runtime.moe import per_expert_names
 
 _log = logging.getLogger(__name__)
 
@@ -154,6 +154,26 @@ def packed_part(hf_name: str, spec) -> tuple[str, slice]:
     return hf_name, slice(None)
 
 
+def check_stored_shapes(where, name: str, sources: list[str], stored: list[tuple[int, ...]], shape,
+                        spec) -> None:
+    """That the stored tensors `sources` (of shapes `stored`), concatenated along their first
+    dimension as loading concatenates them, make our parameter `name` of `shape` part by part:
+    q, k and v the rows the config's heads give them, gate and up half each. Their sum alone
+    would let rows moved from one part to another load as a wrong model (transformers refuses
+    them), and a part of another width fail in torch.cat naming nothing."""
+    shape = tuple(shape)
+    if len(sources) == 1:
+        expected = [shape]
+    else:
+        rows = ([spec.num_heads * spec.head_dim] + [spec.num_kv_heads * spec.head_dim] * 2
+                if ".q_proj." in sources[0] else [shape[0] // len(sources)] * len(sources))
+        expected = [(part, *shape[1:]) for part in rows]
+    stored = [tuple(s) for s in stored]
+    if stored != expected:  # a [1, hidden] embedding too, which copy_ would broadcast
+        raise ValueError(f"{where}: {name} is {' + '.join(map(str, stored))} in the checkpoint; "
+                         f"the config makes it {' + '.join(map(str, expected))}")
+
+
 def build_model(model_dir: str | Path, device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.float32, stream_layers: bool = False) -> CausalLM:
     """The model's structure with RoPE tables set and parameters allocated, not yet read.
@@ -219,17 +239,21 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
     model_dir = Path(model_dir)
     model = build_model(model_dir, device, dtype)
     checkpoint = _Checkpoint(model_dir, model.spec.tie_word_embeddings)
+
+    def read(name: str, sources: list[str], shape) -> torch.Tensor:
+        tensors = [checkpoint.get(src) for src in sources]
+        check_stored_shapes(model_dir, name, sources, [t.shape for t in tensors], shape, model.spec)
+        return torch.cat(tensors) if len(tensors) > 1 else tensors[0]
+
     with torch.no_grad():
         for name, param in model.named_parameters():  # tied weights are listed once
-            if ".experts." in name:  # MoE: [experts, ...], however the checkpoint stores them
-                [hf_name] = hf_sources(name, checkpoint)
-                stored = read_experts(checkpoint, hf_name, model.spec.moe.num_experts)
-            else:
-                tensors = [checkpoint.get(src) for src in hf_sources(name, checkpoint)]
-                stored = torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]
-            if stored.shape != param.shape:  # copy_ would broadcast a [1, hidden] embedding
-                raise ValueError(f"{model_dir}: {name} is {tuple(stored.shape)} in the checkpoint; "
-                                 f"the config makes it {tuple(param.shape)}")
+            sources = hf_sources(name, checkpoint)
+            per_expert = (per_expert_names(checkpoint, sources[0], model.spec.moe.num_experts)
+                          if ".experts." in name else None)
+            if per_expert is None:  # one tensor, q|k|v or gate|up parts, or MoE experts fused
+                stored = read(name, sources, param.shape)
+            else:  # MoE experts stored one at a time, stacked: [experts, ...]
+                stored = torch.stack([read(name, parts, param.shape[1:]) for parts in per_expert])
             param.copy_(stored)
     if lora is not None:
         from runtime.lora import merge_lora  # imported here: runtime.lora builds on this module

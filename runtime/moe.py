@@ -84,12 +84,3 @@ def per_expert_names(checkpoint, name: str, num_experts: int) -> list[list[str]]
         if f"{prefix}.0.{parts[0]}.weight" in checkpoint:
             return [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(num_experts)]
     raise KeyError(f"checkpoint has no tensor {name!r}, fused or per expert")
-
-
-def read_experts(checkpoint, name: str, num_experts: int) -> torch.Tensor:
-    """The stacked tensor `name` (`….experts.gate_up_proj` [E, 2I, H] or `….experts.down_proj`
-    [E, H, I]), however the checkpoint stores it."""
-    per_expert = per_expert_names(checkpoint, name, num_experts)
-    if per_expert is None:
-        return checkpoint.get(name)
-    return torch.stack([torch.cat([checkpoint.get(part) for part in parts]) for parts in per_expert])

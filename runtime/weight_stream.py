@@ -38,8 +38,8 @@ from torch import nn
 
 from kernels import expert_ffn
 from kernels.moe import combine, sort_by_expert
-from runtime.loader import (STORED_FLOATS, alias_tied_embedding, canonical_name, hf_sources, offset_norms,
-                            refuse_twice, safetensors_files)
+from runtime.loader import (STORED_FLOATS, alias_tied_embedding, canonical_name, check_stored_shapes,
+                            hf_sources, offset_norms, refuse_twice, safetensors_files)
 from runtime.model import CausalLM
 from runtime.moe import SparseMoeBlock, per_expert_names
 
@@ -68,8 +68,8 @@ class Extent:
 class _Index:
     """Where each stored tensor's bytes are, from the safetensors headers."""
 
-    def __init__(self, model_dir: Path, tied: bool):
-        self.model_dir = model_dir
+    def __init__(self, model_dir: Path, spec):
+        self.model_dir, self.spec = model_dir, spec
         self.fds: list[int] = []
         weakref.finalize(self, _close_all, self.fds)
         # fd, offset, bytes, stored type, shape
@@ -85,7 +85,7 @@ class _Index:
                     refuse_twice(self._tensors, canonical_name(name), path)
                     self._tensors[canonical_name(name)] = (fd, 8 + size + start, end - start, meta["dtype"],
                                                            tuple(meta["shape"]))
-        alias_tied_embedding(self._tensors, tied)
+        alias_tied_embedding(self._tensors, spec.tie_word_embeddings)
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -123,16 +123,8 @@ class _Index:
         return [[Extent(whole.fd, whole.offset + e * size, size, whole.dtype)] for e in range(num_experts)]
 
     def _check_shape(self, name: str, sources: list[str], shape) -> None:
-        """That the stored tensors `sources`, concatenated along their first dimension as
-        loading concatenates them, make `name`'s shape (a tensor too short or too long, or of
-        another layout, would be read as a wrong one)."""
-        shapes = [self._tensors[src][4] for src in sources]
-        if all(s[1:] == shapes[0][1:] for s in shapes):
-            stored = (sum(s[0] for s in shapes), *shapes[0][1:]) if shapes[0] else ()
-            if stored == tuple(shape):
-                return
-        raise ValueError(f"{self.model_dir}: {name} is {' + '.join(str(s) for s in shapes)} in the "
-                         f"checkpoint; the config makes it {tuple(shape)}")
+        check_stored_shapes(self.model_dir, name, sources, [self._tensors[src][4] for src in sources],
+                            shape, self.spec)
 
 
 def _aligned(nbytes: int) -> int:
@@ -162,7 +154,7 @@ class WeightStreamer:
         spec = model.spec
         self.dtype = model.embed_tokens.weight.dtype
         self._element = torch.empty((), dtype=self.dtype).element_size()
-        self._index = _Index(Path(model_dir), spec.tie_word_embeddings)
+        self._index = _Index(Path(model_dir), spec)
         self.bytes_read = 0
         self._count_lock = threading.Lock()  # reader threads add to bytes_read
         self._local = threading.local()  # a reader's staging buffer

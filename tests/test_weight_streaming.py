@@ -338,6 +338,38 @@ def test_tensors_the_config_does_not_describe_are_refused_when_streaming(tiny, t
         make_engine(directory, weight_budget_bytes=PLENTY)
 
 
+def moved_rows(first, second, count):
+    """Moves the last `count` rows of tensor `first` to the front of `second`: their sum of
+    rows unchanged."""
+    def convert(name, t, tensors):
+        if name == first:
+            return t[:-count].contiguous()
+        if name == second:
+            return torch.cat([tensors[first][-count:], t])
+        return t
+    return convert
+
+
+@pytest.mark.parametrize("family,change", [
+    # rows of q read as k: transformers refuses it (size mismatch), and so must we
+    ("llama", moved_rows("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight", 16)),
+    ("llama", moved_rows("model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight", 8)),
+    ("mixtral", moved_rows("model.layers.0.block_sparse_moe.experts.1.w1.weight",
+                           "model.layers.0.block_sparse_moe.experts.1.w3.weight", 4)),
+    # a part of another width: torch.cat failed naming nothing
+    ("llama", lambda name, t, _: torch.cat([t, t[:, :4]], 1) if name.endswith("0.self_attn.v_proj.weight") else t),
+    ("mixtral", lambda name, t, _: t[:, :-2].contiguous() if name.endswith("experts.2.w3.weight") else t),
+], ids=["q-rows-as-k", "gate-rows-as-up", "expert-gate-rows-as-up", "v-wider", "expert-up-narrower"])
+@pytest.mark.parametrize("budget", [None, PLENTY], ids=["resident", "streamed"])
+def test_each_part_of_a_packed_weight_is_checked(tiny, tmp_path, family, change, budget):
+    source = tiny.dir(family)
+    with safe_open(str(source / "model.safetensors"), framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    directory = stored_as(source, tmp_path / "parts", lambda name, t: change(name, t, tensors))
+    with pytest.raises(ValueError, match=r"\) \+ \(.* in the checkpoint; the config makes it \("):
+        make_engine(directory, weight_budget_bytes=budget)
+
+
 def test_a_truncated_checkpoint_fails_loudly(tiny, tmp_path):
     directory = tmp_path / "truncated"
     shutil.copytree(tiny.dir("llama"), directory)
