@@ -153,8 +153,8 @@ def takes_content_parts(tokenizer: PreTrainedTokenizerBase) -> bool:
 def _is_content(node: nodes.Node, bound: set[str]) -> bool:
     """Whether an expression is a message's content: `m['content']`, `m.content` or a name bound
     to one, through filters, tests and slices."""
-    while (isinstance(node, (nodes.Filter, nodes.Test)) and node.node is not None
-           or isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)):
+    while ((isinstance(node, (nodes.Filter, nodes.Test)) and node.node is not None)
+           or (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice))):
         node = node.node
     if isinstance(node, nodes.Getitem):
         return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
