@@ -15,6 +15,7 @@ import gc
 import hashlib
 import inspect
 import logging
+import multiprocessing
 import os
 import threading
 import time
@@ -417,6 +418,14 @@ class EngineClient:
             return self._service
 
     def _connect(self):
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            # The engine process, started by spawn, is running the user's script again as it
+            # imports the main module: it would wait forever for the lock its parent holds
+            # while it waits for this process (multiprocessing's own check, a step later).
+            raise RuntimeError("batchgen-beam: the pipeline ran again inside the engine process as it "
+                               "started: the script that runs it needs `if __name__ == \"__main__\":` "
+                               "around it (the engine process starts with multiprocessing's spawn, "
+                               "which imports the main module again)")
         cause = None
         for _ in range(MAX_ENGINE_DEATHS):
             # The constructor travels to a spawned process: it must pickle (no lambdas).

@@ -7,6 +7,8 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -849,6 +851,23 @@ class Timer:
 
     def set(self, timestamp):
         self.set_to.append(timestamp)
+
+
+def test_a_script_without_the_main_guard_fails_saying_so(model_dir, tmp_path, monkeypatch):
+    """The engine process starts with spawn, which runs the main module again: there, the
+    pipeline's engine client waited forever for the lock its parent held while waiting for it."""
+    worker_pythonpath(monkeypatch)
+    engine_args = {**ENGINE_ARGS, "max_num_seqs": 5}  # an engine of its own, none to join
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import apache_beam as beam\n"
+        "from batchgen_beam import Generate\n"
+        "with beam.Pipeline(argv=['--runner=DirectRunner']) as p:\n"
+        f"    p | beam.Create([{{'id': 'a', 'prompt_token_ids': [5, 6, 7]}}]) | Generate({str(model_dir)!r}, "
+        f"max_tokens=2, engine_args={engine_args!r})\n")
+    child = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert child.returncode != 0
+    assert 'needs `if __name__ == "__main__":`' in child.stderr
 
 
 def test_records_left_in_state_are_resubmitted_by_a_restarted_worker(model_dir, good, bare_engine,
