@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 DEFAULT_BATCH = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
 STREAMING_BATCH = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
 SCORE_ROWS = 256  # prompt positions scored at once: [256, vocab] fp32 logits (50 MB for SmolLM2)
+POLL_SLICE_S = 0.1  # a waiting poll() looks up this often: has the loop died, stopped, run dry?
 # The layout of a migrate_out state, raised when it changes: a state another release exported
 # (a Beam job updated while its sequences were resident) is refused, not misread.
 STATE_FORMAT = 2
@@ -106,7 +107,9 @@ def _content_texts(content) -> list[str] | None:
 
 
 def _seq_id(request_id: str, sample_index: int) -> str:
-    return request_id if sample_index == 0 else f"{request_id}#{sample_index}"
+    # Every sample's index, 0 too: request "r#1" then never names request "r"'s second sample
+    # (the host KV tier and the held sequences are keyed by it).
+    return f"{request_id}#{sample_index}"
 
 
 @dataclass
@@ -319,6 +322,10 @@ class Engine:
     def submit(self, request: Request) -> None:
         """Queue a request (thread-safe). Invalid sampling values raise ValueError; a bad prompt
         yields an error completion instead."""
+        self._submit(request, waiter=None)
+
+    def _submit(self, request: Request, waiter: CompletionWaiter | None) -> None:
+        """submit(), for `waiter`'s generate() call where given (which has claimed the id)."""
         self._check_request(request)
         timings = Timings(submitted=time.perf_counter())
         error = None
@@ -330,12 +337,12 @@ class Engine:
             log.exception("request %r: could not tokenize its prompt", request.id)
             error = f"prompt: could not be tokenized ({type(exc).__name__}: {exc})"
         if error is not None:
-            self._reserve_id(request.id)
+            self._reserve_id(request.id, waiter)
             self._complete(Completion.failed(request.id, error, timings, invalid=True))
             return
         state = _RequestState(request.id, len(prompt_ids), request.params.n, timings)
         state.seqs.append(self._new_sequence(request.id, 0, prompt_ids, request.params))
-        self._reserve_id(request.id, queued=state)
+        self._reserve_id(request.id, waiter, queued=state)
         self._wake.set()
 
     def _check_request(self, request: Request) -> None:
@@ -392,11 +399,13 @@ class Engine:
                              f"model's {self.spec.vocab_size}-token vocabulary")
         return tuple(ids)
 
-    def _reserve_id(self, request_id: str, queued: "_RequestState | None" = None) -> None:
-        """Claim the id; with `queued`, also queue its state for the loop, in the same breath,
-        so a primitive never finds the id claimed but its sequences nowhere."""
+    def _reserve_id(self, request_id: str, waiter: CompletionWaiter | None = None,
+                    queued: "_RequestState | None" = None) -> None:
+        """Claim the id (one a generate() call waits on only for that call's `waiter`); with
+        `queued`, also queue its state for the loop, in the same breath, so a primitive never
+        finds the id claimed but its sequences nowhere."""
         with self._ids_lock:
-            if request_id in self._requests:
+            if request_id in self._requests or self._waiters.get(request_id, waiter) is not waiter:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._requests[request_id] = None
             if queued is not None:
@@ -723,11 +732,17 @@ class Engine:
             while self._outbox.empty() and self.has_unfinished():
                 self._step_or_stall()
         elif self._outbox.empty() and (timeout is not None or self.has_unfinished()):
-            self._raise_failure()
-            try:
-                completions.append(self._outbox.get(timeout=timeout))
-            except queue.Empty:
-                pass
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:  # in slices: the loop may die, be stopped, or its work migrate away
+                self._raise_failure()
+                left = POLL_SLICE_S if deadline is None else min(POLL_SLICE_S, deadline - time.monotonic())
+                try:
+                    completions.append(self._outbox.get(timeout=max(left, 0.0)))
+                    break
+                except queue.Empty:
+                    if (self._thread is None or (deadline is None and not self.has_unfinished())
+                            or (deadline is not None and time.monotonic() >= deadline)):
+                        break
         return completions + self.finished()
 
     def finished(self) -> list[Completion]:
@@ -752,17 +767,17 @@ class Engine:
         waiter = CompletionWaiter([r.id for r in requests])
         if len(waiter.pending) != len(requests):
             raise ValueError("request ids must be unique")
-        with self._ids_lock:
-            clash = [i for i in waiter.pending if i in self._requests or i in self._waiters]
-        if clash:
-            raise ValueError(f"request ids already in flight: {clash[:5]}")
         for request in requests:  # all of them before any: none is left in flight by a raise
             self._check_request(request)
-        for request_id in waiter.pending:
-            self._waiters[request_id] = waiter
+        with self._ids_lock:  # claimed in one step: two calls with an id in common, one fails
+            clash = [i for i in waiter.pending if i in self._requests or i in self._waiters]
+            if not clash:
+                self._waiters.update(dict.fromkeys(waiter.pending, waiter))
+        if clash:
+            raise ValueError(f"request ids already in flight: {clash[:5]}")
         try:
             for request in requests:
-                self.submit(request)
+                self._submit(request, waiter)
             while not waiter.done.is_set():
                 if self._thread is None:
                     self._step_or_stall()
@@ -770,12 +785,18 @@ class Engine:
                     waiter.done.wait(0.1)
                     self._raise_failure()
         finally:  # after a failure, stop routing the rest to this waiter
-            for request_id in list(waiter.pending):
-                self._waiters.pop(request_id, None)
+            with self._ids_lock:
+                for request_id in list(waiter.pending):
+                    if self._waiters.get(request_id) is waiter:
+                        del self._waiters[request_id]
         return [waiter.results[r.id] for r in requests]
 
     def _step_or_stall(self) -> None:
-        if not self.step() and self._inbox.empty():
+        if self.step():
+            return
+        with self._ids_lock:  # another caller's step, which this one waited behind, may have
+            stalled = bool(self._requests) and self._inbox.empty()  # finished what was left
+        if stalled:
             held = len(self.scheduler.held)
             raise RuntimeError(f"no progress possible: {held} sequence(s) held by suspend() "
                                "need resume()" if held else "engine stalled with requests in flight")

@@ -633,6 +633,114 @@ def test_a_failing_loop_is_raised_to_callers_not_hung_on(tiny):
         engine.stop()
 
 
+def test_poll_without_a_timeout_raises_a_loop_that_dies_while_it_waits(tiny):
+    engine = make_engine(tiny.dir(FAMILY))
+    run, in_flight = engine.runner.run, threading.Event()
+
+    def dies_on_the_second_step(batch):
+        if in_flight.is_set():
+            raise RuntimeError("kernel exploded")
+        in_flight.set()
+        return run(batch)
+
+    engine.runner.run = dies_on_the_second_step
+    engine.start()
+    try:
+        engine.submit(Request("r", prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=8, ignore_eos=True)))
+        with pytest.raises(RuntimeError, match="engine loop failed"):
+            engine.poll()  # waited forever: the failure was looked at once, before the wait
+    finally:
+        engine.stop()
+
+
+def test_poll_without_a_timeout_returns_once_its_work_migrated_away(tiny):
+    engine = make_engine(tiny.dir(FAMILY))
+    engine.submit(Request("r", prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=50, ignore_eos=True)))
+    engine.step()
+    engine.start()
+    try:
+        polled = []
+        poller = threading.Thread(target=lambda: polled.append(engine.poll()), daemon=True)
+        poller.start()
+        engine.migrate_out("r")
+        poller.join(10)
+        assert not poller.is_alive(), "poll() waited on with nothing in flight"
+    finally:
+        engine.stop()
+    assert polled == [[]]
+
+
+def test_an_id_a_generate_call_has_claimed_is_refused_to_submit(tiny, monkeypatch):
+    """generate() claims its ids, then submits them: a submit() of one of them in between got
+    its completion delivered to that call, and the call itself failed "already in flight"."""
+    engine = make_engine(tiny.dir(FAMILY)).start()
+    check, claimed, go_on = engine._check_request, threading.Event(), threading.Event()
+    prompt = random_prompts([9], seed=12)[0]
+
+    def held_in_submit(request):  # generate() checks each request twice: before and in submit
+        check(request)
+        if threading.current_thread().name == "generating":
+            if claimed.is_set():
+                go_on.wait(10)
+            claimed.set()
+
+    monkeypatch.setattr(engine, "_check_request", held_in_submit)
+    results = []
+    caller = threading.Thread(target=lambda: results.append(engine.generate(greedy_requests([prompt], MAX_TOKENS))),
+                              name="generating", daemon=True)
+    try:
+        caller.start()
+        assert claimed.wait(10)
+        time.sleep(0.05)  # into its second check, the id claimed
+        with pytest.raises(ValueError, match="already in flight"):
+            engine.submit(Request("r0", prompt_token_ids=prompt))
+        go_on.set()
+        caller.join(30)
+        assert not caller.is_alive()
+    finally:
+        go_on.set()
+        engine.stop()
+    [[completion]] = results
+    assert_matches(completion, *reference(tiny, prompt))
+    assert engine.poll(timeout=0.1) == []
+    assert_idle_and_clean(engine)
+
+
+def test_a_failed_step_from_one_caller_after_another_finished_the_work_is_no_stall(tiny):
+    """Callers without a background loop each run steps; one that waited behind another's
+    step, which finished the last request, found nothing to run: not a stall."""
+    engine = make_engine(tiny.dir(FAMILY))
+    engine._step_or_stall()  # nothing in flight: before, "engine stalled with requests in flight"
+    engine.submit(Request("r", prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=2)))
+    threads = [threading.Thread(target=lambda: collected.extend(engine.completions())) for _ in range(3)]
+    collected = []
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert [c.id for c in collected] == ["r"]
+    assert_idle_and_clean(engine)
+
+
+def test_a_request_id_that_looks_like_another_requests_sample_keeps_its_own_kv(tiny):
+    """Sample 1 of request "r" and request "r#1" were both keyed "r#1" in the host KV tier and
+    among the held sequences: suspending both lost one."""
+    engine = make_engine(tiny.dir(FAMILY))
+    prompts = random_prompts([9, 23], seed=13)
+    engine.submit(Request("r", prompt_token_ids=prompts[0], params=SamplingParams(max_tokens=MAX_TOKENS, n=2, logprobs=0)))
+    engine.submit(Request("r#1", prompt_token_ids=prompts[1], params=SamplingParams(max_tokens=MAX_TOKENS, logprobs=0)))
+    for _ in range(3):
+        engine.step()
+    assert engine.suspend("r#1") == 1 and engine.suspend("r") == 2
+    assert engine.resume("r") == 2 and engine.resume("r#1") == 1
+    done = {c.id: c for c in engine.completions()}
+    assert sorted(done) == ["r", "r#1"]
+    tokens, _ = reference(tiny, prompts[0])
+    assert [o.token_ids for o in done["r"].outputs] == [tokens, tokens]
+    assert_matches(done["r#1"], *reference(tiny, prompts[1]))
+    assert_idle_and_clean(engine)
+
+
 # ---- admission order ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("admission,order", [("fifo", ["a", "b", "c"]),

@@ -50,7 +50,7 @@ def test_suspend_holds_a_request_while_others_run_then_resume_is_exact(tiny, fam
     suspends = CallCounter(engine.scheduler, "suspend")
     assert engine.suspend("r2") == 1
     assert len(suspends) == 1 and suspends.calls[0][1] == {"hold": True}
-    seq = engine.scheduler.held["r2"]
+    seq = engine.scheduler.held["r2#0"]
     assert seq.status is Status.SUSPENDED and seq.block_table == []
     assert seq.seq_id in engine.scheduler.host
     assert engine.scheduler.host.used_blocks == 3  # 40 + 5 computed tokens
@@ -230,7 +230,7 @@ def test_migrate_in_under_another_request_id(tiny):
     state = source.migrate_out("s", with_kv=True)
     target.migrate_in({**state, "request_id": "s-again"})
     assert target.step()
-    assert [s.seq_id for s in live_sequences(target, "s-again")] == ["s-again", "s-again#1"]
+    assert [s.seq_id for s in live_sequences(target, "s-again")] == ["s-again#0", "s-again#1"]
     moved = collect(target)
     assert list(moved) == ["s-again"]
     assert [o.token_ids for o in moved["s-again"].outputs] == [o.token_ids for o in want.outputs]
