@@ -254,8 +254,9 @@ class Engine:
             self.model = on_a_passing_thread(load_model, self.model_dir, self.device, dtype, lora)
             self.weights = None
         # What a migrated request must continue on: these weights, not another model's or adapter's.
-        self.weights_id = weights_fingerprint(safetensors_files(self.model_dir)
-                                              + ([Path(lora) / ADAPTER_WEIGHTS] if lora is not None else []))
+        self.weights_id = weights_fingerprint(
+            [self.model_dir / "config.json", *safetensors_files(self.model_dir)]
+            + ([Path(lora) / "adapter_config.json", Path(lora) / ADAPTER_WEIGHTS] if lora is not None else []))
         if greedy_screen is None:
             greedy_screen = (not streaming and dtype == torch.float32 and self.model.logits_grow_with_head
                              and kernels.bf16_matmul_is_fast(self.device))

@@ -28,6 +28,11 @@ _REFUSED = {"use_dora": False, "modules_to_save": None, "bias": "none", "lora_bi
             # Activated LoRA applies from its invocation tokens on (it cannot be merged); layer
             # replication builds another stack of layers, which the tensors' names do not say.
             "alora_invocation_tokens": None, "layer_replication": None}
+# init_lora_weights values whose adapters PEFT applies to a base it first changed (W - B0 @ A0,
+# in memory, again at every load): merged onto the checkpoint's W they give another model.
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
+# The parameters of an MoE experts module (transformers 5 fuses them), by their own names.
+_EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 # An image-text model's parts that text-only generation never runs: their updates change nothing.
 _NOT_RUN = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
             "multi_modal_projector.")
@@ -46,9 +51,15 @@ def read_adapter_config(adapter_dir: str | Path) -> dict:
         raise ValueError(f"{path}: expected a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise NotImplementedError(f"adapter type {config['peft_type']!r} is not supported (LORA only)")
-    experts = [p for p in config.get("target_parameters") or [] if "experts" in p]
+    experts = [p for p in config.get("target_parameters") or []
+               if "experts" in p or p.rsplit(".", 1)[-1] in _EXPERT_PARAMETERS]
     if experts:  # PEFT's all-linear on a MoE model adds them (with a rank_pattern for them)
         raise NotImplementedError(f"LoRA on MoE experts is not supported (target_parameters {experts})")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise NotImplementedError(f"LoRA adapter option init_lora_weights={init!r} is not supported: PEFT "
+                                  f"subtracts the initial update from the base weights; convert the "
+                                  f"adapter to a plain LoRA (PEFT's path_initial_model_for_weight_conversion)")
     for key, neutral in _REFUSED.items():
         if config.get(key, neutral) not in (neutral, None, [], {}):
             raise NotImplementedError(f"LoRA adapter option {key}={config[key]!r} is not supported")

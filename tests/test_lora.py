@@ -51,10 +51,14 @@ def test_adapters_that_change_more_than_the_linears_are_refused(tiny, tmp_path):
     assert config["use_dora"]
 
 
-@pytest.mark.parametrize("option,value", [("alora_invocation_tokens", [5, 6]), ("layer_replication", [[0, 1]])])
+@pytest.mark.parametrize("option,value", [("alora_invocation_tokens", [5, 6]), ("layer_replication", [[0, 1]]),
+                                          ("init_lora_weights", "pissa"), ("init_lora_weights", "pissa_niter_4"),
+                                          ("init_lora_weights", "olora"), ("init_lora_weights", "corda"),
+                                          ("init_lora_weights", "loftq")])
 def test_adapters_whose_tensors_do_not_say_what_they_change_are_refused(tiny, tmp_path, option, value):
     """Plain lora_A / lora_B tensors, but activated LoRA applies only from its invocation tokens
-    on, and layer replication to another stack of layers: merging would change the wrong thing."""
+    on, layer replication to another stack of layers, and PiSSA-like initialisations to a base
+    PEFT first changes (W - B0 @ A0): merging would change the wrong thing."""
     base = tiny.dir("llama")
     make_lora_adapter(base, tmp_path / option, r=2, lora_alpha=2, target_modules=["q_proj"])
     config_path = tmp_path / option / "adapter_config.json"
@@ -116,7 +120,13 @@ def test_lora_on_moe_experts_is_refused_as_such(tiny, tmp_path):
     with pytest.raises(NotImplementedError, match="LoRA on MoE experts is not supported"):
         make_engine(base, lora=tmp_path / "adapter")
     config_path = tmp_path / "adapter" / "adapter_config.json"
-    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "target_parameters": None}))
+    config = json.loads(config_path.read_text())
+    # As PEFT's "all-linear" writes it: the experts' own parameter names, and a rank_pattern
+    config_path.write_text(json.dumps({**config, "target_parameters": ["down_proj", "gate_up_proj"],
+                                       "rank_pattern": {r".*\.gate_up_proj": 4}}))
+    with pytest.raises(NotImplementedError, match="LoRA on MoE experts is not supported"):
+        make_engine(base, lora=tmp_path / "adapter")
+    config_path.write_text(json.dumps({**config, "target_parameters": None}))
     with pytest.raises(NotImplementedError, match=r"LoRA on MoE experts is not supported \(model.layers.0.mlp.experts\)"):
         make_engine(base, lora=tmp_path / "adapter")
 
@@ -160,3 +170,19 @@ def test_broken_adapter_files_are_refused_naming_the_file(tiny, tmp_path):
     for adapter, error, message in cases:
         with pytest.raises(error, match=message):
             make_engine(base, lora=adapter)
+
+
+def test_a_request_is_not_migrated_between_adapters_that_differ_only_in_their_config(tiny, tmp_path):
+    """The same A and B with another lora_alpha merge into other weights."""
+    base = tiny.dir("llama")
+    make_lora_adapter(base, tmp_path / "alpha8", r=4, lora_alpha=8, target_modules=ALL_LINEARS)
+    (tmp_path / "alpha2").mkdir()
+    (tmp_path / "alpha2" / "adapter_model.safetensors").write_bytes(
+        (tmp_path / "alpha8" / "adapter_model.safetensors").read_bytes())
+    config = json.loads((tmp_path / "alpha8" / "adapter_config.json").read_text())
+    (tmp_path / "alpha2" / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 2}))
+    source, target = make_engine(base, lora=tmp_path / "alpha8"), make_engine(base, lora=tmp_path / "alpha2")
+    source.submit(greedy_requests(PROMPTS[:1], MAX_TOKENS)[0])
+    source.step()
+    with pytest.raises(ValueError, match="other weights"):
+        target.migrate_in(source.migrate_out("r0"))
