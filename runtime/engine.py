@@ -727,7 +727,8 @@ class Engine:
         """Completions finished so far. Without a background loop, the calling thread runs steps
         until one finishes (or nothing is left). With one, it waits up to `timeout` for one —
         even when nothing is in flight yet, as other threads may submit — or, with no timeout,
-        as long as something is in flight."""
+        as long as something is in flight; a wait ends early where the loop is stopped, and
+        raises where it died."""
         completions = []
         if self._thread is None:
             while self._outbox.empty() and self.has_unfinished():
