@@ -39,6 +39,10 @@ def canonical_json_schema(schema) -> str:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"json_schema must be a JSON schema (an object), got one JSON cannot hold "
                          f"({exc})") from None
+    for keyword, bound in _bounds(schema):
+        if isinstance(bound, int) and abs(bound) > _EXACT_IN_FLOAT64:
+            raise ValueError(f"json_schema must be a schema with integer bounds within 2**53: {keyword} "
+                             f"{bound} is past it (the grammar engine reads it as the nearest float64)")
     try:  # llguidance's schema reader raises on some schemas (nested past its depth limit)
         error = llguidance.LLMatcher.validate_grammar(grammar_of(text))
     except ValueError as exc:
@@ -46,6 +50,24 @@ def canonical_json_schema(schema) -> str:
     if error:
         raise ValueError(f"json_schema must be a schema the grammar engine compiles: {_one_line(error)}")
     return text
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_EXACT_IN_FLOAT64 = 2 ** 53
+
+
+def _bounds(node):
+    """(keyword, value) of every numeric bound in a schema, at any depth (a property named
+    "minimum" holds a schema, not a number, so it is no bound)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in _BOUNDS and not isinstance(value, (dict, list)):
+                yield key, value
+            else:
+                yield from _bounds(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _bounds(item)
 
 
 def check_regex(regex: str) -> str:

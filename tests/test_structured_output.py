@@ -174,9 +174,13 @@ def test_the_schema_is_held_as_canonical_json_and_checked():
     b = SamplingParams(json_schema='{"type":"object",\n  "required": ["x"]}')
     assert a == b and a.json_schema == '{"type": "object", "required": ["x"]}'
     assert a.adjusts_logits and not a.argmax_only
+    exact = {"type": "object", "properties": {"maximum": {"type": "integer", "maximum": -(2 ** 53)}}}
+    assert json.loads(SamplingParams(json_schema=exact).json_schema) == exact  # a property named so
     deep = '{"type":"array","items":' * 200 + '{"type":"integer"}' + "}" * 200  # past the reader's depth
     for bad, message in [("{not json", "not JSON"), (["a"], "got list"),
-                         ({"type": "nonsense"}, "compiles: .*nonsense"), (deep, "compiles: .*recursion limit")]:
+                         ({"type": "nonsense"}, "compiles: .*nonsense"), (deep, "compiles: .*recursion limit"),
+                         ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 2 ** 53 + 1}}},
+                          "within 2\\*\\*53: minimum 9007199254740993 is past it")]:
         with pytest.raises(ValueError, match=f"json_schema must be .*{message}"):
             SamplingParams(json_schema=bad)
     with pytest.raises(ValueError, match="regex must be a regular expression .*unclosed group"):
