@@ -137,6 +137,11 @@ def hf_sources(our_name: str, checkpoint) -> list[str]:
     return [name]
 
 
+def qkv_rows(spec) -> list[int]:
+    """The rows of q, k and v in a packed q|k|v weight."""
+    return [spec.num_heads * spec.head_dim] + [spec.num_kv_heads * spec.head_dim] * 2
+
+
 def packed_part(hf_name: str, spec) -> tuple[str, slice]:
     """Our parameter holding an HF linear (named without its "model." prefix), and the rows
     of it that are that linear's: a part of q|k|v or gate|up, or all of it."""
@@ -144,7 +149,7 @@ def packed_part(hf_name: str, spec) -> tuple[str, slice]:
         for index, part in enumerate(parts):
             if hf_name.endswith("." + part):
                 if "qkv" in packed:
-                    sizes = [spec.num_heads * spec.head_dim] + [spec.num_kv_heads * spec.head_dim] * 2
+                    sizes = qkv_rows(spec)
                 elif "shared_expert" in packed:
                     sizes = [spec.moe.shared_expert_size] * 2
                 else:
@@ -165,8 +170,7 @@ def check_stored_shapes(where, name: str, sources: list[str], stored: list[tuple
     if len(sources) == 1:
         expected = [shape]
     else:
-        rows = ([spec.num_heads * spec.head_dim] + [spec.num_kv_heads * spec.head_dim] * 2
-                if ".q_proj." in sources[0] else [shape[0] // len(sources)] * len(sources))
+        rows = qkv_rows(spec) if ".q_proj." in sources[0] else [shape[0] // len(sources)] * len(sources)
         expected = [(part, *shape[1:]) for part in rows]
     stored = [tuple(s) for s in stored]
     if stored != expected:  # a [1, hidden] embedding too, which copy_ would broadcast
