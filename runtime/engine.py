@@ -681,8 +681,7 @@ class Engine:
             self.scheduler.estimator.observe(seq.num_generated, natural=seq.finish_reason == "stop")
         state = self._requests[seq.request_id]
         if seq.text is None:
-            seq.text = (self.stop_rule.text_of(seq.generated_ids, seq.params.skip_special_tokens)
-                        if self.tokenizer is not None else "")
+            seq.text = seq.completion_text(seq.generated_ids) if self.tokenizer is not None else ""
         logprobs = seq.logprobs if seq.params.logprobs is not None else None
         state.outputs[seq.sample_index] = SampleOutput(
             seq.sample_index, seq.generated_ids, seq.text, seq.finish_reason, logprobs,

@@ -70,16 +70,12 @@ class StopRule:
     # None: `detokenize` decodes the whole completion each token.
     decoder: Tokenizer | None = None
 
-    def text_of(self, token_ids: list[int], skip_special_tokens: bool) -> str:
-        """A finished completion's text as vLLM's incremental decoder leaves it: a character
-        still incomplete at the end is held back, with the rest of its token's text. Decoded
-        whole; replayed token by token only where that ends in U+FFFD."""
-        text = self.detokenize(token_ids, skip_special_tokens)
-        if not text.endswith("\ufffd"):
-            return text
-        stream = TextStream(self.detokenize, skip_special_tokens, self.decoder)
-        for token in token_ids:
-            stream.add(token)
+    def text_of(self, token_ids: list[int], skip_special_tokens: bool, context: list[int]) -> str:
+        """A finished completion's text as vLLM's incremental decoder leaves it, decoded after
+        `context` (the prompt's last tokens): a character still incomplete at the end is held
+        back, with the rest of its token's text."""
+        stream = TextStream(self.detokenize, skip_special_tokens, self.decoder, context)
+        stream.extend(token_ids)
         return stream.text
 
 
@@ -225,7 +221,7 @@ class Sequence:
                 return "stop"
             self.stop_reason = None if eos else token
             if rule.detokenize is not None and not p.include_stop_str_in_output:
-                self.text = rule.text_of(self.generated_ids[:-1], p.skip_special_tokens)
+                self.text = self.completion_text(self.generated_ids[:-1])
             return "stop"
         if grammar_done:
             if p.stop and self.num_generated > p.min_tokens:
@@ -242,7 +238,7 @@ class Sequence:
         if one does, it cuts the text."""
         p, rule = self.params, self.stop_rule
         if self._stop_text is None:
-            self._stop_text = TextStream(rule.detokenize, p.skip_special_tokens, rule.decoder)
+            self._stop_text = TextStream(rule.detokenize, p.skip_special_tokens, rule.decoder, self._prompt_tail)
         stream = self._stop_text
         new_from = len(stream.text)
         for token in self.generated_ids[self._stop_text_tokens:]:
@@ -266,6 +262,15 @@ class Sequence:
         self.stop_reason = p.stop[order]
         self.text = text[:end] if p.include_stop_str_in_output else text[:at]
         return True
+
+    def completion_text(self, token_ids: list[int]) -> str:
+        """The text of `token_ids`, generated after its prompt (its stop rule has a detokenizer)."""
+        return self.stop_rule.text_of(token_ids, self.params.skip_special_tokens, self._prompt_tail)
+
+    @property
+    def _prompt_tail(self) -> list[int]:
+        """The prompt's last tokens, which its completion's text is decoded after."""
+        return self.token_ids[max(0, self.num_prompt_tokens - TextStream.CONTEXT_TOKENS):self.num_prompt_tokens]
 
     # ---- views ---------------------------------------------------------------------------
     @property

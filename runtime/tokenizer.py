@@ -1,5 +1,6 @@
 """The model directory's tokenizer, if it has one (tiny test models may not)."""
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -182,25 +183,48 @@ def _names_bound_to_content(tree: nodes.Template) -> set[str]:
 
 
 class TextStream:
-    """A completion's text as its tokens arrive (what stop strings are searched in). With the
-    tokenizers library's `backend` (a fast tokenizer's), through its incremental decoder: O(1) a
-    token, where decoding the whole completion each token costs O(n) (milliseconds a token for
-    long completions, on the engine's thread); the bytes of a character split across tokens
-    wait for the rest of it, as vLLM's detokenizer (the same decoder) holds them back. Without
-    it, `detokenize(ids, skip_special_tokens)` decodes the whole completion each token, a
-    trailing U+FFFD (a character still incomplete) held back likewise."""
+    """A completion's text as its tokens arrive (what stop strings are searched in, and the
+    completion's `text`), decoded after `context`, the prompt's last tokens, as vLLM's
+    detokenizer decodes it after the prompt: a SentencePiece completion's first word keeps its
+    space (decoded alone, "▁Hi" reads "Hi"), and a character the prompt's last tokens start
+    shows whole in the completion. With the tokenizers library's `backend` (a fast tokenizer's),
+    through its incremental decoder: O(1) a token, where decoding the whole completion each
+    token costs O(n) (milliseconds a token for long completions, on the engine's thread); the
+    bytes of a character split across tokens wait for the rest of it, as vLLM's detokenizer
+    (the same decoder) holds them back. Without it, `detokenize(ids, skip_special_tokens)`
+    decodes the context and the completion whole each token, a trailing U+FFFD (a character
+    still incomplete) held back likewise."""
+
+    # Prompt tokens decoded before the completion: enough for the decoder's rules at a text's
+    # start (a first space dropped) to fall on the prompt, and for a character of up to four
+    # bytes split between the two. (vLLM primes its decoder with the whole prompt; the decoder
+    # reads no further back than the last character boundary.)
+    CONTEXT_TOKENS = 8
 
     def __init__(self, detokenize: Callable[[list[int], bool], str], skip_special_tokens: bool,
-                 backend: Tokenizer | None = None):
+                 backend: Tokenizer | None = None, context: Sequence[int] = ()):
         self.text = ""
         self._detokenize, self._skip, self._ids, self._backend = detokenize, skip_special_tokens, [], backend
+        self._context = list(context[-self.CONTEXT_TOKENS:])
         self._stream = None if backend is None else DecodeStream(skip_special_tokens=skip_special_tokens)
-
-    def add(self, token: int) -> None:
-        self._ids.append(token)
         if self._stream is not None:
             try:
-                self.text += self._stream.step(self._backend, token) or ""
+                for token in self._context:  # its text is the prompt's, not the completion's
+                    self._stream.step(backend, token)
+            except Exception as exc:  # tokenizers raises a bare Exception for it (see extend())
+                if "Invalid prefix" not in str(exc):
+                    raise
+                self._stream = None
+
+    def add(self, token: int) -> None:
+        self.extend([token])
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self._ids.extend(tokens)
+        if self._stream is not None:
+            try:
+                for token in tokens:
+                    self.text += self._stream.step(self._backend, token) or ""
                 return
             except Exception as exc:  # tokenizers raises a bare Exception for it
                 if "Invalid prefix" not in str(exc):
@@ -209,4 +233,21 @@ class TextStream:
                 # character's bytes turns them all into U+FFFD, which the incremental decoder
                 # cannot follow (vLLM issue 17448). This completion decodes whole from here on.
                 self._stream = None
-        self.text = self._detokenize(self._ids, self._skip).rstrip("\ufffd")
+        self.text = self._decoded_whole().rstrip("\ufffd")
+
+    def _decoded_whole(self) -> str:
+        """The completion decoded after its context, less the context's own text up to the
+        character its last tokens leave unfinished (which the completion's text then shows
+        whole, as the incremental decoder does); alone where the context's text does not
+        begin the whole's."""
+        whole = self._detokenize(self._context + self._ids, self._skip)
+        head = self._context_head
+        return whole[len(head):] if whole.startswith(head) else self._detokenize(self._ids, self._skip)
+
+    @functools.cached_property
+    def _context_head(self) -> str:
+        for end in range(len(self._context), 0, -1):
+            text = self._detokenize(self._context[:end], self._skip)
+            if not text.endswith("\ufffd"):
+                return text
+        return ""
