@@ -15,29 +15,41 @@ from typing import Any, Iterable, Sequence
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
 from batchgen_beam.engine_client import EngineConfig, EngineLease
-from batchgen_beam.records import Parsed, check_defaults, completion_row, error_row, is_missing, parse_record
+from batchgen_beam.records import (Parsed, check_defaults, completion_row, error_row, is_missing,
+                                   is_openai_line, parse_record)
 from runtime.default_model import DEFAULT_MODEL_NAME
 
 
-def as_record(example: Any, fallback_id: str) -> Any:
+def as_record(example: Any) -> Any:
     """A prompt string, a record (a mapping, namedtuple or beam.Row) or a chat (a list of messages)
-    → what parse_record takes; a record without an id (or with a null or NaN one) gets
-    `fallback_id`. A string is a prompt, never a JSON line (json.loads those first)."""
+    → what parse_record takes; a record without an id (or with a null or NaN one) gets its
+    content_id, as an OpenAI Batch line's `custom_id` where it is one. A string is a prompt,
+    never a JSON line (json.loads those first)."""
     if hasattr(example, "_asdict"):  # before the tuple case: a namedtuple is a record, not a chat
         example = example._asdict()
     if isinstance(example, str):
-        return {"id": fallback_id, "prompt": example}
+        return {"id": content_id(example), "prompt": example}
     if isinstance(example, (list, tuple)):
-        return {"id": fallback_id, "messages": list(example)}
-    if isinstance(example, Mapping) and is_missing(example.get("id")) and is_missing(example.get("custom_id")):
-        return {**example, "id": fallback_id}  # None and NaN count as absent, as for every record field
+        return {"id": content_id(example), "messages": list(example)}
+    if isinstance(example, Mapping):
+        # (a record of ours may carry a field named "body", but not an OpenAI request body)
+        line = is_openai_line(example) and isinstance(example.get("body"), Mapping)
+        key = "custom_id" if line else "id"
+        if is_missing(example.get(key)):  # None and NaN count as absent, as for every record field
+            return {**example, key: content_id(example)}
     return example
 
 
 def content_id(example: Any) -> str:
     """The id of an example that has none, from its content: the same on every run, so a
-    job's seed draws the same sample for it (records.record_seed), and another for another."""
-    digest = hashlib.blake2b(repr(example).encode("utf-8", "backslashreplace"), digest_size=8)
+    job's seed draws the same sample for it (records.record_seed), and another for another.
+    An example Python cannot write out (an int past its digit limit, nesting past its
+    recursion limit) gets one id for all such: its row is an error row (records._unwritable)."""
+    try:
+        content = repr(example)
+    except (ValueError, RecursionError):
+        content = f"<a {type(example).__name__} too large to write>"
+    digest = hashlib.blake2b(content.encode("utf-8", "backslashreplace"), digest_size=8)
     return f"example-{digest.hexdigest()}"
 
 
@@ -74,7 +86,7 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineLease]):
     def run_inference(self, batch: Sequence[Any], model: EngineLease,
                       inference_args: dict | None = None) -> Iterable[PredictionResult]:
         batch_id = uuid.uuid4().hex[:12]
-        parsed = [parse_record(as_record(example, content_id(example)), inference_args) for example in batch]
+        parsed = [parse_record(as_record(example), inference_args) for example in batch]
         # Ids only need to be unique inside this batch's lifetime in the engine.
         request_ids = [f"{batch_id}:{i}" for i in range(len(batch))]
         done = model.run([dataclasses.replace(p.to_request(), id=rid)

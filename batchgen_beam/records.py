@@ -394,12 +394,29 @@ def _unwritable(value: Any, where: str) -> str | None:
                     f"U+{ord(value[exc.start]):04X} at index {exc.start})")
         return None
     if isinstance(value, Mapping):
+        if clashes := _clashing_keys(value, where):
+            return next(iter(clashes.values()))
         items = [(k, f"{where} key {k!r}") for k in value] + [(v, f"{where}.{k}") for k, v in value.items()]
     elif isinstance(value, (list, tuple)):
         items = [(v, f"{where}[{i}]") for i, v in enumerate(value)]
     else:
         return None
     return next((p for v, w in items if (p := _unwritable(v, w)) is not None), None)
+
+
+def _clashing_keys(mapping: Mapping, where: str | None = None) -> dict[Any, str]:
+    """The keys of `mapping` that a row's JSON would write alike (1 and "1", True and "true",
+    None and "null"), each with the problem: the row would name that key twice, and readers
+    keep one of them."""
+    if all(isinstance(key, str) for key in mapping):  # the common case: distinct as written
+        return {}
+    by_text: dict[str, list] = {}
+    for key in mapping:
+        text = key if isinstance(key, str) else next(iter(json.loads(json.dumps({_json_key(key): 0}))))
+        by_text.setdefault(text, []).append(key)
+    prefix = "" if where is None else f"{_writable(where)}: "
+    return {key: f"{prefix}keys {' and '.join(_show(k) for k in keys)} would be written as one JSON key, {_show(text)}"
+            for text, keys in by_text.items() if len(keys) > 1 for key in keys}
 
 
 def _check_no_ops(record: Mapping) -> None:
@@ -438,6 +455,7 @@ def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
     id_key, consumed = ("custom_id", _OPENAI_KEYS) if openai else ("id", _NATIVE_KEYS)
     unwritable = {k: p for k, v in record.items()
                   if (p := _unwritable(k, f"key {_show(k)}") or _unwritable(v, str(k)))}
+    unwritable.update(_clashing_keys(record))
     passthrough = {k: v for k, v in record.items() if k not in consumed and k not in unwritable}
     record_id = None
     try:

@@ -14,7 +14,7 @@ from apache_beam.ml.inference.base import KeyedModelHandler, KeyModelMapping, Ru
 
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.handler import BatchGenModelHandler, as_record, content_id
-from batchgen_beam.records import parse_record
+from batchgen_beam.records import Parsed, parse_record
 from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, bundled_prompts, chat_model_dir, gone,
                           run_pipeline)
 from runtime import Engine, Request, SamplingParams
@@ -76,18 +76,26 @@ class Prompted(NamedTuple):
 
 def test_examples_as_records():
     chat = [{"role": "user", "content": "Hi"}]
-    assert as_record("Hi", "f") == {"id": "f", "prompt": "Hi"}
-    assert as_record(chat, "f") == as_record(tuple(chat), "f") == {"id": "f", "messages": chat}
-    assert as_record({"id": "a", "prompt": "Hi"}, "f") == {"id": "a", "prompt": "Hi"}
+    assert as_record("Hi") == {"id": content_id("Hi"), "prompt": "Hi"}
+    assert as_record(chat) == {"id": content_id(chat), "messages": chat}
+    assert as_record(tuple(chat)) == {"id": content_id(tuple(chat)), "messages": chat}
+    assert as_record({"id": "a", "prompt": "Hi"}) == {"id": "a", "prompt": "Hi"}
     # A namedtuple is a tuple, but a record: its fields, not a chat of them.
-    assert as_record(Prompted("Hi", 3), "f") == {"id": "f", "prompt": "Hi", "max_tokens": 3}
-    assert as_record(beam.Row(id="a", prompt="Hi"), "f") == {"id": "a", "prompt": "Hi"}
-    # A null id (a Parquet or BigQuery column with gaps) is no id: the fallback fills it.
-    assert as_record({"id": None, "prompt": "Hi"}, "f") == {"id": "f", "prompt": "Hi"}
-    assert as_record(beam.Row(id=None, prompt="Hi"), "f") == {"id": "f", "prompt": "Hi"}
-    for gap in (float("nan"), np.float64("nan")):  # pandas' missing value, as a record's null
-        assert as_record({"id": gap, "prompt": "Hi"}, "f") == {"id": "f", "prompt": "Hi"}
-    assert as_record({"custom_id": None, "id": None, "prompt": "Hi"}, "f")["id"] == "f"
+    fields = {"prompt": "Hi", "max_tokens": 3}
+    assert as_record(Prompted("Hi", 3)) == {**fields, "id": content_id(fields)}
+    assert as_record(beam.Row(id="a", prompt="Hi")) == {"id": "a", "prompt": "Hi"}
+    # A null id (a Parquet or BigQuery column with gaps) is no id: the content id fills it.
+    for gap in (None, float("nan"), np.float64("nan")):  # NaN: pandas' missing value
+        record = {"id": gap, "prompt": "Hi"}
+        assert as_record(record) == {"id": content_id(record), "prompt": "Hi"}
+    assert as_record(beam.Row(id=None, prompt="Hi"))["id"].startswith("example-")
+    assert as_record({"custom_id": None, "id": None, "prompt": "Hi"})["id"].startswith("example-")
+    # An OpenAI Batch line's id is its custom_id (an "id" would make it a record of ours, one
+    # without a prompt); a record of ours may carry a field named "body".
+    line = {"method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi"}}
+    assert as_record(line) == {**line, "custom_id": content_id(line)}
+    assert parse_record(as_record(line)).prompt == "Hi"
+    assert parse_record(as_record({"prompt": "Hi", "body": "an email"})).prompt == "Hi"
 
 
 def test_an_example_without_an_id_is_named_by_its_content():
@@ -95,8 +103,24 @@ def test_an_example_without_an_id_is_named_by_its_content():
     chat = [{"role": "user", "content": "Hi"}]
     assert content_id("Hi") == content_id("Hi") != content_id("Hi!")
     assert content_id(chat) == content_id([{"role": "user", "content": "Hi"}]) != content_id("Hi")
-    seeds = {parse_record(as_record(e, content_id(e)), {"seed": 1}).params.seed for e in ("Hi", "Hi!", "Hi")}
+    seeds = {parse_record(as_record(e), {"seed": 1}).params.seed for e in ("Hi", "Hi!", "Hi")}
     assert len(seeds) == 2
+
+
+def test_an_example_python_cannot_write_out_gets_an_error_row_not_an_exception():
+    """An int past Python's digit limit for str(), or nesting past its recursion limit: its
+    content id cannot come from repr(); its row says what is wrong, as Generate's does."""
+    import sys
+
+    deep: list = []
+    for _ in range(sys.getrecursionlimit() + 10):
+        deep = [deep]
+    for example, problem in (({"prompt": "Hi", "note": 10 ** 5000}, "note: an integer of over"),
+                             ({"prompt": "Hi", "note": deep}, "nested deeper than")):
+        record = as_record(example)
+        assert record["id"].startswith("example-")
+        rejected = parse_record(record)
+        assert not isinstance(rejected, Parsed) and problem in rejected.error, rejected
 
 
 def handler(model_dir):

@@ -588,6 +588,24 @@ def test_passthrough_that_strict_json_cannot_hold_is_written_as_text():
     assert json.loads(row_to_arrow_dict(row)["passthrough"], parse_constant=_refuse) == expected
 
 
+def test_keys_json_would_write_alike_are_refused_not_written_twice():
+    """1 and "1", True and "true", None and "null", a date and its text: a row's JSON would name
+    the key twice and its readers keep one (an input JSON line that names a key twice is
+    refused likewise). Top-level fields leave the passthrough; nested ones take their field."""
+    for a, b, text in ((1, "1", "'1'"), (True, "true", "'true'"), (None, "null", "'null'"),
+                       (datetime.date(2024, 1, 2), "2024-01-02", "'2024-01-02'")):
+        got = parse_record({"id": "a", "prompt": "Hi", a: "x", b: "y", "kept": 1})
+        assert isinstance(got, Rejected) and got.id == "a", got
+        assert got.error == f"keys {a!r} and {b!r} would be written as one JSON key, {text}"
+        assert got.passthrough == {"kept": 1}
+        row = error_row(got)
+        assert json.loads(row_to_json(row))["passthrough"] == json.loads(row_to_arrow_dict(row)["passthrough"]) \
+            == {"kept": 1}
+        nested = parse_record({"id": "a", "prompt": "Hi", "meta": {a: "x", b: "y"}, "kept": 1})
+        assert nested.error.startswith(f"meta: keys {a!r} and {b!r}") and nested.passthrough == {"kept": 1}
+    assert isinstance(parse_record({"id": "a", "prompt": "Hi", 1: "x", 2: "y"}), Parsed)
+
+
 def test_messages_are_normalised_copies():
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ""},
                 {"role": "assistant", "content": "Ok", "tool_calls": None}]
