@@ -33,10 +33,15 @@ _RENAMES = {".block_sparse_moe.": ".mlp.",  # Mixtral
 STORED_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
+# A base model's own save (LlamaModel's, not LlamaForCausalLM's) names its tensors without the
+# "model." prefix, which transformers adds back when a causal LM loads it.
+_BASE_MODEL_TENSORS = ("embed_tokens.", "layers.", "norm.")
+
+
 def canonical_name(name: str) -> str:
     for old, new in _RENAMES.items():
         name = name.replace(old, new)
-    return name
+    return "model." + name if name.startswith(_BASE_MODEL_TENSORS) else name
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -52,6 +57,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError):
             raise ValueError(f"{index}: not a safetensors index (a JSON object with a weight_map)") from None
+        if not shards:
+            raise ValueError(f"{index}: its weight_map names no tensors")
         return [model_dir / shard for shard in shards]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -81,6 +88,12 @@ def alias_tied_embedding(tensors: dict, tied: bool) -> None:
         tensors["model.embed_tokens.weight"] = tensors["lm_head.weight"]
 
 
+def missing_tensor(model_dir: Path, name: str) -> KeyError:
+    why = (" (a base model saved without its head: transformers would make one at random; save the "
+           "...ForCausalLM model, or one with tie_word_embeddings)") if name == "lm_head.weight" else ""
+    return KeyError(f"{model_dir}: the checkpoint has no tensor {name!r}{why}")
+
+
 def refuse_twice(seen: dict, name: str, path: Path) -> None:
     """Two weight files holding one tensor (a stale copy beside the model): which is meant?"""
     if name in seen:
@@ -93,6 +106,7 @@ class _Checkpoint:
 
     def __init__(self, model_dir: Path, tied: bool):
         files = safetensors_files(model_dir)
+        self._model_dir = model_dir
         self._handles = [_open(f) for f in files]
         self._where: dict[str, tuple] = {}
         for handle, path in zip(self._handles, files):
@@ -106,7 +120,7 @@ class _Checkpoint:
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
-            raise KeyError(f"checkpoint has no tensor {name!r}")
+            raise missing_tensor(self._model_dir, name)
         handle, stored_name = self._where[name]
         tensor = handle.get_tensor(stored_name)
         if tensor.dtype not in STORED_FLOATS.values():  # int8, fp8, packed 4-bit: would load as garbage

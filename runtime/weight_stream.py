@@ -39,7 +39,7 @@ from torch import nn
 from kernels import expert_ffn
 from kernels.moe import combine, sort_by_expert
 from runtime.loader import (STORED_FLOATS, alias_tied_embedding, canonical_name, check_stored_shapes,
-                            hf_sources, offset_norms, refuse_twice, safetensors_files)
+                            hf_sources, missing_tensor, offset_norms, refuse_twice, safetensors_files)
 from runtime.model import CausalLM
 from runtime.moe import SparseMoeBlock, per_expert_names
 
@@ -92,7 +92,7 @@ class _Index:
 
     def extent(self, name: str) -> Extent:
         if name not in self._tensors:
-            raise KeyError(f"checkpoint has no tensor {name!r}")
+            raise missing_tensor(self.model_dir, name)
         fd, offset, nbytes, stored, _ = self._tensors[name]
         if stored not in STORED_FLOATS:
             raise NotImplementedError(f"weight streaming reads float checkpoints "

@@ -8,10 +8,10 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from helpers import make_engine
 from runtime.request import Request, SamplingParams
 from runtime.sequence import Event, SampledToken, Sequence
-from tests.helpers import make_engine
-from tests.tiny_models import make_tiny_model
+from tiny_models import make_tiny_model
 
 PROMPTS = Path(__file__).resolve().parent.parent / "batchgen_beam" / "data" / "prompts.jsonl"
 

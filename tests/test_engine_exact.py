@@ -649,6 +649,42 @@ def test_an_untied_model_missing_its_embedding_is_refused(tiny, tmp_path):
         make_engine(model)
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_base_model_s_own_save_loads_as_transformers_loads_it(tiny, tmp_path, streaming):
+    """LlamaModel.save_pretrained names tensors without "model."; transformers adds it back.
+    Tied, it is the whole model; untied, it has no head (transformers would make one at random):
+    refused, saying so."""
+    import transformers
+
+    from tiny_models import hf_model
+
+    prompt = random_prompts([9], seed=4)[0]
+    for family, tied in (("smollm", True), ("llama", False)):
+        model = tmp_path / f"base-{family}"
+        config = transformers.AutoConfig.from_pretrained(tiny.dir(family))
+        assert config.tie_word_embeddings == tied
+        torch.manual_seed(0)
+        transformers.AutoModel.from_config(config).save_pretrained(model)
+        args = {"weight_budget_bytes": 1 << 30} if streaming else {}
+        if tied:
+            [completion] = make_engine(model, **args).generate(greedy_requests([prompt], 6))
+            assert completion.token_ids == hf_greedy(hf_model(model), prompt, 6)[0]
+        else:
+            with pytest.raises(KeyError, match="no tensor 'lm_head.weight' \\(a base model saved without its head"):
+                make_engine(model, **args)
+
+
+def test_an_index_naming_no_tensors_says_so(tiny, tmp_path):
+    import shutil
+
+    model = tmp_path / "empty-index"
+    shutil.copytree(tiny.dir("llama"), model)
+    (model / "model.safetensors").rename(model / "model-00001-of-00001.safetensors")
+    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    with pytest.raises(ValueError, match="its weight_map names no tensors"):
+        make_engine(model)
+
+
 def test_a_path_that_is_not_a_model_directory_says_so(tmp_path):
     from runtime import Engine
 
