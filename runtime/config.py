@@ -160,7 +160,7 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
     if quantization:  # GPTQ, AWQ, bitsandbytes, fp8, ...: weights we would read as plain floats
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
         raise NotImplementedError(f"quantization_config ({method}): quantised checkpoints are not supported")
-    if getattr(config, "use_bidirectional_attention", False):
+    if _family_key(config, "use_bidirectional_attention", _GEMMA):  # (the others' models never read it)
         raise NotImplementedError("use_bidirectional_attention is not supported (causal attention only)")
     gemma = model_type in _GEMMA
     query_scalar = _family_key(config, "query_pre_attn_scalar", _QUERY_PRE_ATTN_SCALAR)
@@ -274,7 +274,7 @@ def _sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
     layer_types = _family_key(config, "layer_types", _LAYER_TYPES)
     if layer_types is None:  # Mistral: one window (or none) for every layer
         return (window,) * config.num_hidden_layers
-    if "sliding_attention" in layer_types and getattr(config, "sliding_window", None) is None:
+    if "sliding_attention" in layer_types and window is None:
         raise ValueError(f"model_type {config.model_type!r}: layer_types has sliding_attention "
                          f"layers but sliding_window is not set (transformers refuses it too)")
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)

@@ -419,6 +419,34 @@ def test_sliding_layers_without_a_window_are_refused(model_type):
         model_spec(config)
 
 
+def test_sliding_layers_with_the_window_switched_off_are_refused():
+    """Qwen2-MoE's config stores a switched-off window as 0, not None; transformers' model
+    fails on sliding layers then, as on those without a window."""
+    from transformers import AutoConfig
+
+    from runtime.config import model_spec
+
+    config = AutoConfig.for_model("qwen2_moe", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                                  use_sliding_window=False, sliding_window=24,
+                                  layer_types=["sliding_attention", "full_attention"])
+    assert config.sliding_window == 0
+    with pytest.raises(ValueError, match="sliding_window is not set"):
+        model_spec(config)
+
+
+def test_a_key_only_other_families_read_changes_nothing():
+    """use_bidirectional_attention: Gemma's models read it (refused above); Llama's never do."""
+    from transformers import AutoConfig
+
+    from runtime.config import model_spec
+
+    def spec(**extra):
+        return model_spec(AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4,
+                                               num_hidden_layers=1, **extra))
+
+    assert spec(use_bidirectional_attention=True) == spec()
+
+
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gemma_norms_in_half_precision_round_once_as_transformers_does(tiny, family, dtype):
