@@ -206,8 +206,9 @@ class TextStream:
         self.text = ""
         self._detokenize, self._skip, self._ids, self._backend = detokenize, skip_special_tokens, [], backend
         self._context = list(context[-self.CONTEXT_TOKENS:])
-        self._stream = None if backend is None else DecodeStream(skip_special_tokens=skip_special_tokens)
-        if self._stream is not None:
+        self._stream = None
+        if backend is not None:
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
             try:
                 for token in self._context:  # its text is the prompt's, not the completion's
                     self._stream.step(backend, token)
@@ -236,10 +237,9 @@ class TextStream:
         self.text = self._decoded_whole().rstrip("\ufffd")
 
     def _decoded_whole(self) -> str:
-        """The completion decoded after its context, less the context's own text up to the
-        character its last tokens leave unfinished (which the completion's text then shows
-        whole, as the incremental decoder does); alone where the context's text does not
-        begin the whole's."""
+        """The completion decoded whole after its context, the context's text cut off up to its
+        last whole character (the incremental decoder holds the rest back for the completion);
+        decoded alone where the context's text does not begin that."""
         whole = self._detokenize(self._context + self._ids, self._skip)
         head = self._context_head
         return whole[len(head):] if whole.startswith(head) else self._detokenize(self._ids, self._skip)
