@@ -687,7 +687,7 @@ class Engine:
             seq.sample_index, seq.generated_ids, seq.text, seq.finish_reason, logprobs,
             seq.top_logprobs if seq.params.logprobs else None, seq.stop_reason)
         if seq.sample_index == 0 and seq.params.prompt_logprobs is not None:
-            state.scored_prompt = (seq.token_ids[:seq.num_prompt_tokens], seq.prompt_logprobs,
+            state.scored_prompt = (seq.prompt_ids, seq.prompt_logprobs,
                                    seq.prompt_ranks, seq.prompt_top_logprobs)
         if len(state.outputs) == state.n:
             state.timings.finished = time.perf_counter()

@@ -70,11 +70,11 @@ class StopRule:
     # None: `detokenize` decodes the whole completion each token.
     decoder: Tokenizer | None = None
 
-    def text_of(self, token_ids: list[int], skip_special_tokens: bool, context: list[int]) -> str:
+    def text_of(self, token_ids: list[int], skip_special_tokens: bool, prompt: list[int]) -> str:
         """A finished completion's text as vLLM's incremental decoder leaves it, decoded after
-        `context` (the prompt's last tokens): a character still incomplete at the end is held
-        back, with the rest of its token's text."""
-        stream = TextStream(self.detokenize, skip_special_tokens, self.decoder, context)
+        its prompt: a character still incomplete at the end is held back, with the rest of its
+        token's text."""
+        stream = TextStream(self.detokenize, skip_special_tokens, self.decoder, prompt)
         stream.extend(token_ids)
         return stream.text
 
@@ -238,7 +238,7 @@ class Sequence:
         if one does, it cuts the text."""
         p, rule = self.params, self.stop_rule
         if self._stop_text is None:
-            self._stop_text = TextStream(rule.detokenize, p.skip_special_tokens, rule.decoder, self._prompt_tail)
+            self._stop_text = TextStream(rule.detokenize, p.skip_special_tokens, rule.decoder, self.prompt_ids)
         stream = self._stop_text
         new_from = len(stream.text)
         for token in self.generated_ids[self._stop_text_tokens:]:
@@ -265,12 +265,7 @@ class Sequence:
 
     def completion_text(self, token_ids: list[int]) -> str:
         """The text of `token_ids`, generated after its prompt (its stop rule has a detokenizer)."""
-        return self.stop_rule.text_of(token_ids, self.params.skip_special_tokens, self._prompt_tail)
-
-    @property
-    def _prompt_tail(self) -> list[int]:
-        """The prompt's last tokens, which its completion's text is decoded after."""
-        return self.token_ids[max(0, self.num_prompt_tokens - TextStream.CONTEXT_TOKENS):self.num_prompt_tokens]
+        return self.stop_rule.text_of(token_ids, self.params.skip_special_tokens, self.prompt_ids)
 
     # ---- views ---------------------------------------------------------------------------
     @property
@@ -284,6 +279,10 @@ class Sequence:
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
 
     @property
     def generated_ids(self) -> list[int]:

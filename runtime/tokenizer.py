@@ -184,38 +184,46 @@ def _names_bound_to_content(tree: nodes.Template) -> set[str]:
 
 class TextStream:
     """A completion's text as its tokens arrive (what stop strings are searched in, and the
-    completion's `text`), decoded after `context`, the prompt's last tokens, as vLLM's
-    detokenizer decodes it after the prompt: a SentencePiece completion's first word keeps its
-    space (decoded alone, "▁Hi" reads "Hi"), and a character the prompt's last tokens start
-    shows whole in the completion. With the tokenizers library's `backend` (a fast tokenizer's),
-    through its incremental decoder: O(1) a token, where decoding the whole completion each
-    token costs O(n) (milliseconds a token for long completions, on the engine's thread); the
-    bytes of a character split across tokens wait for the rest of it, as vLLM's detokenizer
-    (the same decoder) holds them back. Without it, `detokenize(ids, skip_special_tokens)`
-    decodes the context and the completion whole each token, a trailing U+FFFD (a character
-    still incomplete) held back likewise."""
+    completion's `text`), decoded after its prompt's last tokens as vLLM's detokenizer decodes
+    it after the whole prompt: a SentencePiece completion's first word keeps its space (decoded
+    alone, "▁Hi" reads "Hi"), and a character the prompt's last tokens begin shows whole in
+    the completion (vLLM's shows the whole prompt's text before it: not copied). With the
+    tokenizers library's `backend` (a fast tokenizer's), through its incremental decoder, as
+    vLLM's: O(1) a token, the bytes of a character split across tokens held back until the rest
+    of it comes. Without it, `detokenize(ids, skip_special_tokens)` decodes the context and the
+    completion whole each token, a trailing U+FFFD (a character still incomplete) held back
+    likewise."""
 
-    # Prompt tokens decoded before the completion: enough for the decoder's rules at a text's
-    # start (a first space dropped) to fall on the prompt, and for a character of up to four
-    # bytes split between the two. (vLLM primes its decoder with the whole prompt; the decoder
-    # reads no further back than the last character boundary.)
+    # Prompt tokens decoded before the completion, at least: enough for the decoder's rules at
+    # a text's start (a first space dropped) to fall on the prompt, and for a character of up
+    # to four bytes split between the two; the decoder reads no further back than the last
+    # character boundary.
     CONTEXT_TOKENS = 8
 
     def __init__(self, detokenize: Callable[[list[int], bool], str], skip_special_tokens: bool,
-                 backend: Tokenizer | None = None, context: Sequence[int] = ()):
+                 backend: Tokenizer | None = None, prompt: Sequence[int] = ()):
         self.text = ""
         self._detokenize, self._skip, self._ids, self._backend = detokenize, skip_special_tokens, [], backend
-        self._context = list(context[-self.CONTEXT_TOKENS:])
+        self._context = self._context_of(prompt)
         self._stream = None
         if backend is not None:
             self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-            try:
-                for token in self._context:  # its text is the prompt's, not the completion's
-                    self._stream.step(backend, token)
-            except Exception as exc:  # tokenizers raises a bare Exception for it (see extend())
-                if "Invalid prefix" not in str(exc):
-                    raise
-                self._stream = None
+            for token in self._context:  # its text is the prompt's, not the completion's
+                self._step(token)
+
+    def _context_of(self, prompt: Sequence[int]) -> list[int]:
+        """The prompt's last CONTEXT_TOKENS tokens, or twice, four times... as many where they
+        decode to nothing (special tokens, skipped): some of the prompt's text comes before
+        the completion's, as the whole prompt's does."""
+        size = self.CONTEXT_TOKENS
+        while size < len(prompt) and not self._decode(prompt[-size:]):
+            size *= 2
+        return list(prompt[-size:])
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(list(ids), skip_special_tokens=self._skip)
+        return self._detokenize(list(ids), self._skip)
 
     def add(self, token: int) -> None:
         self.extend([token])
@@ -223,18 +231,23 @@ class TextStream:
     def extend(self, tokens: Sequence[int]) -> None:
         self._ids.extend(tokens)
         if self._stream is not None:
-            try:
-                for token in tokens:
-                    self.text += self._stream.step(self._backend, token) or ""
-                return
-            except Exception as exc:  # tokenizers raises a bare Exception for it
-                if "Invalid prefix" not in str(exc):
-                    raise
-                # A byte-fallback tokenizer's text need not only grow: a stray byte after a
-                # character's bytes turns them all into U+FFFD, which the incremental decoder
-                # cannot follow (vLLM issue 17448). This completion decodes whole from here on.
-                self._stream = None
-        self.text = self._decoded_whole().rstrip("\ufffd")
+            for token in tokens:
+                self.text += self._step(token)
+        else:
+            self.text = self._decoded_whole().rstrip("\ufffd")
+
+    def _step(self, token: int) -> str:
+        try:
+            return self._stream.step(self._backend, token) or ""
+        except Exception as exc:  # tokenizers raises a bare Exception for it
+            if "Invalid prefix" not in str(exc):
+                raise
+        # A byte-fallback tokenizer's text need not only grow: a stray byte after a character's
+        # bytes turns them all into U+FFFD, which the incremental decoder cannot follow (vLLM
+        # issue 17448). vLLM's way on: the text so far stays, a new decoder reads on from this
+        # token (the stray bytes held back are dropped).
+        self._stream = DecodeStream(skip_special_tokens=self._skip)
+        return self._stream.step(self._backend, token) or ""
 
     def _decoded_whole(self) -> str:
         """The completion decoded whole after its context, the context's text cut off up to its

@@ -92,6 +92,22 @@ def test_a_sentencepiece_completion_keeps_its_first_space(sentencepiece_engine):
     assert (stopped.finish_reason, stopped.text) == ("stop", "")
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_prompt_ending_in_special_tokens_still_comes_before_the_completion(sentencepiece_engine, skip):
+    """Skipped, special tokens decode to nothing: however many end the prompt, the prompt's
+    text before them still comes first, so the first word keeps its space."""
+    engine = sentencepiece_engine
+    tokenizer = engine.tokenizer
+    the = tokenizer.convert_tokens_to_ids("\u2581the")
+    hello = tokenizer.encode("Hello", add_special_tokens=False)
+    for specials in (0, 7, 8, 9, 40):
+        prompt = hello + [tokenizer.bos_token_id] * specials
+        expected = " the the" if skip else after_prompt(tokenizer, prompt, [the, the])  # "<s><s>... the the"
+        assert feed(engine, prompt, [the, the], skip_special_tokens=skip).text == expected, specials
+        stopped = feed(engine, prompt, [the, the], stop=[" the"], skip_special_tokens=skip)
+        assert (stopped.finish_reason, stopped.text) == ("stop", ""), specials
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_completion_text_is_what_it_adds_to_the_prompt_s_text(sentencepiece_engine, tiny_chat, tmp_path, seed):
     """Any prompt and completion cut from real text, for each kind of tokenizer: the text is
@@ -162,9 +178,9 @@ def test_a_character_the_prompt_starts_shows_whole_in_the_completion(tiny_chat):
 
 def test_a_prompt_s_stray_byte_leaves_the_completion_s_text_whole():
     """Byte fallback: a lone continuation byte after a character's bytes breaks the incremental
-    decoder (see test_text_that_a_stray_byte_rewrites_is_followed_by_decoding_it_whole); one in
-    the prompt's last tokens breaks it at the completion's first token: the completion is then
-    decoded whole, its text its own."""
+    decoder (see test_a_stray_byte_is_dropped_from_the_text_as_vllm_drops_it); one in
+    the prompt's last tokens breaks it at the completion's first token, which a new decoder
+    then reads: the completion's text is its own."""
     from runtime.tokenizer import TextStream
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}, "b": 259, "\u2581c": 260}
@@ -174,7 +190,7 @@ def test_a_prompt_s_stray_byte_leaves_the_completion_s_text_whole():
     prompt = [259, 3 + 0xE2, 3 + 0x82, 3 + 0xAC, 3 + 0x80]  # b, the bytes of the euro sign, 0x80
     for cut in (0, 1, len(prompt)):
         stream = TextStream(lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip), True,
-                            tokenizer.backend_tokenizer, context=prompt[:cut])
+                            tokenizer.backend_tokenizer, prompt=prompt[:cut])
         for token in [260, 259, 260]:
             stream.add(token)
         assert stream.text == " cb c", cut
