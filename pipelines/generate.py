@@ -23,6 +23,7 @@ tokens, tokens/s, the files written and the time taken, read from the pipeline's
 import argparse
 import json
 import logging
+import re
 import sys
 import threading
 import time
@@ -199,9 +200,29 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join('--' + name for name in unknown)} (neither "
                      f"this job's flags, see --help, nor Beam's PipelineOptions)")
+    if stray := _stray_args(beam_args):
+        parser.error(f"unrecognized arguments: {' '.join(stray)} (this job takes no positional "
+                     f"arguments, and flags start with --)")
     if not any(a == "--runner" or a.startswith("--runner=") for a in beam_args):
         beam_args = ["--runner=DirectRunner", *beam_args]
     return args, beam_args
+
+
+def _stray_args(beam_args: list[str]) -> list[str]:
+    """What Beam would drop with only a log line ("Discarding unparseable args"): a word that
+    is no flag's value (an input path given without --input, a second value) and a flag with a
+    single dash (-temperature 0.9)."""
+    def is_value(arg: str) -> bool:
+        return not arg.startswith("-") or re.fullmatch(r"-[\d.]+(e-?\d+)?", arg) is not None
+
+    stray, i = [], 0
+    while i < len(beam_args) and beam_args[i] != "--":
+        arg = beam_args[i]
+        if not arg.startswith("--"):
+            stray.append(arg)
+        has_value = arg.startswith("--") and "=" not in arg and i + 1 < len(beam_args) and is_value(beam_args[i + 1])
+        i += 2 if has_value else 1
+    return stray
 
 
 def engine_args_of(args: argparse.Namespace) -> dict:

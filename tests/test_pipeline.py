@@ -705,9 +705,15 @@ def test_argument_handling():
         with pytest.raises(SystemExit):
             cli.parse_args([*flags, "--weights_in_host_memory"])
     assert cli._is_local("DirectRunner") and not cli._is_local("DataflowRunner")
-    for mistyped in (["--temprature", "0.9"], ["--n=2"]):  # Beam would drop them with a warning
+    for mistyped in (["--temprature", "0.9"], ["--n=2"],  # Beam would drop them with a warning
+                     ["prompts.jsonl"], ["-temperature", "0.9"], ["--temperature", "0.9", "1.0"]):
         with pytest.raises(SystemExit):
             cli.parse_args(["--input", "x.jsonl", *mistyped, "--direct_num_workers=2"])
+    # Beam's flags keep their values, negative numbers and `--flag=value` ones included.
+    _, beam_args = cli.parse_args(["--runner", "DirectRunner", "--direct_num_workers", "2",
+                                   "--max_num_workers", "-1", "--job_name=x"])
+    assert beam_args == ["--runner", "DirectRunner", "--direct_num_workers", "2", "--max_num_workers", "-1",
+                         "--job_name=x"]
     with pytest.raises(ValueError, match="temperature"):
         cli.main(["--input", "x.jsonl", "--temperature", "-1", "--no_progress"])
 
