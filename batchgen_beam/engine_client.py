@@ -106,6 +106,21 @@ def _local_revision(*folders: str | None) -> str | None:
     return digest.hexdigest()[:16]
 
 
+class EngineStartError(RuntimeError):
+    """The engine process could not start (its engine arguments, its model or its memory):
+    Beam's shared-process wrapper reports it with the engine process's whole traceback; this
+    names the engine's own error in one line."""
+
+    def __init__(self, config: EngineConfig, report: str):
+        lines = report.rstrip().splitlines()
+        # The exception ("ValueError: kv_cache_bytes=0 holds ...", maybe several lines) follows
+        # the traceback's last indented line; a report without one is all message.
+        indented = [i for i, line in enumerate(lines) if line.startswith(" ")]
+        error = "\n".join(lines[indented[-1] + 1:] if indented else lines)
+        super().__init__(f"the engine for {config.model or 'the default model'} could not start: {error}")
+        self.report = report
+
+
 class EngineService:
     """The engine process's face: routes each completion to the client that owns its request.
 
@@ -437,6 +452,10 @@ class EngineClient:
             except _ENGINE_GONE as gone:  # its last client stopped it meanwhile: start another
                 cause = gone
                 continue
+            except RuntimeError as crashed:
+                if not str(crashed).startswith("Shared Server Process"):
+                    raise
+                raise EngineStartError(self.config, str(crashed)) from None
             self._handle = handle
             return service
         raise RuntimeError(f"the engine process was gone each time it was joined: {cause!r}") from cause

@@ -37,7 +37,7 @@ from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions, PortableOptions, StandardOptions
 
 import batchgen_beam
-from batchgen_beam.engine_client import EngineClient, EngineConfig
+from batchgen_beam.engine_client import EngineClient, EngineConfig, EngineStartError
 from batchgen_beam.generate import METRICS_NAMESPACE, Generate
 from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, absolute_path,
                               check_input, check_output, file_records, infer_format)
@@ -463,7 +463,8 @@ class Job:
 
 def prepare(argv: list[str] | None = None) -> Job:
     """The job the flags describe, checked before anything runs: a flag, path or sampling value
-    it cannot run with raises here (ValueError or OSError, saying which)."""
+    it cannot run with raises here (ValueError or OSError, saying which), and so does an engine
+    this machine cannot start with them (EngineStartError)."""
     started = time.perf_counter()
     args, beam_args = parse_args(argv)
     bundled = args.input is None
@@ -571,7 +572,7 @@ def cli() -> None:
     says why (status 2, as a bad flag does), not a traceback."""
     try:
         job = prepare()
-    except (ValueError, OSError) as refused:
+    except (ValueError, OSError, EngineStartError) as refused:
         parser = build_parser()
         parser.exit(2, f"{parser.prog}: error: {refused}\n")
     run_job(job)
