@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--format", choices=OUTPUT_FORMATS, default="parquet",
                     help="output format: our rows as parquet or jsonl, or openai: OpenAI Batch API "
                          "output lines (.jsonl), one per record, as `vllm run-batch` writes them")
-    io.add_argument("--output_shards", type=int, default=0,
+    io.add_argument("--output_shards", type=_whole_number(0), default=0,
                     help="number of output files (0: the runner decides)")
     io.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                     help="turn records with a `prompt` into one user message, so the model's chat "
@@ -142,17 +142,17 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--model", default=None,
                         help="HF safetensors directory, local or gs://prefix (default: the default "
                              "model, SmolLM2-135M-Instruct)")
-    engine.add_argument("--max_num_seqs", type=int, default=None,
+    engine.add_argument("--max_num_seqs", type=_whole_number(1), default=None,
                         help="sequences decoded together (engine default if not given)")
-    engine.add_argument("--max_num_batched_tokens", type=int, default=None,
+    engine.add_argument("--max_num_batched_tokens", type=_whole_number(1), default=None,
                         help="tokens per engine step (engine default if not given)")
-    engine.add_argument("--kv_cache_mb", type=int, default=None,
+    engine.add_argument("--kv_cache_mb", type=_whole_number(0), default=None,
                         help="device KV cache size in MiB (engine default if not given)")
-    engine.add_argument("--num_threads", type=int, default=None,
+    engine.add_argument("--num_threads", type=_whole_number(1), default=None,
                         help="torch threads of the engine (default: all cores)")
     engine.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="where the engine runs (default: cpu)")
-    engine.add_argument("--weight_budget_mb", type=int, default=None,
+    engine.add_argument("--weight_budget_mb", type=_whole_number(0), default=None,
                         help="memory-constrained mode: decoder layers stream from the checkpoint "
                              "and the weights held on the device stay within this many MiB")
     engine.add_argument("--weights_in_host_memory", action="store_true", default=None,
@@ -162,21 +162,34 @@ def build_parser() -> argparse.ArgumentParser:
                         default=None, help="greedy rows take full fp32 logits, not a bf16 screen of "
                                            "the vocabulary verified in fp32 (same tokens; saves the bf16 "
                                            "copies of the lm_head)")
-    engine.add_argument("--max_logprobs", type=int, default=None,
+    engine.add_argument("--max_logprobs", type=_whole_number(-1), default=None,
                         help="the most --logprobs / --prompt_logprobs a record may ask for "
                              "(default 20, as vLLM's; -1: the whole vocabulary)")
     engine.add_argument("--lora", default=None, metavar="DIR",
                         help="a PEFT LoRA adapter directory (local, on every worker, or gs://), "
                              "merged into the model's weights at load")
-    engine.add_argument("--num_key_shards", type=int, default=16,
+    engine.add_argument("--num_key_shards", type=_whole_number(1), default=16,
                         help="keys that records are spread over in the Generate transform")
-    engine.add_argument("--max_in_flight", type=int, default=1024,
+    engine.add_argument("--max_in_flight", type=_whole_number(1), default=1024,
                         help="requests one worker process keeps in the engine at once")
     engine.add_argument("--straggler_timeout_s", type=float, default=None,
                         help="at the end of input, wait at most this long for a key's records, "
                              "then continue the unfinished ones on other keys (default: wait)")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
     return parser
+
+
+def _whole_number(floor: int):
+    """An argparse type: a whole number at least `floor` (argparse names the flag it refuses)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+        if value < floor:
+            raise argparse.ArgumentTypeError(f"must be >= {floor}, got {value}")
+        return value
+    return parse
 
 
 def _count_lines(path: Path) -> int:
@@ -469,7 +482,11 @@ def prepare(argv: list[str] | None = None) -> Job:
     args, beam_args = parse_args(argv)
     bundled = args.input is None
     input_pattern = str(BUNDLED_PROMPTS) if bundled else args.input
-    input_format = args.input_format or infer_format(input_pattern)
+    try:
+        input_format = args.input_format or infer_format(input_pattern)
+    except ValueError:
+        raise ValueError(f"--input: cannot tell the format of {input_pattern!r} from its extension; "
+                         f"give --input_format (one of {', '.join(INPUT_FORMATS)})") from None
     chat = bundled if args.chat is None else args.chat
     options = PipelineOptions(beam_args)
     runner = options.view_as(StandardOptions).runner

@@ -666,7 +666,7 @@ def test_an_output_prefix_under_home_is_written_there(chat_model, jsonl_input, t
     assert not (tmp_path / "~").exists()
 
 
-def test_argument_handling():
+def test_argument_handling(capsys):
     args, beam_args = cli.parse_args(["--input", "x.jsonl", "--temperature", "0.5",
                                       "--temp_location", "/tmp/t", "--stop", "a", "--stop", "b"])
     assert beam_args == ["--runner=DirectRunner", "--temp_location", "/tmp/t"]
@@ -709,6 +709,15 @@ def test_argument_handling():
                      ["prompts.jsonl"], ["-temperature", "0.9"], ["--temperature", "0.9", "1.0"]):
         with pytest.raises(SystemExit):
             cli.parse_args(["--input", "x.jsonl", *mistyped, "--direct_num_workers=2"])
+    for flags, said in ((["--output_shards", "-1"], "argument --output_shards: must be >= 0, got -1"),
+                        (["--num_key_shards", "0"], "argument --num_key_shards: must be >= 1, got 0"),
+                        (["--kv_cache_mb", "-1"], "argument --kv_cache_mb: must be >= 0, got -1"),
+                        (["--max_logprobs", "1.5"], "argument --max_logprobs: must be a whole number, got '1.5'")):
+        with pytest.raises(SystemExit):
+            cli.parse_args(flags)
+        assert said in capsys.readouterr().err
+    with pytest.raises(ValueError, match="give --input_format"):
+        cli.prepare(["--input", "x.data", "--no_progress"])
     # Beam's flags keep their values, negative numbers and `--flag=value` ones included.
     _, beam_args = cli.parse_args(["--runner", "DirectRunner", "--direct_num_workers", "2",
                                    "--max_num_workers", "-1", "--job_name=x"])
