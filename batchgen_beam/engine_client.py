@@ -93,7 +93,8 @@ def _local_revision(*folders: str | None) -> str | None:
     """A digest of the names, sizes and modification times of the files in those of `folders`
     that are local directories (a gs:// model is a new version under a new prefix); None if
     none is."""
-    local = [folder for folder in folders if folder is not None and os.path.isdir(folder)]
+    local = [os.path.expanduser(folder) for folder in folders if folder is not None]
+    local = [folder for folder in local if os.path.isdir(folder)]
     if not local:
         return None
     digest = hashlib.sha1()

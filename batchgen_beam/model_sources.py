@@ -99,12 +99,15 @@ def _check_model_dir(path: pathlib.Path, source: str) -> None:
 def _from_gcs(uri: str, check=_check_model_dir) -> pathlib.Path:
     """The local copy of the folder at `uri`; `check(folder, uri)` vets a download before it is
     cached."""
-    from runtime.default_model import cache_dir
+    from runtime.default_model import cache_dir, remove_killed_work
 
     bucket, _, prefix = uri[len("gs://"):].partition("/")
     prefix = prefix.strip("/")
     if not bucket or not prefix:
         raise ValueError(f"expected gs://bucket/prefix (the folder holding it), got {uri!r}")
+    if any(part in (".", "..") for part in (bucket, *prefix.split("/"))):
+        # GCS takes them as names, but the local copy's path would leave the cache
+        raise ValueError(f"{uri!r}: a gs:// folder with a '.' or '..' in its path is not supported")
     uri = f"gs://{bucket}/{prefix}"
     # The suffix keeps the copy of gs://b/models/x out of the copy of gs://b/models (which would
     # otherwise be its parent directory).
@@ -117,6 +120,7 @@ def _from_gcs(uri: str, check=_check_model_dir) -> pathlib.Path:
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / _COMPLETE_MARKER).is_file():
+            remove_killed_work(target)
             _download(uri, bucket, prefix, target, check)
     return target
 

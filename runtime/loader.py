@@ -130,10 +130,10 @@ class _Checkpoint:
 
 
 def _open(path: Path):
+    with open(path, "rb"):  # safetensors reports any file it cannot open as missing (unreadable too)
+        pass
     try:
         return safe_open(str(path), framework="pt")
-    except FileNotFoundError:
-        raise
     except Exception as exc:  # safetensors' own errors name no file (a truncated shard, say)
         raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
 

@@ -1152,3 +1152,13 @@ def test_a_local_model_saved_again_in_place_is_another_engine(tmp_path):
     assert EngineConfig.of(str(model), lora=str(adapter)) != with_adapter
     assert EngineConfig.of("gs://bucket/model").local_revision is None
     assert EngineConfig.of(None).local_revision is None
+
+
+def test_a_model_folder_named_from_home_is_followed_too(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"old weights")
+    first = EngineConfig.of("~/model")
+    assert first.local_revision is not None
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"new weights, longer")
+    assert EngineConfig.of("~/model").tag != first.tag

