@@ -151,6 +151,7 @@ def test_real_conversion_gives_loadable_chat_model(cache):
     assert path == cache / "models" / DEFAULT_MODEL_NAME
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", default_model._COMPLETE_MARKER):
         assert (path / name).is_file(), name
+    assert (path / "model.safetensors").stat().st_mode == (path / "config.json").stat().st_mode
 
     config = json.loads((path / "config.json").read_text())
     assert config["dtype"] == "float32"
