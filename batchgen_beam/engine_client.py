@@ -108,18 +108,20 @@ def _local_revision(*folders: str | None) -> str | None:
 
 
 class EngineStartError(RuntimeError):
-    """The engine process could not start (its engine arguments, its model or its memory):
-    Beam's shared-process wrapper reports it with the engine process's whole traceback; this
-    names the engine's own error in one line."""
+    """The engine process could not start (its engine arguments, its model or its memory), in
+    one line: Beam's shared-process wrapper reports the engine's own error with the engine
+    process's whole traceback."""
 
-    def __init__(self, config: EngineConfig, report: str):
+    def __init__(self, config: EngineConfig, error: str):
+        super().__init__(f"the engine for {config.model or 'the default model'} could not start: {error}")
+
+    @classmethod
+    def from_report(cls, config: EngineConfig, report: str) -> "EngineStartError":
         lines = report.rstrip().splitlines()
         # The exception ("ValueError: kv_cache_bytes=0 holds ...", maybe several lines) follows
         # the traceback's last indented line; a report without one is all message.
         indented = [i for i, line in enumerate(lines) if line.startswith(" ")]
-        error = "\n".join(lines[indented[-1] + 1:] if indented else lines)
-        super().__init__(f"the engine for {config.model or 'the default model'} could not start: {error}")
-        self.report = report
+        return cls(config, "\n".join(lines[indented[-1] + 1:] if indented else lines))
 
 
 class EngineService:
@@ -453,13 +455,17 @@ class EngineClient:
             except _ENGINE_GONE as gone:  # its last client stopped it meanwhile: start another
                 cause = gone
                 continue
-            except RuntimeError as crashed:
-                if not str(crashed).startswith("Shared Server Process"):
-                    raise
-                raise EngineStartError(self.config, str(crashed)) from None
+            except RuntimeError as failed:
+                if str(failed).startswith("Shared Server Process died"):
+                    cause = failed  # killed as it started (no error of its own): start another
+                    continue
+                if str(failed).startswith("Shared Server Process crashed"):  # its own error
+                    raise EngineStartError.from_report(self.config, str(failed)) from None
+                raise
             self._handle = handle
             return service
-        raise RuntimeError(f"the engine process was gone each time it was joined: {cause!r}") from cause
+        raise EngineStartError(self.config, f"its process was gone {MAX_ENGINE_DEATHS} times as it was "
+                                            f"started or joined (last: {cause})") from cause
 
     def _call(self, method: str, *args, restart: bool = True):
         """The engine's `method`; where its process is gone, a new one's (unless not `restart`:

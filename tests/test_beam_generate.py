@@ -647,6 +647,48 @@ def test_requests_in_flight_through_repeated_engine_deaths_end_as_errors(monkeyp
     assert client.wait_all(["later"])["later"].error is None
 
 
+class SharedProcessStarts:
+    """A stand-in for Beam's MultiProcessShared: its first engine processes fail as they start
+    (each `failures` entry is what Beam raises then), the next serves."""
+
+    def __init__(self, failures: list[str]):
+        self.failures, self.started = failures, 0
+
+    def __call__(self, constructor, tag, always_proxy, spawn_process):
+        return self
+
+    def acquire(self):
+        self.started += 1
+        if self.started <= len(self.failures):
+            raise RuntimeError(self.failures[self.started - 1])
+        return types.SimpleNamespace(join=lambda client_id: None, leave=lambda client_id: 1)
+
+
+def test_an_engine_process_killed_as_it_starts_is_started_again(monkeypatch):
+    """Killed while loading (the OOM killer, a second crash right after a restart): another
+    start, as for a death once it serves, up to MAX_ENGINE_DEATHS; an engine that raises as it
+    starts is refused at once with its own error."""
+    from batchgen_beam import engine_client
+    from batchgen_beam.engine_client import MAX_ENGINE_DEATHS, EngineStartError
+
+    killed = "Shared Server Process died unexpectedly with exit code -9"
+    starts = SharedProcessStarts([killed] * (MAX_ENGINE_DEATHS - 1))
+    monkeypatch.setattr(engine_client, "MultiProcessShared", starts)
+    EngineClient(EngineConfig.of(None)).connect()
+    assert starts.started == MAX_ENGINE_DEATHS
+    starts = SharedProcessStarts([killed] * MAX_ENGINE_DEATHS)
+    monkeypatch.setattr(engine_client, "MultiProcessShared", starts)
+    with pytest.raises(EngineStartError, match=f"its process was gone {MAX_ENGINE_DEATHS} times .*exit code -9"):
+        EngineClient(EngineConfig.of(None)).connect()
+    crashed = ("Shared Server Process crashed:\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+               "    Engine()\nValueError: kv_cache_bytes=0 holds fewer\nthan 2 blocks")
+    starts = SharedProcessStarts([crashed])
+    monkeypatch.setattr(engine_client, "MultiProcessShared", starts)
+    with pytest.raises(EngineStartError, match="could not start: ValueError: kv_cache_bytes=0 holds fewer\nthan 2"):
+        EngineClient(EngineConfig.of(None)).connect()
+    assert starts.started == 1
+
+
 class ServiceFinishingInTurn:
     """A stand-in engine process whose requests have all finished, delivered one per poll in
     submission order; it records what each poll acknowledged."""
