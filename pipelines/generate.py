@@ -44,6 +44,7 @@ from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteR
 from batchgen_beam.model_sources import check_local_folders
 from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, RepeatedKey, check_defaults,
                                    default_sampling_params, is_missing, is_openai_line, loads_record)
+from runtime.default_model import DEFAULT_MODEL_NAME
 
 BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"
 # Sampling flags that set their record field's transform-wide default: (name, type, help).
@@ -561,7 +562,7 @@ def run_job(job: Job) -> dict:
         "input": "bundled prompts" if args.input is None else job.input_pattern,
         "input_format": job.input_format,
         "chat_template": job.chat,
-        "model": args.model or "default (SmolLM2-135M-Instruct)",
+        "model": model_label(args),
         "runner": str(job.runner),
         "state": str(result.state),
         "records": counters.get("sequences_finished", 0),
@@ -593,6 +594,12 @@ def cli() -> None:
         parser = build_parser()
         parser.exit(2, f"{parser.prog}: error: {refused}\n")
     run_job(job)
+
+
+def model_label(args: argparse.Namespace) -> str:
+    """The model the summary names: the adapter merged into it too."""
+    model = args.model or f"default ({DEFAULT_MODEL_NAME})"
+    return model if args.lora is None else f"{model} + LoRA {args.lora}"
 
 
 def format_summary(s: dict) -> str:

@@ -701,6 +701,9 @@ def test_argument_handling(capsys):
     assert cli.engine_args_of(cli.parse_args(["--no_greedy_screen"])[0]) == {"greedy_screen": False}
     assert cli.engine_args_of(cli.parse_args(["--lora", "/a/adapter"])[0]) == {"lora": "/a/adapter"}
     assert cli.engine_args_of(cli.parse_args(["--lora", "gs://b/adapter"])[0]) == {"lora": "gs://b/adapter"}
+    assert cli.model_label(cli.parse_args(["--lora", "/a/adapter"])[0]) == \
+        "default (SmolLM2-135M-Instruct) + LoRA /a/adapter"
+    assert cli.model_label(cli.parse_args(["--model", "/m"])[0]) == "/m"
     for flags in (["--weight_budget_mb", "300"], ["--device", "cuda"]):  # one of the two missing
         with pytest.raises(SystemExit):
             cli.parse_args([*flags, "--weights_in_host_memory"])
