@@ -415,7 +415,8 @@ def _clashing_keys(mapping: Mapping, where: str | None = None) -> dict[Any, str]
         text = key if isinstance(key, str) else next(iter(json.loads(json.dumps({_json_key(key): 0}))))
         by_text.setdefault(text, []).append(key)
     prefix = "" if where is None else f"{_writable(where)}: "
-    return {key: f"{prefix}keys {' and '.join(_show(k) for k in keys)} would be written as one JSON key, {_show(text)}"
+    return {key: f"{prefix}keys {' and '.join(_show(k) for k in keys)} would be written as one JSON "
+                 f"key, {_show(text)}"
             for text, keys in by_text.items() if len(keys) > 1 for key in keys}
 
 

@@ -234,7 +234,8 @@ def _stray_args(beam_args: list[str]) -> list[str]:
         arg = beam_args[i]
         if not arg.startswith("--"):
             stray.append(arg)
-        has_value = arg.startswith("--") and "=" not in arg and i + 1 < len(beam_args) and is_value(beam_args[i + 1])
+        has_value = (arg.startswith("--") and "=" not in arg
+                     and i + 1 < len(beam_args) and is_value(beam_args[i + 1]))
         i += 2 if has_value else 1
     return stray
 
