@@ -140,7 +140,13 @@ def _download(uri: str, bucket: str, prefix: str, target: pathlib.Path, check) -
     # keeps to the folder's own files, all that loading reads (a mirrored repository's
     # original/ weights or a checkpoints/ folder are not fetched); names ending in "/" are
     # folder placeholders that some tools create.
-    blobs = [b for b in _storage_client().list_blobs(bucket, prefix=prefix + "/", delimiter="/")
+    from google.auth.exceptions import DefaultCredentialsError
+
+    try:
+        client = _storage_client()
+    except DefaultCredentialsError as missing:  # its message names no bucket
+        raise PermissionError(f"{uri}: no Google Cloud credentials to read it with ({missing})") from None
+    blobs = [b for b in client.list_blobs(bucket, prefix=prefix + "/", delimiter="/")
              if not b.name.endswith("/")]
     if not blobs:
         raise FileNotFoundError(f"no objects under {uri}/")

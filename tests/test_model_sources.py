@@ -157,6 +157,16 @@ def test_gcs_a_folder_whose_path_leaves_the_cache_is_refused(gcs_emulator, cache
     assert not (cache.parent / "outside").exists()
 
 
+def test_gcs_without_credentials_names_the_folder(cache, monkeypatch):
+    from google.auth.exceptions import DefaultCredentialsError
+
+    def no_credentials():
+        raise DefaultCredentialsError("Your default credentials were not found.")
+    monkeypatch.setattr(model_sources, "_storage_client", no_credentials)
+    with pytest.raises(PermissionError, match="gs://bk/models/x: no Google Cloud credentials"):
+        resolve_model("gs://bk/models/x")
+
+
 def test_gcs_concurrent_processes_download_once(model_uri, tmp_path, cache):
     # Each process logs its downloads; both wait for each other before resolving, and a download
     # is slowed down so the second process arrives while the first still holds the lock.
