@@ -70,14 +70,6 @@ class StopRule:
     # None: `detokenize` decodes the whole completion each token.
     decoder: Tokenizer | None = None
 
-    def text_of(self, token_ids: list[int], skip_special_tokens: bool, prompt: list[int]) -> str:
-        """A finished completion's text as vLLM's incremental decoder leaves it, decoded after
-        its prompt: a character still incomplete at the end is held back, with the rest of its
-        token's text."""
-        stream = TextStream(self.detokenize, skip_special_tokens, self.decoder, prompt)
-        stream.extend(token_ids)
-        return stream.text
-
 
 class Sequence:
     def __init__(self, seq_id: str, request_id: str, sample_index: int, token_ids: list[int],
@@ -236,9 +228,9 @@ class Sequence:
     def _hit_stop_string(self) -> bool:
         """Whether a stop string ends in the text of the tokens generated since the last call;
         if one does, it cuts the text."""
-        p, rule = self.params, self.stop_rule
+        p = self.params
         if self._stop_text is None:
-            self._stop_text = TextStream(rule.detokenize, p.skip_special_tokens, rule.decoder, self.prompt_ids)
+            self._stop_text = self._text_stream()
         stream = self._stop_text
         new_from = len(stream.text)
         for token in self.generated_ids[self._stop_text_tokens:]:
@@ -264,8 +256,19 @@ class Sequence:
         return True
 
     def completion_text(self, token_ids: list[int]) -> str:
-        """The text of `token_ids`, generated after its prompt (its stop rule has a detokenizer)."""
-        return self.stop_rule.text_of(token_ids, self.params.skip_special_tokens, self.prompt_ids)
+        """The text of `token_ids` (the first of its generated tokens, or all) as vLLM's
+        incremental decoder leaves it after the prompt: a character still incomplete at the end
+        is held back. The text stop strings were searched in where that has read just these
+        tokens; else decoded now (its stop rule has a detokenizer)."""
+        if self._stop_text is not None and self._stop_text_tokens == len(token_ids):
+            return self._stop_text.text
+        stream = self._text_stream()
+        stream.extend(token_ids)
+        return stream.text
+
+    def _text_stream(self) -> TextStream:
+        rule = self.stop_rule
+        return TextStream(rule.detokenize, self.params.skip_special_tokens, rule.decoder, self.prompt_ids)
 
     # ---- views ---------------------------------------------------------------------------
     @property
