@@ -39,7 +39,8 @@ class ExpertCallCounter:
                 "tokens_per_expert_call": self.tokens / self.calls if self.calls else 0.0}
 
 
-def engine(model_dir: Path, items: list[WorkItem], return_engine: bool = False, **engine_args):
+def engine(model_dir: Path, items: list[WorkItem], return_engine: bool = False,
+           label: str = "batchgen engine", **engine_args):
     """Our engine on the items; with `return_engine`, (result, engine) for its statistics."""
     from kernels import linear_rows
     from runtime import Engine
@@ -51,13 +52,15 @@ def engine(model_dir: Path, items: list[WorkItem], return_engine: bool = False, 
     start = time.perf_counter()
     completions = llm.generate(requests)
     elapsed = time.perf_counter() - start
-    result = {"system": "batchgen engine", "load_s": load, "batch_completion_s": elapsed,
+    result = {"system": label, "load_s": load, "batch_completion_s": elapsed,
               "output_tokens": sum(c.completion_tokens for c in completions),
               "steps": llm.stats.steps, "engine_args": engine_args,
               "parameters": sum(p.numel() for p in llm.model.parameters()),
               "linear_plan": linear_rows.described(), "tokens": {c.id: c.token_ids for c in completions}}
     if llm.stats.screened_rows:  # greedy rows from the bf16 screen (runtime/logit_screen.py)
         result.update(screened_rows=llm.stats.screened_rows, screen_misses=llm.stats.screen_misses)
+    if llm.stats.draft_tokens:  # n-gram drafts (runtime/speculate.py)
+        result.update(draft_tokens=llm.stats.draft_tokens, accepted_draft_tokens=llm.stats.accepted_draft_tokens)
     if llm.stats.expert_calls:
         result.update(expert_calls=llm.stats.expert_calls, expert_tokens=llm.stats.expert_tokens,
                       tokens_per_expert_call=llm.stats.tokens_per_expert_call)

@@ -1,8 +1,9 @@
-"""W1 (DESIGN.md §8), every system side by side: our engine bare and through `Generate`, vLLM CPU,
-transformers padded `generate` (batch 16/32/64), transformers `generate_batch`, and `RunInference`
-with a transformers `generate` handler. Plus this machine's sgemm FLOP/s and our decode MFU.
+"""W1 (DESIGN.md §8), every system side by side: our engine bare (also without its n-gram drafts)
+and through `Generate`, vLLM CPU, transformers padded `generate` (batch 16/32/64), transformers
+`generate_batch`, and `RunInference` with a transformers `generate` handler. Plus this machine's
+sgemm FLOP/s and our decode MFU.
 
-    python -m benchmarks.w1 [--quick] [--sampled] [--rounds N] [--tag NAME] [--systems engine generate vllm hf16 hf32 hf64 generate_batch runinference]
+    python -m benchmarks.w1 [--quick] [--sampled] [--rounds N] [--tag NAME] [--systems engine engine_no_drafts generate vllm hf16 hf32 hf64 generate_batch runinference]
 
 Same prompts, same output token counts (ignore_eos), greedy, fp32, two threads; the report checks
 every system generated exactly each request's length and counts requests token-identical to ours.
@@ -24,7 +25,7 @@ from runtime.default_model import default_model_dir
 
 # 256 sequences and 2,048 tokens a step: 141 s against 149 s with 64 and 512 on full W1 (AMD EPYC, 2026-12-02).
 ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 2048, "admission": "longest_first"}
-ALL_SYSTEMS = ["engine", "generate", "vllm", "hf16", "hf32", "hf64", "generate_batch", "runinference"]
+ALL_SYSTEMS = ["engine", "engine_no_drafts", "generate", "vllm", "hf16", "hf32", "hf64", "generate_batch", "runinference"]
 SAMPLING_SYSTEMS = ["engine", "generate", "vllm"]
 
 
@@ -87,6 +88,8 @@ def main(argv=None) -> dict:
     records = beam_systems.w1_records(num_requests, args.sampled)
     runs = {
         "engine": lambda: _engine_with_decode_flops(model_dir, items),
+        "engine_no_drafts": lambda: systems.engine(model_dir, items, label="batchgen engine, no n-gram drafts",
+                                                   ngram_drafts=False, **ENGINE_ARGS),
         "generate": lambda: beam_systems.generate(records, ENGINE_ARGS),
         "vllm": lambda: systems.vllm_cpu(model_dir, items, args.threads),
         "hf16": lambda: systems.hf_padded(model_dir, items, 16),

@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                         default=None, help="greedy rows take full fp32 logits, not a bf16 screen of "
                                            "the vocabulary verified in fp32 (same tokens; saves the bf16 "
                                            "copies of the lm_head)")
+    engine.add_argument("--no_ngram_drafts", dest="ngram_drafts", action="store_const", const=False,
+                        default=None, help="greedy records never guess tokens from earlier n-grams to "
+                                           "verify in the same step (same tokens; more steps)")
     engine.add_argument("--max_logprobs", type=_whole_number(-1), default=None,
                         help="the most --logprobs / --prompt_logprobs a record may ask for "
                              "(default 20, as vLLM's; -1: the whole vocabulary)")
@@ -249,7 +252,8 @@ def engine_args_of(args: argparse.Namespace) -> dict:
              "num_threads": args.num_threads, "device": args.device,
              "weight_budget_bytes": None if args.weight_budget_mb is None else args.weight_budget_mb << 20,
              "weights_in_host_memory": args.weights_in_host_memory, "greedy_screen": args.greedy_screen,
-             "lora": _local_or_gcs(args.lora), "max_logprobs": args.max_logprobs}
+             "lora": _local_or_gcs(args.lora), "max_logprobs": args.max_logprobs,
+             "ngram_drafts": args.ngram_drafts}
     return {k: v for k, v in given.items() if v is not None}
 
 

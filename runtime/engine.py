@@ -32,6 +32,7 @@ from runtime.request import ChatOptions, Completion, CompletionWaiter, Request, 
 from runtime.runner import ModelRunner, ScoredPrompts
 from runtime.sampling import SampledToken, SampleRow, SamplingParams, sample
 from runtime.scheduler import Scheduler
+from runtime.speculate import DRAFT_STEP_ROWS, MAX_DRAFT_TOKENS, accepted
 from runtime.sequence import Event, Sequence, Status, StopRule
 from runtime.step_lock import StepLock
 from runtime.structured import Grammars, UnfollowableGrammar, allowed_tokens
@@ -137,12 +138,14 @@ class EngineStats:
     # Steps with no prefill in them: the decode phase, for model-FLOPs utilisation.
     decode_steps: int = 0
     decode_step_seconds: float = 0.0
-    decode_step_tokens: int = 0
-    decode_step_context: int = 0  # sum of attended context lengths (attention FLOPs)
+    decode_step_tokens: int = 0  # tokens they generated
+    decode_step_context: int = 0  # sum of those tokens' attended context lengths (attention FLOPs)
     generated_tokens: int = 0  # tokens sampled, all sequences
     weight_bytes_read: int = 0  # memory-constrained mode: weight bytes read from the checkpoint
     screened_rows: int = 0  # greedy rows the logit screen took (greedy_screen)
     screen_misses: int = 0  # of them, rows its bound could not clear: full fp32 logits computed
+    draft_tokens: int = 0  # guessed tokens verified (ngram_drafts); each a decode row
+    accepted_draft_tokens: int = 0  # of them, the sequences' next tokens (taken, not dropped)
 
     @property
     def weight_bytes_per_token(self) -> float:
@@ -189,7 +192,7 @@ class Engine:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  num_threads: int | None = None, weight_budget_bytes: int | None = None,
                  weights_in_host_memory: bool = False, greedy_screen: bool | None = None,
-                 lora: str | Path | None = None, max_logprobs: int = 20):
+                 lora: str | Path | None = None, max_logprobs: int = 20, ngram_drafts: bool = True):
         """weight_budget_bytes: memory-constrained mode (runtime/weight_stream.py): the decoder
         layers stream from the safetensors files, and the weights held in memory (resident
         parts, two layer slots, the MoE expert ring) stay within this many bytes. The KV cache
@@ -210,7 +213,11 @@ class Engine:
 
         max_logprobs: the most `logprobs` and `prompt_logprobs` a request may ask for (vLLM's
         default, 20; -1: the whole vocabulary). Each is a dict a position: a whole vocabulary's
-        at every position of a long prompt would run the engine out of memory."""
+        at every position of a long prompt would run the engine out of memory.
+
+        ngram_drafts: while few sequences decode, greedy ones guess their next tokens from where
+        their last ones appeared before and verify the guesses in the same step
+        (runtime/speculate.py); the tokens are the same, in fewer steps."""
         self.check_sizes(kv_cache_bytes=kv_cache_bytes, host_kv_bytes=host_kv_bytes,
                          weight_budget_bytes=weight_budget_bytes, block_size=block_size,
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -280,6 +287,7 @@ class Engine:
             HostKVPool(host_kv_bytes // block_bytes, pin_memory=self.device.type == "cuda"),
             max_num_seqs, max_num_batched_tokens, admission, preemption)
         self.runner = ModelRunner(self.model, self.kv, self.device)
+        self.ngram_drafts = ngram_drafts
         # A lone sequence must always fit in the cache, so the cache bounds the context too.
         self.max_model_len = min(max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings, num_blocks * block_size)
@@ -494,6 +502,8 @@ class Engine:
             batch = self.scheduler.schedule()
             if not batch:
                 return False
+            if self.ngram_drafts:
+                self._draft(batch)
             now = time.perf_counter()
             for seq in batch.decodes + [s for s, _ in batch.prefills]:
                 timings = self._requests[seq.request_id].timings
@@ -502,20 +512,24 @@ class Engine:
             if prompts is not None:
                 self._score_prompts(prompts)
             self.stats.steps += 1
-            self.stats.decode_tokens += len(batch.decodes)
-            self.stats.prefill_tokens += batch.num_tokens - len(batch.decodes)
+            self.stats.decode_tokens += batch.num_decode_rows
+            self.stats.prefill_tokens += batch.num_tokens - batch.num_decode_rows
             self.stats.forward_seconds += time.perf_counter() - now
             self.stats.expert_calls = sum(b.expert_calls for b in self._moe_blocks)
             self.stats.expert_tokens = sum(b.expert_tokens for b in self._moe_blocks)
             if self.weights is not None:
                 self.stats.weight_bytes_read = self.weights.bytes_read
-            context = 0 if batch.prefills else sum(s.num_tokens for s in batch.decodes)
+            lengths = [s.num_tokens for s in batch.decodes]
             self._postprocess(batch, hidden, samplers)
             if not batch.prefills:  # the whole step, sampling included
                 self.stats.decode_steps += 1
                 self.stats.decode_step_seconds += time.perf_counter() - now
-                self.stats.decode_step_tokens += len(batch.decodes)
-                self.stats.decode_step_context += context
+                # The tokens it generated (not the rows of rejected drafts), and the positions
+                # each attended to: a sequence's j-th new token to its length before plus j.
+                for seq, length in zip(batch.decodes, lengths):
+                    taken = seq.num_tokens - length
+                    self.stats.decode_step_tokens += taken
+                    self.stats.decode_step_context += taken * length + taken * (taken - 1) // 2
             return True
 
     @torch.inference_mode()
@@ -568,25 +582,63 @@ class Engine:
         if len(rows) != len(samplers):
             hidden = hidden[torch.tensor(rows, device=hidden.device)]
         tokens = self._sample(hidden, row_seqs)
-        self.stats.generated_tokens += len(tokens)
         now = time.perf_counter()
-        for seq, token in zip(row_seqs, tokens):
-            if seq.request_id not in self._requests:
-                continue  # another of its samples failed the request earlier in this step
+        start = 0
+        while start < len(row_seqs):  # a drafted sequence's rows follow each other
+            seq = row_seqs[start]
+            draft = batch.drafts.get(seq, ())
+            verified, start = tokens[start:start + 1 + len(draft)], start + 1 + len(draft)
+            taken = self._take(seq, accepted(verified, draft) if draft else verified, now)
+            self.stats.generated_tokens += taken
+            self.stats.accepted_draft_tokens += max(taken - 1, 0)
+
+    def _take(self, seq: Sequence, tokens: list[SampledToken], now: float) -> int:
+        """A sequence's tokens of this step, in order, until it finishes; how many it took."""
+        if seq.request_id not in self._requests:
+            return 0  # another of its samples failed the request earlier in this step
+        timings = self._requests[seq.request_id].timings
+        for taken, token in enumerate(tokens):
             if token.error is not None:
                 self._fail_request(seq.request_id, f"sampling failed ({token.error})", invalid=token.invalid)
-                continue
-            timings = self._requests[seq.request_id].timings
+                return taken
             timings.first_token = timings.first_token or now
             try:  # the stop rule and the final text run the tokenizer on this request's tokens
                 seq.send(Event.TOKEN, token)
                 self._register_full_blocks(seq)
                 if seq.is_finished:
                     self._finish_sequence(seq)
+                    return taken + 1
             except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the rest
                 log.exception("request %r failed after token %d", seq.request_id, seq.num_generated)
                 self._fail_request(seq.request_id, f"{type(exc).__name__}: {exc}",
                                    invalid=isinstance(exc, UnfollowableGrammar))
+                return taken + 1
+        return len(tokens)
+
+    def _draft(self, batch) -> None:
+        """Drafts for the step's greedy decodes while its rows are few (runtime/speculate.py),
+        longest remaining first, as many as free KV blocks hold."""
+        room = DRAFT_STEP_ROWS - len(batch.decodes)
+        if batch.prefills or room <= 0:
+            return
+        remaining = sorted(batch.decodes, key=lambda s: s.num_generated - s.params.max_tokens)
+        for seq in remaining:
+            p = seq.params
+            if not (p.argmax_only and p.n == 1):
+                continue
+            # Never past its last token: max_tokens, or the context's end.
+            limit = min(MAX_DRAFT_TOKENS, room, p.max_tokens - seq.num_generated - 1,
+                        self.max_model_len - seq.num_tokens - 1)
+            if limit <= 0:
+                continue
+            draft = seq.ngrams.propose(seq.token_ids, limit)
+            draft = draft[:self.scheduler.reserve_draft(seq, len(draft))]
+            if draft:
+                batch.drafts[seq] = draft
+                self.stats.draft_tokens += len(draft)
+                room -= len(draft)
+                if room == 0:
+                    return
 
     @torch.inference_mode()
     def _sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:

@@ -43,6 +43,12 @@ class ScoredPrompts:
     seqs: list[tuple[Sequence, int]]
 
 
+def _decode_token(seq: Sequence, position: int, drafts: dict[Sequence, list[int]]) -> int:
+    """The input token of a decode row: the sequence's own, or past its end its draft's."""
+    offset = position - seq.num_tokens
+    return seq.token_ids[position] if offset < 0 else drafts[seq][offset]
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: KVCache, device: torch.device):
         self.model, self.kv, self.device = model, kv, device
@@ -53,27 +59,38 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence], ScoredPrompts | None]:
-        """Returns hidden states [sampling rows, hidden] (normed), the sequence of each row, and
-        the hidden states of prompt positions to score, if any."""
+        """Returns hidden states [sampling rows, hidden] (normed), the sequence of each row (a
+        drafted one's rows follow each other, its own first), and the hidden states of prompt
+        positions to score, if any."""
         bs = self.block_size
-        decodes = sorted(batch.decodes, key=lambda s: s.num_tokens, reverse=True)
-        input_ids = [s.token_ids[-1] for s in decodes]
-        positions = [s.num_tokens - 1 for s in decodes]
-        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(decodes, positions)]
+        # A decode row per sequence, and one per draft token after it (its position and
+        # context one further each): the rows go longest context first, a sequence's rows
+        # are sampled in order.
+        rows = [(seq, position) for seq in batch.decodes
+                for position in range(seq.num_tokens - 1, seq.num_tokens + len(batch.drafts.get(seq, ())))]
+        order = sorted(range(len(rows)), key=lambda row: rows[row][1], reverse=True)
+        decodes = [rows[row] for row in order]
+        input_ids = [_decode_token(seq, position, batch.drafts) for seq, position in decodes]
+        positions = [position for _, position in decodes]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in decodes]
+        context_blocks = [p // bs + 1 for p in positions]
         if decode_attention_pads(self.device):
-            sizes = group_by_length([len(s.block_table) for s in decodes])
+            sizes = group_by_length(context_blocks)
         else:
             sizes = [len(decodes)] if decodes else []
         groups, start = [], 0
         for size in sizes:
             members = decodes[start:start + size]
-            width = len(members[0].block_table)
+            width = context_blocks[start]
             groups.append(DecodeGroup(
-                start, self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in members]),
-                self._tensor([s.num_tokens for s in members])))
+                start, self._tensor([(s.block_table + [0] * width)[:width] for s, _ in members]),
+                self._tensor([p + 1 for _, p in members])))
             start += size
 
-        sampling_rows, samplers = list(range(len(decodes))), list(decodes)
+        sampling_rows = [0] * len(rows)  # each of `rows`' place in the forward pass
+        for place, row in enumerate(order):
+            sampling_rows[row] = place
+        samplers = [seq for seq, _ in rows]
         scored_rows, scored = [], []
         chunks = []
         for seq, num in batch.prefills:

@@ -38,10 +38,16 @@ class ScheduledBatch:
     Decodes (one token each) come first, then prefill chunks."""
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)
+    # Decodes that verify guessed tokens after their next one (runtime/speculate.py): a row each.
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
+        return self.num_decode_rows + sum(n for _, n in self.prefills)
+
+    @property
+    def num_decode_rows(self) -> int:
+        return len(self.decodes) + sum(len(d) for d in self.drafts.values())
 
     def __bool__(self) -> bool:
         return bool(self.decodes or self.prefills)
@@ -193,6 +199,19 @@ class Scheduler:
             seq.block_table.extend(self.blocks.allocate(need))
             seq.send(Event.PAGE_BOUNDARY, len(seq.block_table))
         return True
+
+    def reserve_draft(self, seq: Sequence, num: int) -> int:
+        """Blocks for `num` draft tokens after a scheduled decode's next one, from free blocks
+        only (a guess never preempts anyone): how many of them fit."""
+        while num:
+            need = self.blocks.blocks_needed(seq.num_computed + 1 + num) - len(seq.block_table)
+            if need <= self.blocks.num_free:
+                if need > 0:
+                    seq.block_table.extend(self.blocks.allocate(need))
+                    seq.send(Event.PAGE_BOUNDARY, len(seq.block_table))
+                break
+            num -= 1
+        return num
 
     # ---- primitives ----------------------------------------------------------------------
     def preempt(self, seq: Sequence) -> None:

@@ -20,6 +20,7 @@ import torch
 from tokenizers import Tokenizer
 
 from runtime.sampling import SampledToken, SamplingParams, logit_bias_tensors
+from runtime.speculate import NgramIndex
 from runtime.structured import Grammars, consume
 from runtime.tokenizer import TextStream
 
@@ -129,6 +130,11 @@ class Sequence:
     def permitted(self) -> torch.Tensor | None:
         """Its params' allowed_token_ids as a tensor, made once likewise."""
         return torch.tensor(self.params.allowed_token_ids, dtype=torch.long) if self.params.allowed_token_ids else None
+
+    @functools.cached_property
+    def ngrams(self) -> NgramIndex:
+        """Where its n-grams ended, for drafts; built at its first draft, as its tokens grow."""
+        return NgramIndex()
 
     @functools.cached_property
     def _stop_token_ids(self) -> frozenset[int]:

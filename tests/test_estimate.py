@@ -110,7 +110,7 @@ def test_adaptive_ranks_by_learned_lengths_where_max_tokens_is_loose(tiny, admis
 
 
 def test_workload_reports_each_requests_expected_remaining_tokens(tiny):
-    engine = make_engine(tiny.dir("qwen2"), max_num_seqs=1)
+    engine = make_engine(tiny.dir("qwen2"), max_num_seqs=1, ngram_drafts=False)  # a token a step
     prompts = random_prompts([10, 20], seed=23)
     engine.submit(Request("x", prompt_token_ids=prompts[0],
                           params=SamplingParams(max_tokens=30, ignore_eos=True)))

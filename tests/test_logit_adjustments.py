@@ -55,8 +55,9 @@ def test_repetition_penalty_matches_transformers(tiny, family):
         changed += plain_tokens != tokens
     assert changed, "the penalty changed no output: the test would pass without it"
     assert got["s"].error is None and got["s"].completion_tokens == MAX_TOKENS
-    # The screen took the plain rows only.
-    assert engine.stats.screened_rows == sum(got[f"g{i}"].completion_tokens for i in range(len(PROMPTS)))
+    # The screen took the plain rows only (and their drafts' rows that took no token).
+    rejected = engine.stats.draft_tokens - engine.stats.accepted_draft_tokens
+    assert engine.stats.screened_rows == sum(got[f"g{i}"].completion_tokens for i in range(len(PROMPTS))) + rejected
 
 
 def test_logit_bias_matches_transformers_sequence_bias(tiny):

@@ -699,6 +699,7 @@ def test_argument_handling(capsys):
     assert cli.engine_args_of(args) == {"device": "cuda", "weight_budget_bytes": 300 << 20,
                                         "weights_in_host_memory": True}
     assert cli.engine_args_of(cli.parse_args(["--no_greedy_screen"])[0]) == {"greedy_screen": False}
+    assert cli.engine_args_of(cli.parse_args(["--no_ngram_drafts"])[0]) == {"ngram_drafts": False}
     assert cli.engine_args_of(cli.parse_args(["--lora", "/a/adapter"])[0]) == {"lora": "/a/adapter"}
     assert cli.engine_args_of(cli.parse_args(["--lora", "gs://b/adapter"])[0]) == {"lora": "gs://b/adapter"}
     assert cli.model_label(cli.parse_args(["--lora", "/a/adapter"])[0]) == \

@@ -1,0 +1,50 @@
+"""Prompt-lookup drafts for greedy decoding (n-gram speculation, as vLLM's `ngram` method).
+
+When few sequences decode, a step is bound by reading the weights (and each row's KV), not by
+arithmetic: rows are nearly free up to a few dozen. A greedy sequence whose last tokens appeared
+earlier in its prompt or output guesses that what followed then follows again, and verifies those
+guesses in the same step as its next token: one row per guess, each a decode row at its position.
+Its greedy token at every row is then computed as a plain decode would compute it, so the
+completion is the same; a guess stands only if every token before it was the model's own choice.
+"""
+
+# Longest draft per sequence per step; and the rows (tokens) a decode step may grow to with
+# drafts: on a CPU a step of up to ~32 rows costs about one of 8 (the weights' reading bounds
+# both), beyond that each row costs its arithmetic.
+MAX_DRAFT_TOKENS = 4
+DRAFT_STEP_ROWS = 32
+# The n-gram sizes looked up, longest first: a match of one token guesses too often wrong.
+NGRAM_SIZES = (4, 3, 2)
+
+
+class NgramIndex:
+    """Where each n-gram of a sequence's tokens last ended, built as its tokens grow."""
+
+    def __init__(self):
+        self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> the position after its last end
+        self._indexed = 0  # n-grams ending at or before this position are in _ends
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the latest earlier occurrence of the longest suffix
+        of `tokens` (NGRAM_SIZES) seen before; none if no suffix was."""
+        # Index n-grams ending before the last token: the suffix itself must be found earlier.
+        last = len(tokens) - 1
+        for end in range(self._indexed + 1, last + 1):
+            for n in NGRAM_SIZES:
+                if end >= n:
+                    self._ends[tuple(tokens[end - n:end])] = end
+        self._indexed = max(self._indexed, last)
+        for n in NGRAM_SIZES:
+            end = self._ends.get(tuple(tokens[-n:])) if len(tokens) > n else None
+            if end is not None:
+                return tokens[end:end + limit]
+        return []
+
+
+def accepted(verified: list, draft: list[int]) -> list:
+    """The tokens a drafted sequence takes: `verified` holds its token at its own row and at each
+    draft row; a draft row's token counts only if every draft token before it was verified."""
+    taken = 1
+    while taken <= len(draft) and verified[taken - 1].token_id == draft[taken - 1]:
+        taken += 1
+    return verified[:taken]
