@@ -32,7 +32,7 @@ from runtime.request import ChatOptions, Completion, CompletionWaiter, Request, 
 from runtime.runner import ModelRunner, ScoredPrompts
 from runtime.sampling import SampledToken, SampleRow, SamplingParams, sample
 from runtime.scheduler import Scheduler
-from runtime.speculate import DRAFT_STEP_ROWS, MAX_DRAFT_TOKENS, accepted
+from runtime.speculate import DRAFT_BELOW_ROWS, DRAFT_ROWS, accepted
 from runtime.sequence import Event, Sequence, Status, StopRule
 from runtime.step_lock import StepLock
 from runtime.structured import Grammars, UnfollowableGrammar, allowed_tokens
@@ -616,19 +616,17 @@ class Engine:
         return len(tokens)
 
     def _draft(self, batch) -> None:
-        """Drafts for the step's greedy decodes while its rows are few (runtime/speculate.py),
-        longest remaining first, as many as free KV blocks hold."""
-        room = DRAFT_STEP_ROWS - len(batch.decodes)
-        if batch.prefills or room <= 0:
+        """Guesses for the step's greedy decodes while its rows are few (runtime/speculate.py):
+        up to DRAFT_ROWS, for those with the most tokens left, as far as free KV blocks hold."""
+        if batch.prefills or len(batch.decodes) >= DRAFT_BELOW_ROWS:
             return
-        remaining = sorted(batch.decodes, key=lambda s: s.num_generated - s.params.max_tokens)
-        for seq in remaining:
+        room = DRAFT_ROWS
+        for seq in sorted(batch.decodes, key=lambda s: s.num_generated - s.params.max_tokens):
             p = seq.params
             if not (p.argmax_only and p.n == 1):
                 continue
             # Never past its last token: max_tokens, or the context's end.
-            limit = min(MAX_DRAFT_TOKENS, room, p.max_tokens - seq.num_generated - 1,
-                        self.max_model_len - seq.num_tokens - 1)
+            limit = min(room, p.max_tokens - seq.num_generated - 1, self.max_model_len - seq.num_tokens - 1)
             if limit <= 0:
                 continue
             draft = seq.ngrams.propose(seq.token_ids, limit)

@@ -1,18 +1,22 @@
 """Prompt-lookup drafts for greedy decoding (n-gram speculation, as vLLM's `ngram` method).
 
-When few sequences decode, a step is bound by reading the weights (and each row's KV), not by
-arithmetic: rows are nearly free up to a few dozen. A greedy sequence whose last tokens appeared
+When few sequences decode, a step is bound by reading the weights, not by arithmetic, and an
+extra row costs a fraction of the step. A greedy sequence whose last tokens appeared
 earlier in its prompt or output guesses that what followed then follows again, and verifies those
 guesses in the same step as its next token: one row per guess, each a decode row at its position.
 Its greedy token at every row is then computed as a plain decode would compute it, so the
 completion is the same; a guess stands only if every token before it was the model's own choice.
 """
 
-# Longest draft per sequence per step; and the rows (tokens) a decode step may grow to with
-# drafts: on a CPU a step of up to ~32 rows costs about one of 8 (the weights' reading bounds
-# both), beyond that each row costs its arithmetic.
-MAX_DRAFT_TOKENS = 4
-DRAFT_STEP_ROWS = 32
+# A step verifies at most this many guesses, those of the sequences with the most tokens left
+# (they set when a batch completes). On a CPU a row at a long context costs its own reading of
+# its sequence's KV: W1's tail on SmolLM2 (12 rows at ~700 tokens, ~42 ms a step) paid ~1.4 ms a
+# row, so guesses for sequences that finish early anyway only slowed its steps: filling steps with
+# guesses up to 32 rows took W1 as long as none (72.7 s against 73.2 s, 754 steps against 923);
+# 4 a step took 72.7 and 73.8 s against 78.4 and 76.3 s without (alternating, 779 steps).
+DRAFT_ROWS = 4
+# Only in steps of fewer decode rows than this: larger ones are bound by their arithmetic.
+DRAFT_BELOW_ROWS = 32
 # The n-gram sizes looked up, longest first: a match of one token guesses too often wrong.
 NGRAM_SIZES = (4, 3, 2)
 
