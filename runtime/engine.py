@@ -519,7 +519,7 @@ class Engine:
             self.stats.expert_tokens = sum(b.expert_tokens for b in self._moe_blocks)
             if self.weights is not None:
                 self.stats.weight_bytes_read = self.weights.bytes_read
-            lengths = [s.num_tokens for s in batch.decodes]
+            lengths = None if batch.prefills else [s.num_tokens for s in batch.decodes]
             self._postprocess(batch, hidden, samplers)
             if not batch.prefills:  # the whole step, sampling included
                 self.stats.decode_steps += 1

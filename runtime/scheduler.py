@@ -203,14 +203,12 @@ class Scheduler:
     def reserve_draft(self, seq: Sequence, num: int) -> int:
         """Blocks for `num` draft tokens after a scheduled decode's next one, from free blocks
         only (a guess never preempts anyone): how many of them fit."""
-        while num:
-            need = self.blocks.blocks_needed(seq.num_computed + 1 + num) - len(seq.block_table)
-            if need <= self.blocks.num_free:
-                if need > 0:
-                    seq.block_table.extend(self.blocks.allocate(need))
-                    seq.send(Event.PAGE_BOUNDARY, len(seq.block_table))
-                break
-            num -= 1
+        slots = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size
+        num = max(0, min(num, slots - seq.num_computed - 1))
+        need = self.blocks.blocks_needed(seq.num_computed + 1 + num) - len(seq.block_table)
+        if need > 0:
+            seq.block_table.extend(self.blocks.allocate(need))
+            seq.send(Event.PAGE_BOUNDARY, len(seq.block_table))
         return num
 
     # ---- primitives ----------------------------------------------------------------------
