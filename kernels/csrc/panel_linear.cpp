@@ -28,9 +28,17 @@ constexpr int kMaxRows = 12;  // 24 accumulators + 2 weight vectors + a broadcas
 #else
 constexpr int kMaxRows = 3;  // AVX2 has 16 ymm, and a 16-lane vector takes two
 #endif
-// Rows of x per pass over a thread's panels: a block's rows stay in L2 while the panels stream
-// through (all of a 2,048-row prefill per panel came from L3, 7% slower).
+// At most this many rows of x per pass over a thread's panels: a block's rows stay in L2 while
+// the panels stream through (all of a 2,048-row prefill per panel came from L3, 7% slower).
 constexpr int64_t kRowBlock = 192;
+
+// The rows of each pass: as few passes as kRowBlock allows, of even sizes. Every pass streams
+// all the weights, which a pass of few rows cannot hide behind its arithmetic: 200 rows as 192
+// and 8 paid a whole memory-bound read of the weights for the 8.
+inline int64_t rows_per_pass(int64_t rows) {
+  const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
+  return (rows + blocks - 1) / blocks;
+}
 // While a panel is computed its rows of x also ask for the panel this many further on, into L2
 // (prefetcht1): the memory stream then overlaps the arithmetic of every row group (the default
 // model's linears at 13 rows: 27 -> 24 ms against one panel ahead).
@@ -107,10 +115,11 @@ inline int64_t tile_rows(int64_t rows, int64_t groups, int64_t g) {
 void pack_rows(const float* x, int64_t rows, int64_t k, float* packed) {
   // Every tile of every row block, in order: (first row, rows).
   std::vector<std::pair<int64_t, int64_t>> tiles;
-  for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
-    const int64_t block_rows = std::min(kRowBlock, rows - m0), groups = num_groups(block_rows);
-    for (int64_t g = 0, m = m0; g < groups; m += tile_rows(block_rows, groups, g), ++g)
-      tiles.emplace_back(m, tile_rows(block_rows, groups, g));
+  const int64_t pass_rows = rows_per_pass(rows);
+  for (int64_t m0 = 0; m0 < rows; m0 += pass_rows) {
+    const int64_t in_block = std::min(pass_rows, rows - m0), groups = num_groups(in_block);
+    for (int64_t g = 0, m = m0; g < groups; m += tile_rows(in_block, groups, g), ++g)
+      tiles.emplace_back(m, tile_rows(in_block, groups, g));
   }
   // Tiles split evenly between threads (row blocks did not: 210 rows were 192 and 18), each
   // written in order while its rows are read as r sequential streams.
@@ -165,11 +174,12 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   const float* xp = xt.data_ptr<float>();
   const float* bp = bias ? bc.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
+  const int64_t pass_rows = rows_per_pass(rows);
   auto run = [&](auto* wp) {
     at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t m = 0; m < rows; m += kRowBlock)
+      for (int64_t m = 0; m < rows; m += pass_rows)
         for (int64_t p = begin; p < end; ++p)
-          panel_rows(xp + m * k, std::min(kRowBlock, rows - m), k, wp, p, panels,
+          panel_rows(xp + m * k, std::min(pass_rows, rows - m), k, wp, p, panels,
                      yp + m * out_features, out_features, bp);
     });
   };
