@@ -23,7 +23,6 @@ tokens, tokens/s, the files written and the time taken, read from the pipeline's
 import argparse
 import json
 import logging
-import re
 import sys
 import threading
 import time
@@ -45,6 +44,7 @@ from batchgen_beam.model_sources import check_local_folders
 from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, RepeatedKey, check_defaults,
                                    default_sampling_params, is_missing, is_openai_line, loads_record)
 from runtime.default_model import DEFAULT_MODEL_NAME
+from runtime.sampling import DEFAULT_MAX_LOGPROBS
 
 BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"
 # Sampling flags that set their record field's transform-wide default: (name, type, help).
@@ -210,37 +210,36 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     if args.weights_in_host_memory and (args.device != "cuda" or args.weight_budget_mb is None):
         parser.error("--weights_in_host_memory streams weights to a GPU: it needs --device cuda "
                      "and --weight_budget_mb")
-    # Beam only warns of flags no PipelineOptions knows and drops them: a mistyped sampling flag
-    # (--temprature) would run the job with the default, unnoticed.
-    options = PipelineOptions(beam_args).get_all_options
-    unknown = sorted(set(options(retain_unknown_options=True)) - set(options()))
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join('--' + name for name in unknown)} (neither "
-                     f"this job's flags, see --help, nor Beam's PipelineOptions)")
-    if stray := _stray_args(beam_args):
-        parser.error(f"unrecognized arguments: {' '.join(stray)} (this job takes no positional "
+    # Beam only warns of arguments no PipelineOptions takes and drops them: a mistyped sampling
+    # flag (--temprature) would run the job with the default, unnoticed.
+    discarded = _discarded_by_beam(beam_args)
+    if unknown := sorted({arg.split("=", 1)[0] for arg in discarded if arg.startswith("--")}):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (neither this job's flags, see "
+                     f"--help, nor Beam's PipelineOptions)")
+    if discarded:
+        parser.error(f"unrecognized arguments: {' '.join(discarded)} (this job takes no positional "
                      f"arguments, and flags start with --)")
+    cap = DEFAULT_MAX_LOGPROBS if args.max_logprobs is None else args.max_logprobs
+    for name in ("logprobs", "prompt_logprobs"):  # refused before the engine starts
+        wanted = getattr(args, name)
+        if wanted is not None and cap != -1 and wanted > cap:
+            parser.error(f"--{name} {wanted} is more than --max_logprobs allows ({cap}; -1 allows "
+                         f"the whole vocabulary)")
     if not any(a == "--runner" or a.startswith("--runner=") for a in beam_args):
         beam_args = ["--runner=DirectRunner", *beam_args]
     return args, beam_args
 
 
-def _stray_args(beam_args: list[str]) -> list[str]:
-    """What Beam would drop with only a log line ("Discarding unparseable args"): a word that
-    is no flag's value (an input path given without --input, a second value) and a flag with a
-    single dash (-temperature 0.9)."""
-    def is_value(arg: str) -> bool:
-        return not arg.startswith("-") or re.fullmatch(r"-[\d.]+(e-?\d+)?", arg) is not None
-
-    stray, i = [], 0
-    while i < len(beam_args) and beam_args[i] != "--":
-        arg = beam_args[i]
-        if not arg.startswith("--"):
-            stray.append(arg)
-        has_value = (arg.startswith("--") and "=" not in arg
-                     and i + 1 < len(beam_args) and is_value(beam_args[i + 1]))
-        i += 2 if has_value else 1
-    return stray
+def _discarded_by_beam(beam_args: list[str]) -> list[str]:
+    """What Beam would drop with only a log line ("Discarding unparseable args"), by its own
+    parser (it knows which of its flags take a value): a word that is no flag's value (an input
+    path given without --input, a second value, a word after a flag that takes none) and a flag
+    with a single dash (-temperature 0.9)."""
+    discarded = []
+    PipelineOptions(beam_args).get_all_options(
+        retain_unknown_options=True,  # no warning: the caller refuses what it finds
+        add_extra_args_fn=lambda parser: discarded.extend(parser.parse_known_args(beam_args)[1]))
+    return discarded
 
 
 def engine_args_of(args: argparse.Namespace) -> dict:

@@ -30,7 +30,7 @@ from runtime.lora import ADAPTER_WEIGHTS
 from runtime.moe import moe_blocks
 from runtime.request import ChatOptions, Completion, CompletionWaiter, Request, SampleOutput, Timings
 from runtime.runner import ModelRunner, ScoredPrompts
-from runtime.sampling import SampledToken, SampleRow, SamplingParams, sample
+from runtime.sampling import DEFAULT_MAX_LOGPROBS, SampledToken, SampleRow, SamplingParams, sample
 from runtime.scheduler import Scheduler
 from runtime.speculate import DRAFT_BELOW_ROWS, DRAFT_ROWS, accepted
 from runtime.sequence import Event, Sequence, Status, StopRule
@@ -192,7 +192,7 @@ class Engine:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  num_threads: int | None = None, weight_budget_bytes: int | None = None,
                  weights_in_host_memory: bool = False, greedy_screen: bool | None = None,
-                 lora: str | Path | None = None, max_logprobs: int = 20, ngram_drafts: bool = True):
+                 lora: str | Path | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS, ngram_drafts: bool = True):
         """weight_budget_bytes: memory-constrained mode (runtime/weight_stream.py): the decoder
         layers stream from the safetensors files, and the weights held in memory (resident
         parts, two layer slots, the MoE expert ring) stay within this many bytes. The KV cache

@@ -15,6 +15,9 @@ from runtime.structured import canonical_json_schema, check_regex, choice_regex,
 # split ties. Above it we sample at the temperature given; vLLM 0.32 raises one under 0.01 to
 # 0.01 (README).
 SAMPLING_EPS = 1e-5
+# The most logprobs and prompt_logprobs a request may ask for, unless the engine says otherwise
+# (vLLM's default max_logprobs).
+DEFAULT_MAX_LOGPROBS = 20
 _FP32_MAX = torch.finfo(torch.float32).max
 
 

@@ -710,9 +710,20 @@ def test_argument_handling(capsys):
             cli.parse_args([*flags, "--weights_in_host_memory"])
     assert cli._is_local("DirectRunner") and not cli._is_local("DataflowRunner")
     for mistyped in (["--temprature", "0.9"], ["--n=2"],  # Beam would drop them with a warning
-                     ["prompts.jsonl"], ["-temperature", "0.9"], ["--temperature", "0.9", "1.0"]):
+                     ["prompts.jsonl"], ["-temperature", "0.9"], ["--temperature", "0.9", "1.0"],
+                     # a word after a Beam flag that takes no value is no value of it
+                     ["--save_main_session", "prompts.jsonl"], ["--streaming", "prompts.jsonl"]):
         with pytest.raises(SystemExit):
             cli.parse_args(["--input", "x.jsonl", *mistyped, "--direct_num_workers=2"])
+        assert "unrecognized arguments" in capsys.readouterr().err
+    # More logprobs than --max_logprobs allows: refused here, not once the engine has started.
+    for flags in (["--logprobs", "21"], ["--prompt_logprobs", "3", "--max_logprobs", "2"]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(flags)
+        assert "more than --max_logprobs allows" in capsys.readouterr().err
+    for flags in (["--logprobs", "20"], ["--logprobs", "500", "--max_logprobs", "-1"],
+                  ["--prompt_logprobs", "30", "--max_logprobs", "30"]):
+        cli.parse_args(flags)
     for flags, said in ((["--output_shards", "-1"], "argument --output_shards: must be >= 0, got -1"),
                         (["--num_key_shards", "0"], "argument --num_key_shards: must be >= 1, got 0"),
                         (["--kv_cache_mb", "-1"], "argument --kv_cache_mb: must be >= 0, got -1"),
