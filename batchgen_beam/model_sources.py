@@ -11,6 +11,7 @@ import fcntl
 import hashlib
 import os
 import pathlib
+import re
 import tempfile
 
 # Written into the model directory before it is moved into place, so its presence means "complete".
@@ -33,6 +34,7 @@ def resolve_model(model: str | os.PathLike | None = None) -> pathlib.Path:
     model = os.fspath(model)
     if model.startswith("gs://"):
         return _from_gcs(model)
+    _refuse_other_uris(model, "model")
     path = pathlib.Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model directory {path} does not exist")
@@ -46,11 +48,20 @@ def resolve_adapter(adapter: str | os.PathLike) -> pathlib.Path:
     adapter = os.fspath(adapter)
     if adapter.startswith("gs://"):
         return _from_gcs(adapter, _check_adapter_dir)
+    _refuse_other_uris(adapter, "LoRA adapter")
     path = pathlib.Path(adapter).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"LoRA adapter directory {path} does not exist")
     _check_adapter_dir(path, str(path))
     return path
+
+
+def _refuse_other_uris(location: str, what: str) -> None:
+    """ValueError for a URI that is not gs:// (s3://, https://, GS://): taken as a local path it
+    was reported as a missing folder with its slashes collapsed ("s3:/bucket/m")."""
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", location):
+        raise ValueError(f"{what} {location!r}: expected a local folder or a gs:// URI (lower-case "
+                         f"gs; no other scheme is supported)")
 
 
 def check_local_folders(model: str | os.PathLike | None = None,

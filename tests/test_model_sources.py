@@ -3,6 +3,7 @@ the GCS emulator."""
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import textwrap
 import pytest
 
 from batchgen_beam import model_sources
-from batchgen_beam.model_sources import ModelDownloadError, resolve_adapter, resolve_model
+from batchgen_beam.model_sources import ModelDownloadError, check_local_folders, resolve_adapter, resolve_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -44,6 +45,13 @@ def test_local_dir_resolves_to_itself(tiny):
 def test_local_dir_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_model(tmp_path / "missing")
+    # A URI other than gs:// is named as one (it was a missing folder "s3:/bucket/m").
+    for uri in ("s3://bucket/m", "GS://bucket/m", "https://example.com/m"):
+        for resolve, what in ((resolve_model, "model"), (resolve_adapter, "LoRA adapter")):
+            with pytest.raises(ValueError, match=f"{what} '{re.escape(uri)}': expected a local folder or a gs:// URI"):
+                resolve(uri)
+        with pytest.raises(ValueError, match="expected a local folder or a gs:// URI"):
+            check_local_folders(uri)
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="not a directory"):
         resolve_model(tmp_path / "file")
