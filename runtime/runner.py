@@ -19,7 +19,7 @@ MAX_DECODE_PADDING = 0.25
 
 
 def group_by_length(lengths: list[int]) -> list[int]:
-    """Split lengths (sorted descending) into runs whose padding to the run's first (longest)
+    """Split lengths (longest first) into runs whose padding to the run's first (its longest)
     stays under MAX_DECODE_PADDING; returns each run's size."""
     sizes, width, total, count = [], 0, 0, 0
     for length in lengths:
@@ -64,11 +64,17 @@ class ModelRunner:
         positions to score, if any."""
         bs = self.block_size
         # A decode row per sequence, and one per draft token after it (its position and
-        # context one further each): the rows go longest context first, a sequence's rows
-        # are sampled in order.
-        rows = [(seq, position) for seq in batch.decodes
-                for position in range(seq.num_tokens - 1, seq.num_tokens + len(batch.drafts.get(seq, ())))]
-        order = sorted(range(len(rows)), key=lambda row: rows[row][1], reverse=True)
+        # context one further each), sampled in that order. They run sequence by sequence,
+        # longest context first, each sequence's rows longest first: rows that read the same
+        # blocks side by side, as the C++ kernel shares one pass over them.
+        def last_position(seq: Sequence) -> int:
+            return seq.num_tokens - 1 + len(batch.drafts.get(seq, ()))
+
+        rows, order = [], []
+        for seq in sorted(batch.decodes, key=last_position, reverse=True):
+            first = len(rows)
+            rows += [(seq, position) for position in range(seq.num_tokens - 1, last_position(seq) + 1)]
+            order += reversed(range(first, len(rows)))
         decodes = [rows[row] for row in order]
         input_ids = [_decode_token(seq, position, batch.drafts) for seq, position in decodes]
         positions = [position for _, position in decodes]
@@ -81,7 +87,8 @@ class ModelRunner:
         groups, start = [], 0
         for size in sizes:
             members = decodes[start:start + size]
-            width = context_blocks[start]
+            # Its longest: a sequence after a drafted one may be longer than its last guess row.
+            width = max(context_blocks[start:start + size])
             groups.append(DecodeGroup(
                 start, self._tensor([(s.block_table + [0] * width)[:width] for s, _ in members]),
                 self._tensor([p + 1 for _, p in members])))

@@ -95,6 +95,46 @@ def test_peaked_softmax(scale, block_size):
     check(*paged_case([3, 17, 40, 90], 8, 2, 64, block_size, seed=int(scale)), scale=scale)
 
 
+def runs_case(lengths, rows_of, heads, kv_heads, head_dim, block_size, dtype, seed):
+    """paged_case, where sequence i also has rows_of[i] - 1 rows after its first, each one
+    position shorter and reading the same blocks (a drafted sequence's guess rows)."""
+    q, k, v, tables, lens = paged_case(lengths, heads, kv_heads, head_dim, block_size, dtype, seed)
+    which = [i for i, count in enumerate(rows_of) for _ in range(count)]
+    offsets = torch.tensor([j for count in rows_of for j in range(count)])
+    q = torch.randn(len(which), heads, head_dim, generator=gen(seed + 1)).to(dtype)
+    return q, k, v, tables[which], lens[which] - offsets
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.float32, 24), (torch.bfloat16, 16)],
+                         ids=["fp32-vector-path", "fp32-generic-path", "bf16"])
+@pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (None, 2.0), (20, 2.0)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_rows_that_read_the_same_blocks_are_computed_as_each_alone(dtype, head_dim, window, softcap, block_size):
+    """A sequence's rows at positions p + k, ..., p (its guesses) share one pass over its KV in
+    the kernel: each row's output is bit-identical to the row computed alone, and matches
+    torch. Runs longer than the kernel's 16 rows, runs of one, and runs across block edges."""
+    lengths = [40, 3, 17, 70, 9]
+    rows_of = [5, 1, 3, 20, 2]  # the 20 rows: more than one run; 3 - 1 = 2 keys left at the end
+    case = runs_case(lengths, rows_of, 6, 2, head_dim, block_size, dtype, seed=head_dim + block_size)
+    q, k, v, tables, lens = case
+    out = cpu_kernels.paged_decode_attention(q, k, v, tables, lens, 0.3, window, softcap)
+    alone = torch.cat([cpu_kernels.paged_decode_attention(q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1],
+                                                          0.3, window, softcap) for i in range(len(q))])
+    assert torch.equal(out, alone)
+    check(*case, window=window, softcap=softcap)
+
+
+def test_rows_whose_blocks_differ_are_not_computed_together():
+    """Two rows one position apart whose tables differ in a block the shorter reads (another
+    sequence's): each reads its own blocks."""
+    q, k, v, tables, lens = paged_case([30, 29], 4, 2, 32, 8, seed=3)
+    tables[1, 1] = tables[0, 1]  # the same first, second and fourth blocks...
+    tables[1, 0] = tables[0, 0]
+    tables[1, 3] = tables[0, 3]  # ...but not the third: its keys differ
+    assert tables[1, 2] != tables[0, 2]
+    check(q, k, v, tables, lens)
+
+
 @pytest.mark.parametrize("lengths", [[1], [37], [16]])
 def test_batch_of_one(lengths):
     check(*paged_case(lengths, 9, 3, 64, 16, seed=lengths[0]))

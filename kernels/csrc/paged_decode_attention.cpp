@@ -5,8 +5,12 @@
 // Same contract as kernels.attention.paged_decode_attention: q [batch, heads, head_dim];
 // k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]; block_tables [batch, max_blocks];
 // context_lens [batch]; block table entries past a sequence's context are never read.
-// Each (sequence, kv head) is one task: its query heads (GQA) share every key and value row
-// loaded, and an online softmax keeps one pass over the context.
+// Each (run of rows, kv head) is one task: its query heads (GQA) share every key and value row
+// loaded, and an online softmax keeps one pass over the context. A run is consecutive rows that
+// read the same keys and values, as a sequence verifying guessed tokens has (its rows at
+// positions p + k, ..., p: runtime/speculate.py): one pass over its KV serves them all, each row
+// masked to its own context, with every sum in the order that row alone would take, so its
+// output is the same bit for bit.
 
 #include <torch/extension.h>
 
@@ -71,44 +75,94 @@ inline std::pair<int64_t, int64_t> next_block(const int64_t* table, int64_t end,
           std::min(s.block_size, context - end)};
 }
 
-// body(scratch, seq, kv_head, first, context, table) for every (sequence, kv head) task, each
-// thread with its own scratch from make_scratch(). Tasks are handed out one at a time: contexts
-// are ragged and the cores may be shared, so a static split would leave threads idle behind the
-// one holding the longest sequences. A thread claims its next task before it runs the current
-// one and prefetches that task's first block meanwhile: within a task each block's rows pull the
-// next block in, but nothing pulled a task's first, which short contexts feel most (the default
-// model's 30 layers at 200 sequences x 75-150 tokens: 53.5 -> 50.5 ms).
+// The first key a row of this context reads.
+inline int64_t first_key(int64_t context, std::optional<int64_t> sliding_window) {
+  return sliding_window ? std::max<int64_t>(0, context - *sliding_window) : int64_t{0};
+}
+
+// Consecutive rows that read the same keys: `rows` rows from `row`, none longer than the first,
+// whose block tables agree with the first's on every block they read. [first, end) spans the
+// keys any of them reads.
+struct Run {
+  int64_t row, rows, first, end;
+};
+// At most this many rows a run (its scratch holds their kMaxRunRows * group query heads): a
+// sequence and its guesses (runtime/speculate.py) fit in one.
+constexpr int64_t kMaxRunRows = 16;
+
+std::vector<Run> runs_of(const int64_t* tables, const int64_t* context_lens, int64_t batch,
+                         const Shape& s, std::optional<int64_t> sliding_window) {
+  std::vector<Run> runs;
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t context = context_lens[i], first = first_key(context, sliding_window);
+    if (!runs.empty()) {
+      Run& run = runs.back();
+      const int64_t* lead = tables + run.row * s.max_blocks;
+      const int64_t* own = tables + i * s.max_blocks;
+      bool shares = run.rows < kMaxRunRows && context <= run.end;
+      for (int64_t b = first / s.block_size; shares && b <= (context - 1) / s.block_size; ++b)
+        shares = own[b] == lead[b];
+      if (shares) {
+        ++run.rows;
+        run.first = std::min(run.first, first);
+        continue;
+      }
+    }
+    runs.push_back({i, 1, first, context});
+  }
+  return runs;
+}
+
+// body(scratch, run, kv_head, table) for every (run, kv head) task, each thread with its own
+// scratch from make_scratch(); `table` is the run's first row's. Tasks are handed out one at a
+// time: contexts are ragged and the cores may be shared, so a static split would leave threads
+// idle behind the one holding the longest sequences. A thread claims its next task before it
+// runs the current one and prefetches that task's first block meanwhile: within a task each
+// block's rows pull the next block in, but nothing pulled a task's first, which short contexts
+// feel most (the default model's 30 layers at 200 sequences x 75-150 tokens: 53.5 -> 50.5 ms).
 template <typename scalar_t, typename MakeScratch, typename Body>
-void for_each_task(const Shape& s, int64_t batch, const scalar_t* k_cache, const scalar_t* v_cache,
-                   const int64_t* block_tables, const int64_t* context_lens,
-                   std::optional<int64_t> sliding_window, const MakeScratch& make_scratch,
-                   const Body& body) {
-  const int64_t tasks = batch * s.kv_heads;
-  const auto first_of = [&](int64_t context) {
-    return sliding_window ? std::max<int64_t>(0, context - *sliding_window) : int64_t{0};
-  };
+void for_each_task(const Shape& s, const std::vector<Run>& runs, const scalar_t* k_cache,
+                   const scalar_t* v_cache, const int64_t* block_tables,
+                   const MakeScratch& make_scratch, const Body& body) {
+  const int64_t tasks = static_cast<int64_t>(runs.size()) * s.kv_heads;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     auto scratch = make_scratch();
     for (int64_t task = next.fetch_add(1); task < tasks;) {
       const int64_t upcoming = next.fetch_add(1);
       if (upcoming < tasks) {
-        const int64_t seq = upcoming / s.kv_heads, context = context_lens[seq];
-        const int64_t first = first_of(context), row = s.cache_strides[1];
-        const int64_t slot = first % s.block_size;
+        const Run& run = runs[upcoming / s.kv_heads];
+        const int64_t row = s.cache_strides[1], slot = run.first % s.block_size;
         const int64_t offset =
-            block_tables[seq * s.max_blocks + first / s.block_size] * s.cache_strides[0] +
+            block_tables[run.row * s.max_blocks + run.first / s.block_size] * s.cache_strides[0] +
             (upcoming % s.kv_heads) * s.cache_strides[2] + slot * row;
         prefetch_rows(k_cache + offset, v_cache + offset,
-                      std::min(s.block_size - slot, context - first), row, s.head_dim);
+                      std::min(s.block_size - slot, run.end - run.first), row, s.head_dim);
       }
-      const int64_t seq = task / s.kv_heads, context = context_lens[seq];
-      body(scratch, seq, task % s.kv_heads, first_of(context), context,
-           block_tables + seq * s.max_blocks);
+      const Run& run = runs[task / s.kv_heads];
+      body(scratch, run, task % s.kv_heads, block_tables + run.row * s.max_blocks);
       task = upcoming;
     }
   });
 }
+
+// Each query head of a run's task: its row's keys [first, end), as query h = row * group + g.
+template <typename acc_t>
+struct Queries {
+  std::vector<acc_t> m, l;           // the online softmax's running max and sum
+  std::vector<int64_t> first, end;   // the keys each reads
+  explicit Queries(int64_t heads) : m(heads), l(heads), first(heads), end(heads) {}
+
+  void start(const Run& run, const Shape& s, const int64_t* context_lens,
+             std::optional<int64_t> sliding_window) {
+    for (int64_t h = 0; h < run.rows * s.group; ++h) {
+      end[h] = context_lens[run.row + h / s.group];
+      first[h] = first_key(end[h], sliding_window);
+      m[h] = -std::numeric_limits<acc_t>::infinity();
+      l[h] = 0;
+    }
+  }
+};
 
 // Gemma 2's soft cap on the scaled scores, before the softmax: cap * tanh(score / cap).
 template <typename acc_t>
@@ -119,73 +173,76 @@ void cap_scores(acc_t* scores, int64_t n, acc_t cap) {
 template <typename scalar_t>
 void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
             const int64_t* block_tables, const int64_t* context_lens, scalar_t* out,
-            const Shape& s, int64_t batch, double scale, std::optional<int64_t> sliding_window,
-            std::optional<double> softcap) {
+            const Shape& s, const std::vector<Run>& runs, double scale,
+            std::optional<int64_t> sliding_window, std::optional<double> softcap) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t G = s.group, D = s.head_dim, B = s.block_size;
+  const int64_t G = s.group, D = s.head_dim, B = s.block_size, H = kMaxRunRows * G;
   struct Scratch {
-    std::vector<acc_t> qs, acc, scores, m, l;
-    Scratch(int64_t G, int64_t D, int64_t B) : qs(G * D), acc(G * D), scores(G * B), m(G), l(G) {}
+    std::vector<acc_t> qs, acc, scores;
+    Queries<acc_t> queries;
+    Scratch(int64_t H, int64_t D, int64_t B) : qs(H * D), acc(H * D), scores(H * B), queries(H) {}
   };
-  for_each_task(s, batch, k_cache, v_cache, block_tables, context_lens, sliding_window,
-                [&] { return Scratch(G, D, B); },
-                [&](Scratch& scratch, int64_t seq, int64_t kvh, int64_t first, int64_t context,
-                    const int64_t* table) {
-      auto& [qs, acc, scores, m, l] = scratch;
-      for (int64_t g = 0; g < G; ++g) {
-        const scalar_t* qh = q + seq * s.q_strides[0] + (kvh * G + g) * s.q_strides[1];
+  for_each_task(s, runs, k_cache, v_cache, block_tables, [&] { return Scratch(H, D, B); },
+                [&](Scratch& scratch, const Run& run, int64_t kvh, const int64_t* table) {
+      auto& [qs, acc, scores, queries] = scratch;
+      const int64_t heads = run.rows * G;
+      for (int64_t h = 0; h < heads; ++h) {
+        const scalar_t* qh = q + (run.row + h / G) * s.q_strides[0] + (kvh * G + h % G) * s.q_strides[1];
         for (int64_t d = 0; d < D; ++d)
-          qs[g * D + d] = static_cast<acc_t>(qh[d * s.q_strides[2]]) * static_cast<acc_t>(scale);
+          qs[h * D + d] = static_cast<acc_t>(qh[d * s.q_strides[2]]) * static_cast<acc_t>(scale);
       }
-      std::fill(acc.begin(), acc.end(), acc_t(0));
-      std::fill(m.begin(), m.end(), -std::numeric_limits<acc_t>::infinity());
-      std::fill(l.begin(), l.end(), acc_t(0));
+      std::fill(acc.begin(), acc.begin() + heads * D, acc_t(0));
+      queries.start(run, s, context_lens, sliding_window);
 
-      for (int64_t start = first; start < context;) {
-        const int64_t end = std::min(context, (start / B + 1) * B);  // this block's last + 1
+      for (int64_t start = run.first; start < run.end;) {
+        const int64_t end = std::min(run.end, (start / B + 1) * B);  // this block's last + 1
         const int64_t offset = table[start / B] * s.cache_strides[0] + kvh * s.cache_strides[2];
         const scalar_t* k_rows = k_cache + offset;
         const scalar_t* v_rows = v_cache + offset;
         const int64_t n = end - start, slot0 = start % B;
-        const auto [next, next_rows] = next_block(table, end, context, s, kvh);
+        const auto [next, next_rows] = next_block(table, end, run.end, s, kvh);
         const int64_t row = s.cache_strides[1];
         for (int64_t t = 0; t < n; ++t) {
           if (t < next_rows)
             prefetch_rows(k_cache + next + t * row, v_cache + next + t * row, 1, row, D);
           const scalar_t* k = k_rows + (slot0 + t) * row;
-          for (int64_t g = 0; g < G; ++g) scores[g * B + t] = dot(&qs[g * D], k, D);
+          for (int64_t h = 0; h < heads; ++h) scores[h * B + t] = dot(&qs[h * D], k, D);
         }
         if (next_rows > n)  // a partial block: the rows it had no turn for
           prefetch_rows(k_cache + next + n * row, v_cache + next + n * row, next_rows - n, row, D);
-        for (int64_t g = 0; g < G; ++g) {
-          acc_t* sg = &scores[g * B];
-          if (softcap) cap_scores(sg, n, static_cast<acc_t>(*softcap));
-          const acc_t block_max = *std::max_element(sg, sg + n);
-          if (block_max > m[g]) {  // rescale what was summed under the old max
-            const acc_t alpha = std::exp(m[g] - block_max);
-            l[g] *= alpha;
-            for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= alpha;
-            m[g] = block_max;
+        for (int64_t h = 0; h < heads; ++h) {
+          // The block's keys this query reads: [lo, hi) of its scores.
+          const int64_t lo = std::max(queries.first[h], start) - start;
+          const int64_t hi = std::min(queries.end[h], end) - start;
+          if (lo >= hi) continue;
+          acc_t* sg = &scores[h * B];
+          acc_t& m = queries.m[h];
+          acc_t& l = queries.l[h];
+          if (softcap) cap_scores(sg + lo, hi - lo, static_cast<acc_t>(*softcap));
+          const acc_t block_max = *std::max_element(sg + lo, sg + hi);
+          if (block_max > m) {  // rescale what was summed under the old max
+            const acc_t alpha = std::exp(m - block_max);
+            l *= alpha;
+            for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= alpha;
+            m = block_max;
           }
-          for (int64_t t = 0; t < n; ++t) {
-            sg[t] = std::exp(sg[t] - m[g]);
-            l[g] += sg[t];
+          for (int64_t t = lo; t < hi; ++t) {
+            sg[t] = std::exp(sg[t] - m);
+            l += sg[t];
           }
-        }
-        for (int64_t t = 0; t < n; ++t) {
-          const scalar_t* v = v_rows + (slot0 + t) * s.cache_strides[1];
-          for (int64_t g = 0; g < G; ++g) {
-            const acc_t p = scores[g * B + t];
-            acc_t* a = &acc[g * D];
+          acc_t* a = &acc[h * D];
+          for (int64_t t = lo; t < hi; ++t) {
+            const acc_t p = sg[t];
+            const scalar_t* v = v_rows + (slot0 + t) * row;
             for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<acc_t>(v[d]);
           }
         }
         start = end;
       }
 
-      for (int64_t g = 0; g < G; ++g) {
-        scalar_t* o = out + (seq * s.heads + kvh * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[g * D + d] / l[g]);
+      for (int64_t h = 0; h < heads; ++h) {
+        scalar_t* o = out + ((run.row + h / G) * s.heads + kvh * G + h % G) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[h * D + d] / queries.l[h]);
       }
   });
 }
@@ -197,86 +254,92 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
 template <int DV>
 void attend_f32(const float* q, const float* k_cache, const float* v_cache,
                 const int64_t* block_tables, const int64_t* context_lens, float* out,
-                const Shape& s, int64_t batch, double scale, std::optional<int64_t> sliding_window,
-                std::optional<double> softcap) {
-  const int64_t G = s.group, B = s.block_size;
-  const int64_t width = (B + 15) / 16 * 16;  // a block's scores, padded to whole vectors
+                const Shape& s, const std::vector<Run>& runs, double scale,
+                std::optional<int64_t> sliding_window, std::optional<double> softcap) {
+  const int64_t G = s.group, B = s.block_size, H = kMaxRunRows * G;
+  // A block's scores, padded to whole vectors, and one vector more: a query whose keys start
+  // inside the block (a sliding window's first) reads its last vector past the block's end.
+  const int64_t width = (B + 15) / 16 * 16 + 16;
   struct Scratch {
     std::vector<vec16> qs, acc;
-    std::vector<float> scores, m, l;
-    Scratch(int64_t G, int64_t width) : qs(G * DV), acc(G * DV), scores(G * width), m(G), l(G) {}
+    std::vector<float> scores;
+    Queries<float> queries;
+    Scratch(int64_t H, int64_t width) : qs(H * DV), acc(H * DV), scores(H * width), queries(H) {}
   };
-  for_each_task(s, batch, k_cache, v_cache, block_tables, context_lens, sliding_window,
-                [&] { return Scratch(G, width); },
-                [&](Scratch& scratch, int64_t seq, int64_t kvh, int64_t first, int64_t context,
-                    const int64_t* table) {
-      auto& [qs, acc, scores, m, l] = scratch;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qh = q + seq * s.q_strides[0] + (kvh * G + g) * s.q_strides[1];
+  for_each_task(s, runs, k_cache, v_cache, block_tables, [&] { return Scratch(H, width); },
+                [&](Scratch& scratch, const Run& run, int64_t kvh, const int64_t* table) {
+      auto& [qs, acc, scores, queries] = scratch;
+      const int64_t heads = run.rows * G;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* qh = q + (run.row + h / G) * s.q_strides[0] + (kvh * G + h % G) * s.q_strides[1];
         for (int c = 0; c < DV; ++c)
           for (int j = 0; j < 16; ++j)
-            qs[g * DV + c][j] = qh[(c * 16 + j) * s.q_strides[2]] * static_cast<float>(scale);
+            qs[h * DV + c][j] = qh[(c * 16 + j) * s.q_strides[2]] * static_cast<float>(scale);
       }
-      std::fill(acc.begin(), acc.end(), vec16{});
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
+      std::fill(acc.begin(), acc.begin() + heads * DV, vec16{});
+      queries.start(run, s, context_lens, sliding_window);
 
-      for (int64_t start = first; start < context;) {
-        const int64_t end = std::min(context, (start / B + 1) * B);
+      for (int64_t start = run.first; start < run.end;) {
+        const int64_t end = std::min(run.end, (start / B + 1) * B);
         const int64_t offset = table[start / B] * s.cache_strides[0] + kvh * s.cache_strides[2];
         const int64_t n = end - start, slot0 = start % B, row = s.cache_strides[1];
         const float* k_rows = k_cache + offset + slot0 * row;
         const float* v_rows = v_cache + offset + slot0 * row;
-        const auto [next, next_rows] = next_block(table, end, context, s, kvh);
+        const auto [next, next_rows] = next_block(table, end, run.end, s, kvh);
         for (int64_t t = 0; t < n; ++t) {
           if (t < next_rows)
             prefetch_rows(k_cache + next + t * row, v_cache + next + t * row, 1, row, DV * 16);
           vec16 k[DV];
           for (int c = 0; c < DV; ++c) k[c] = load16(k_rows + t * row + c * 16);
-          for (int64_t g = 0; g < G; ++g) {
-            const vec16* qg = &qs[g * DV];
-            vec16 p = qg[0] * k[0];
-            for (int c = 1; c < DV; ++c) p += qg[c] * k[c];
-            scores[g * width + t] = lane_sum(p);
+          for (int64_t h = 0; h < heads; ++h) {
+            const vec16* qh = &qs[h * DV];
+            vec16 p = qh[0] * k[0];
+            for (int c = 1; c < DV; ++c) p += qh[c] * k[c];
+            scores[h * width + t] = lane_sum(p);
           }
         }
         if (next_rows > n)
           prefetch_rows(k_cache + next + n * row, v_cache + next + n * row, next_rows - n, row,
                         DV * 16);
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = &scores[g * width];
-          if (softcap) cap_scores(sg, n, static_cast<float>(*softcap));
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t lo = std::max(queries.first[h], start) - start;
+          const int64_t hi = std::min(queries.end[h], end) - start;
+          if (lo >= hi) continue;
+          float* sg = &scores[h * width];
+          float& m = queries.m[h];
+          float& l = queries.l[h];
+          if (softcap) cap_scores(sg + lo, hi - lo, static_cast<float>(*softcap));
           vec16 a[DV];
-          for (int c = 0; c < DV; ++c) a[c] = acc[g * DV + c];
-          const float block_max = *std::max_element(sg, sg + n);
-          if (block_max > m[g]) {  // rescale what was summed under the old max
-            const float alpha = std::exp(m[g] - block_max);
-            l[g] *= alpha;
+          for (int c = 0; c < DV; ++c) a[c] = acc[h * DV + c];
+          const float block_max = *std::max_element(sg + lo, sg + hi);
+          if (block_max > m) {  // rescale what was summed under the old max
+            const float alpha = std::exp(m - block_max);
+            l *= alpha;
             for (int c = 0; c < DV; ++c) a[c] *= alpha;
-            m[g] = block_max;
+            m = block_max;
           }
-          for (int64_t t0 = 0; t0 < n; t0 += 16) {
+          for (int64_t t0 = lo; t0 < hi; t0 += 16) {
             const lanes16 in_block = lanes16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} <
-                                      static_cast<int32_t>(n - t0);
-            const vec16 e = exp16(load16(sg + t0) - m[g]);
+                                      static_cast<int32_t>(hi - t0);
+            const vec16 e = exp16(load16(sg + t0) - m);
             lanes16 bits;
             __builtin_memcpy(&bits, &e, sizeof(bits));
-            bits &= in_block;  // lanes past the block's last token weigh nothing
+            bits &= in_block;  // lanes past the query's last key weigh nothing
             vec16 weights;
             __builtin_memcpy(&weights, &bits, sizeof(weights));
             store16(sg + t0, weights);
-            l[g] += lane_sum(weights);
+            l += lane_sum(weights);
           }
-          for (int64_t t = 0; t < n; ++t)
+          for (int64_t t = lo; t < hi; ++t)
             for (int c = 0; c < DV; ++c) a[c] += sg[t] * load16(v_rows + t * row + c * 16);
-          for (int c = 0; c < DV; ++c) acc[g * DV + c] = a[c];
+          for (int c = 0; c < DV; ++c) acc[h * DV + c] = a[c];
         }
         start = end;
       }
 
-      for (int64_t g = 0; g < G; ++g) {
-        float* o = out + (seq * s.heads + kvh * G + g) * DV * 16;
-        for (int c = 0; c < DV; ++c) store16(o + c * 16, acc[g * DV + c] / l[g]);
+      for (int64_t h = 0; h < heads; ++h) {
+        float* o = out + ((run.row + h / G) * s.heads + kvh * G + h % G) * DV * 16;
+        for (int c = 0; c < DV; ++c) store16(o + c * 16, acc[h * DV + c] / queries.l[h]);
       }
   });
 }
@@ -335,11 +398,13 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const Shape shape{heads, kv_heads, heads / kv_heads, head_dim, block_size, tables.size(1),
                     {q.stride(0), q.stride(1), q.stride(2)},
                     {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)}};
+  const auto runs = runs_of(tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), batch, shape,
+                            sliding_window);
   if (q.scalar_type() == at::kFloat && head_dim % 16 == 0 && head_dim <= 16 * 8) {
     const auto run = [&](auto dv) {
       attend_f32<decltype(dv)::value>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
                                       v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
-                                      lens.data_ptr<int64_t>(), out.data_ptr<float>(), shape, batch,
+                                      lens.data_ptr<int64_t>(), out.data_ptr<float>(), shape, runs,
                                       scale, sliding_window, softcap);
     };
     switch (head_dim / 16) {
@@ -357,7 +422,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     attend<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                      v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
-                     lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), shape, batch, scale,
+                     lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), shape, runs, scale,
                      sliding_window, softcap);
   });
   return out;
