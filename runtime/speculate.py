@@ -9,11 +9,13 @@ completion is the same; a guess stands only if every token before it was the mod
 """
 
 # A step verifies at most this many guesses, those of the sequences with the most tokens left
-# (they set when a batch completes). On a CPU a row at a long context costs its own reading of
-# its sequence's KV: W1's tail on SmolLM2 (12 rows at ~700 tokens, ~42 ms a step) paid ~1.4 ms a
-# row, so guesses for sequences that finish early anyway only slowed its steps: filling steps with
-# guesses up to 32 rows took W1 as long as none (72.7 s against 73.2 s, 754 steps against 923);
-# 4 a step took 72.7 and 73.8 s against 78.4 and 76.3 s without (alternating, 779 steps).
+# (they set when a batch completes). On a CPU a guess row at a long context costs its arithmetic
+# (the C++ attention reads a sequence's KV once for all its rows): W1's tail on SmolLM2 (12 rows
+# at ~700 tokens, ~42 ms a step) paid ~1.4 ms a row before that sharing, ~1 ms after, so guesses
+# for sequences that finish early anyway only slow its steps: filling steps with guesses up to 32
+# rows took W1 as long as none (72.7 s against 73.2 s, 754 steps against 923); 4 a step took 72.7
+# and 73.8 s against 78.4 and 76.3 s without (alternating, 779 steps); with the sharing, 8 and 16
+# a step took 103.8 and 107.1 s against 89.7 s for 4 (764 and 758 steps against 779).
 DRAFT_ROWS = 4
 # Only in steps of fewer decode rows than this: larger ones are bound by their arithmetic.
 DRAFT_BELOW_ROWS = 32
