@@ -28,6 +28,7 @@ from typing import Any, Iterable
 
 from apache_beam.utils.multi_process_shared import MultiProcessShared
 
+from batchgen_beam.model_sources import model_location
 from kernels import linear_rows
 from runtime.request import Completion, Request
 
@@ -67,8 +68,9 @@ class EngineConfig:
     local_revision: str | None = None
 
     @classmethod
-    def of(cls, model: str | None = None, **engine_args) -> "EngineConfig":
-        """Unknown engine arguments raise here, at pipeline construction, not on a worker."""
+    def of(cls, model: str | os.PathLike | None = None, **engine_args) -> "EngineConfig":
+        """Unknown engine arguments raise here, at pipeline construction, not on a worker.
+        Local model and adapter folders are named absolute (model_sources.model_location)."""
         from runtime import Engine
 
         known = [name for name, p in inspect.signature(Engine).parameters.items()
@@ -77,7 +79,9 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"engine_args: unknown {unknown}; runtime.Engine takes {', '.join(known)}")
         Engine.check_sizes(**engine_args)
-        return cls(model, tuple(sorted(engine_args.items()))).current()
+        if engine_args.get("lora") is not None:
+            engine_args["lora"] = model_location(engine_args["lora"])
+        return cls(model_location(model), tuple(sorted(engine_args.items()))).current()
 
     def current(self) -> "EngineConfig":
         """This config with its local folders as they are now (a transform built before a
@@ -715,6 +719,10 @@ class EngineLease:
 
     def engine_config(self) -> EngineConfig:
         return self.client.config
+
+    def engine_info(self) -> dict | None:
+        """The engine's counters as of this client's last poll (EngineMetrics.engine)."""
+        return self.client.last_info
 
     def release(self) -> None:
         self._release()

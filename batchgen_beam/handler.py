@@ -8,6 +8,7 @@ when its slowest prompt is done (DESIGN.md §4).
 
 import dataclasses
 import hashlib
+import os
 import uuid
 from collections.abc import Mapping
 from typing import Any, Iterable, Sequence
@@ -15,9 +16,12 @@ from typing import Any, Iterable, Sequence
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
 from batchgen_beam.engine_client import EngineConfig, EngineLease
+from batchgen_beam.generate import EngineMetrics
 from batchgen_beam.records import (Parsed, check_defaults, completion_row, error_row, is_missing,
                                    is_openai_line, parse_record)
 from runtime.default_model import DEFAULT_MODEL_NAME
+
+DEFAULT_MIN_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE = 32, 256
 
 
 def as_record(example: Any) -> Any:
@@ -32,8 +36,9 @@ def as_record(example: Any) -> Any:
     if isinstance(example, (list, tuple)):
         return {"id": content_id(example), "messages": list(example)}
     if isinstance(example, Mapping):
-        # (a record of ours may carry a field named "body", but not an OpenAI request body)
-        line = is_openai_line(example) and isinstance(example.get("body"), Mapping)
+        # A record of ours may carry a field named "body", but not an OpenAI request body nor a
+        # custom_id: a line with a malformed body keeps its custom_id, its row says what is wrong.
+        line = is_openai_line(example) and ("custom_id" in example or isinstance(example.get("body"), Mapping))
         key = "custom_id" if line else "id"
         if is_missing(example.get(key)):  # None and NaN count as absent, as for every record field
             return {**example, key: content_id(example)}
@@ -58,11 +63,18 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineLease]):
     output rows (a bad record gives an error row, never an exception). Per-record sampling and
     chat fields override the transform-wide `inference_args`."""
 
-    def __init__(self, model: str | None = None, *, min_batch_size: int = 32,
-                 max_batch_size: int = 256, engine_args: dict | None = None, **kwargs):
+    def __init__(self, model: str | os.PathLike | None = None, *, min_batch_size: int | None = None,
+                 max_batch_size: int | None = None, engine_args: dict | None = None, **kwargs):
         # BatchElements would start at 1 and grow slowly; generation wants big batches at once.
+        # A bound given alone moves the other's default out of its way (max_batch_size=8: a
+        # minimum of 32 would refuse it).
+        if min_batch_size is None:
+            min_batch_size = DEFAULT_MIN_BATCH_SIZE if max_batch_size is None else min(DEFAULT_MIN_BATCH_SIZE, max_batch_size)
+        if max_batch_size is None:
+            max_batch_size = max(DEFAULT_MAX_BATCH_SIZE, min_batch_size)
         super().__init__(min_batch_size=min_batch_size, max_batch_size=max_batch_size, **kwargs)
         self._config = EngineConfig.of(model, **(engine_args or {}))
+        self._metrics: EngineMetrics | None = None  # made where batches run
 
     def load_model(self) -> EngineLease:
         # Not connected yet: under KeyedModelHandler with several models, Beam calls this while
@@ -91,10 +103,14 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineLease]):
         request_ids = [f"{batch_id}:{i}" for i in range(len(batch))]
         done = model.run([dataclasses.replace(p.to_request(), id=rid)
                           for p, rid in zip(parsed, request_ids) if isinstance(p, Parsed)])
+        rows = [completion_row(p, done[rid]) if isinstance(p, Parsed) else error_row(p)
+                for p, rid in zip(parsed, request_ids)]
+        self._metrics = self._metrics or EngineMetrics()
+        for row in rows:
+            self._metrics.row(row)
+        self._metrics.engine(model.engine_info())
         model_id = _model_id(model.engine_config())
-        return [PredictionResult(example, completion_row(p, done[rid]) if isinstance(p, Parsed)
-                                 else error_row(p), model_id)
-                for example, p, rid in zip(batch, parsed, request_ids)]
+        return [PredictionResult(example, row, model_id) for example, row in zip(batch, rows)]
 
     def get_metrics_namespace(self) -> str:
         return "batchgen"

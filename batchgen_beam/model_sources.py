@@ -22,6 +22,16 @@ class ModelDownloadError(OSError):
     """A downloaded file does not match the object it was downloaded from."""
 
 
+def model_location(location: str | os.PathLike | None) -> str | None:
+    """A model's or adapter's location as engines are configured with it: a URI as given, a
+    local folder absolute ("~" expanded, no trailing slash), so every spelling of one folder
+    (a Path, "./m", "m/") names one engine."""
+    if location is None:
+        return None
+    location = os.fspath(location)
+    return location if "://" in location else os.path.abspath(os.path.expanduser(location))
+
+
 def resolve_model(model: str | os.PathLike | None = None) -> pathlib.Path:
     """Return a local directory holding the model's config.json and *.safetensors weights.
 

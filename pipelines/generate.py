@@ -40,7 +40,7 @@ from batchgen_beam.engine_client import EngineClient, EngineConfig, EngineStartE
 from batchgen_beam.generate import METRICS_NAMESPACE, Generate
 from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, absolute_path,
                               check_input, check_output, file_records, infer_format)
-from batchgen_beam.model_sources import check_local_folders
+from batchgen_beam.model_sources import check_local_folders, model_location
 from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, RepeatedKey, check_defaults,
                                    default_sampling_params, is_missing, is_openai_line, loads_record)
 from runtime.default_model import DEFAULT_MODEL_NAME
@@ -251,7 +251,7 @@ def engine_args_of(args: argparse.Namespace) -> dict:
              "num_threads": args.num_threads, "device": args.device,
              "weight_budget_bytes": None if args.weight_budget_mb is None else args.weight_budget_mb << 20,
              "weights_in_host_memory": args.weights_in_host_memory, "greedy_screen": args.greedy_screen,
-             "lora": _local_or_gcs(args.lora), "max_logprobs": args.max_logprobs,
+             "lora": model_location(args.lora), "max_logprobs": args.max_logprobs,
              "ngram_drafts": args.ngram_drafts}
     return {k: v for k, v in given.items() if v is not None}
 
@@ -275,12 +275,7 @@ def _json_object(text: str) -> dict:
 
 
 def model_of(args: argparse.Namespace) -> str | None:
-    return _local_or_gcs(args.model)
-
-
-def _local_or_gcs(path: str | None) -> str | None:
-    """A local path absolute, as engine arguments hold it: the same engine from any cwd."""
-    return None if path is None else absolute_path(path)
+    return model_location(args.model)
 
 
 def as_chat(record):

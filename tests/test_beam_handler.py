@@ -14,8 +14,8 @@ from apache_beam.ml.inference.base import KeyedModelHandler, KeyModelMapping, Ru
 
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.handler import BatchGenModelHandler, as_record, content_id
-from batchgen_beam.records import Parsed, parse_record
-from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, bundled_prompts, chat_model_dir, gone,
+from batchgen_beam.records import Parsed, error_row, parse_record
+from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, bundled_prompts, chat_model_dir, counter, gone,
                           run_pipeline)
 from runtime import Engine, Request, SamplingParams
 
@@ -96,6 +96,11 @@ def test_examples_as_records():
     assert as_record(line) == {**line, "custom_id": content_id(line)}
     assert parse_record(as_record(line)).prompt == "Hi"
     assert parse_record(as_record({"prompt": "Hi", "body": "an email"})).prompt == "Hi"
+    # A line whose body is malformed or missing keeps its custom_id, and its error row names the body.
+    for body in ({"body": None}, {"body": "text"}, {"body": []}, {}):
+        line = {"custom_id": "c", "method": "POST", "url": "/v1/completions", **body}
+        row = error_row(parse_record(as_record(line)))
+        assert row["id"] == "c" and row["error"].startswith("body:"), row
 
 
 def test_an_example_without_an_id_is_named_by_its_content():
@@ -391,3 +396,37 @@ def test_batching_does_not_start_at_one(model_dir):
     assert KeyedModelHandler(handler(model_dir)).batch_elements_kwargs() == kwargs
     custom = BatchGenModelHandler(str(model_dir), min_batch_size=8, max_batch_size=64)
     assert custom.batch_elements_kwargs() == {"min_batch_size": 8, "max_batch_size": 64}
+    # A bound given alone moves the other's default out of its way (Beam refused min > max).
+    for given, expected in (({"max_batch_size": 8}, (8, 8)), ({"max_batch_size": 1}, (1, 1)),
+                            ({"min_batch_size": 300}, (300, 300)), ({"max_batch_size": 1000}, (32, 1000))):
+        kwargs = BatchGenModelHandler(str(model_dir), **given).batch_elements_kwargs()
+        assert (kwargs["min_batch_size"], kwargs["max_batch_size"]) == expected
+
+
+def test_every_spelling_of_a_model_folder_names_one_engine(model_dir, monkeypatch):
+    """A Path, a trailing slash, a relative path: one engine config, its model_id a string."""
+    monkeypatch.chdir(model_dir.parent)
+    spellings = [model_dir, str(model_dir), f"{model_dir}/", model_dir.name, f"./{model_dir.name}/"]
+    configs = {EngineConfig.of(spelling, **ENGINE_ARGS) for spelling in spellings}
+    assert configs == {EngineConfig.of(str(model_dir), **ENGINE_ARGS)}
+    [result] = BatchGenModelHandler(model_dir, engine_args=ENGINE_ARGS).run_inference(
+        ["Hi"], handler(model_dir).load_model(), INFERENCE_ARGS)
+    assert result.model_id == str(model_dir)
+
+
+def test_rows_and_errors_are_counted_under_run_inference(model_dir, prompts, tmp_path):
+    """The batchgen counters Generate reports (README, Metrics), under RunInference too."""
+    examples = [prompts[0], {"id": "bad", "prompt": ""}, {"id": "r", "prompt": prompts[1], "max_tokens": 3},
+                {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": None}]
+
+    def build(p):
+        return {"rows": p | beam.Create(examples, reshuffle=False)
+                | RunInference(handler(model_dir), inference_args=INFERENCE_ARGS)
+                | beam.Map(lambda r: json.dumps(r.inference))}
+
+    outputs, result = run_pipeline(build, tmp_path, IN_MEMORY)
+    rows = outputs["rows"]
+    assert len(rows) == 4 and sum(row["error"] is not None for row in rows) == 2
+    assert counter(result, "sequences_finished") == 4
+    assert counter(result, "errors") == 2
+    assert counter(result, "tokens_generated") == sum(row["completion_tokens"] for row in rows) > 0
