@@ -36,9 +36,13 @@ log = logging.getLogger(__name__)
 
 # Errors a proxy call raises when the engine process is gone.
 _ENGINE_GONE = (EOFError, ConnectionError, BrokenPipeError, OSError)
-# A request in flight through this many deaths of the engine process (a request that crashes
-# it, most likely) ends as an error completion instead of being resubmitted once more.
+# Restarts of a dead engine process in a row (as it starts, or as one call finds it gone).
 MAX_ENGINE_DEATHS = 3
+# A request in flight through this many deaths of the engine process is a suspect: suspects run
+# again apart from each other, in halves of the suspects' group, each half split again where it
+# kills the engine once more, so that a request that crashes the engine whenever it runs ends
+# alone as an error completion and takes no request in flight beside it down with it.
+SUSPECT_DEATHS = 2
 # The owner of a request whose client left while it ran (EngineService.leave).
 _NO_CLIENT = "<left>"
 
@@ -399,6 +403,9 @@ class EngineClient:
         self._unwanted: set[str] = set()
         self.restarts = 0
         self._deaths: Counter[str] = Counter()  # engine deaths each resident request was in flight for
+        self._held: list[list[str]] = []  # suspects' groups (SUSPECT_DEATHS), waiting for their turn
+        self._held_ids: set[str] = set()  # their ids: resident, not in the engine
+        self._trial: list[str] = []  # the suspects' group in the engine now, if any
         self.last_info: dict | None = None  # the engine's counters as of the last poll
         # Connected on first use, not here: Beam's multi-model RunInference constructs the
         # handler's model under the lock that connecting needs too (a deadlock).
@@ -481,8 +488,8 @@ class EngineClient:
             if not restart:
                 raise
             cause = gone
-        # The engine process died; a new one may die again (a request that crashes it is
-        # resubmitted with the others until it has been in flight through MAX_ENGINE_DEATHS).
+        # The engine process died; a new one may die again (a request that crashes it becomes a
+        # suspect, and runs apart from the others: _restart).
         for _ in range(MAX_ENGINE_DEATHS + 1):
             try:
                 service = self._restart(service, cause)
@@ -495,32 +502,71 @@ class EngineClient:
                            f"(calling {method}): {cause!r}") from cause
 
     def _restart(self, failed_service, cause: BaseException):
-        """A new engine process, every resident request resubmitted to it but those in flight
-        through MAX_ENGINE_DEATHS deaths, which end as error completions; returns its service."""
+        """A new engine process, every resident request resubmitted to it but the suspects
+        (SUSPECT_DEATHS): those wait to run apart, a group at a time; a suspect that kills the
+        engine alone ends as an error completion. Returns the new service."""
         with self._lock:
             if self._service is not failed_service:  # another thread already restarted it
                 return self._service
-            pending = [(rid, r) for rid, r in self._resident.items() if rid not in self._done]
+            pending = [rid for rid in self._resident if rid not in self._done and rid not in self._held_ids]
             log.warning("batchgen engine process is gone (%r); starting a new one and resubmitting "
                         "%d resident request(s)", cause, len(pending))
             self._service = self._connect()
             self.restarts += 1
-            resubmitted = []
-            for request_id, item in pending:
+            for request_id in pending:
                 self._deaths[request_id] += 1
-                if self._deaths[request_id] < MAX_ENGINE_DEATHS:
-                    resubmitted.append(item)
-                else:
-                    self._done[request_id] = Completion.failed(
-                        request_id, f"the engine process died {MAX_ENGINE_DEATHS} times while this "
-                                    f"request was in it (last: {cause!r}); not resubmitted again")
-            requests = [r for r in resubmitted if isinstance(r, Request)]
-            states = [r for r in resubmitted if not isinstance(r, Request)]
-            if requests:
-                self._service.submit(self.client_id, requests)
-            if states:
-                self._service.resume(self.client_id, states)
+            tried = [rid for rid in self._trial if rid in pending]
+            others = [rid for rid in pending if rid not in self._trial]
+            self._trial = []
+            if len(tried) == 1:  # it killed the engine on its own
+                [request_id] = tried
+                self._done[request_id] = Completion.failed(
+                    request_id, f"the engine process died while this request ran apart from others "
+                                f"({self._deaths[request_id]} deaths with it in flight, last: {cause!r}); "
+                                f"not resubmitted again")
+            else:  # the suspects of the group that died again go first, in halves
+                self._hold(tried, first=True)
+            self._hold([rid for rid in others if self._deaths[rid] >= SUSPECT_DEATHS])
+            self._send(self._service, [self._resident[rid] for rid in others if rid not in self._held_ids])
+            self._start_trial(self._service)
             return self._service
+
+    def _hold(self, suspects: list[str], first: bool = False) -> None:
+        """Keep these suspects out of the engine until their turn, in two groups (call with the
+        lock held)."""
+        halves = [half for half in (suspects[:len(suspects) // 2], suspects[len(suspects) // 2:]) if half]
+        if first:
+            self._held[:0] = halves
+        else:
+            self._held += halves
+        self._held_ids.update(suspects)
+
+    def _start_trial(self, service) -> None:
+        """Once no suspects run, send the next held group (call with the lock held). Where the
+        engine is gone, the group stays first in line and _ENGINE_GONE is raised."""
+        if not self._held or any(rid in self._resident and rid not in self._done for rid in self._trial):
+            return
+        self._trial = []
+        while self._held and not self._trial:
+            group = self._held.pop(0)
+            self._held_ids.difference_update(group)
+            self._trial = [rid for rid in group if rid in self._resident]  # not let go meanwhile
+        try:
+            self._send(service, [self._resident[rid] for rid in self._trial])
+        except _ENGINE_GONE:
+            self._held.insert(0, self._trial)
+            self._held_ids.update(self._trial)
+            self._trial = []
+            raise
+
+    def _send(self, service, items: list) -> None:
+        """Submit the requests and resume the migrated states among `items`."""
+        requests = [item for item in items if isinstance(item, Request)]
+        states = [item for item in items if not isinstance(item, Request)]
+        if requests:
+            service.submit(self.client_id, requests)
+        if states:
+            service.resume(self.client_id, states)
 
     # ---- the coarse API ------------------------------------------------------------------
     def submit(self, requests: Iterable[Request]) -> None:
@@ -567,6 +613,7 @@ class EngineClient:
         """No longer this client's to resubmit (call with the lock held)."""
         self._resident.pop(request_id, None)
         self._deaths.pop(request_id, None)
+        self._held_ids.discard(request_id)
 
     @_finishes_when_interrupted
     def abandon(self, request_ids: Iterable[str]) -> None:
@@ -575,8 +622,8 @@ class EngineClient:
         acknowledged, here or on arrival, or the engine would hold them for good."""
         with self._lock:
             for request_id in request_ids:
-                if request_id in self._resident:
-                    self._let_go(request_id, completion_coming=True)
+                if request_id in self._resident:  # a held suspect is in no engine
+                    self._let_go(request_id, completion_coming=request_id not in self._held_ids)
 
     @_finishes_when_interrupted
     def cancel(self, prefix: str) -> None:
@@ -595,8 +642,9 @@ class EngineClient:
             except _ENGINE_GONE:
                 engine_up = False
         with self._lock:
-            for request_id in ids:  # those not taken out had finished
-                self._let_go(request_id, completion_coming=engine_up and request_id not in taken_out)
+            for request_id in ids:  # those not taken out had finished (or are held suspects)
+                self._let_go(request_id, completion_coming=engine_up and request_id not in taken_out
+                             and request_id not in self._held_ids)
 
     def _let_go(self, request_id: str, completion_coming: bool) -> None:
         """No longer this client's; its completion is acknowledged unread: now if it is here,
@@ -676,6 +724,11 @@ class EngineClient:
                 elif completion.id in self._unwanted:
                     self._unwanted.remove(completion.id)
                     self._taken.append(completion.id)
+        with self._lock:
+            try:
+                self._start_trial(self._service)
+            except _ENGINE_GONE:  # the next call restarts it, and sends them then
+                pass
 
     @_finishes_when_interrupted
     def info(self) -> dict:

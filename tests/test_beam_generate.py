@@ -5,6 +5,7 @@ both; a record left in state by a dead worker is resubmitted by id and answered 
 
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -626,25 +627,45 @@ class ServiceDyingOn:
                 for rid in done], [], {}
 
 
-def test_requests_in_flight_through_repeated_engine_deaths_end_as_errors(monkeypatch):
-    """A request that kills the engine process each time it runs is resubmitted (with those in
-    flight beside it) until it has been through MAX_ENGINE_DEATHS; then they end as error
-    completions instead of failing the bundle, and later requests run."""
-    from batchgen_beam.engine_client import MAX_ENGINE_DEATHS
+@pytest.mark.parametrize("innocents", [1, 3, 10])
+def test_a_request_that_kills_the_engine_whenever_it_runs_ends_alone_as_an_error(monkeypatch, innocents):
+    """It is resubmitted with those in flight beside it until they have been through
+    SUSPECT_DEATHS deaths; then the suspects run apart, in halves split again wherever one
+    kills the engine, so the poison ends as an error completion by itself (not invalid: no value
+    of its own was wrong), every other one completes, and later requests run."""
+    from batchgen_beam.engine_client import SUSPECT_DEATHS
 
     started = []
     monkeypatch.setattr(EngineClient, "_connect", lambda self: started.append(ServiceDyingOn("poison"))
                         or started[-1])
     client = EngineClient(EngineConfig.of(None))
-    client.submit([Request(rid, prompt="Hi") for rid in ("a", "poison")])
-    done = client.wait_all(["a", "poison"])
-    assert len(started) == MAX_ENGINE_DEATHS + 1 and client.restarts == MAX_ENGINE_DEATHS
-    for completion in done.values():
-        assert completion.finish_reason == "error" and completion.error.startswith(
-            f"the engine process died {MAX_ENGINE_DEATHS} times while this request was in it")
-        assert not completion.invalid
+    ids = [f"r{i}" for i in range(innocents // 2)] + ["poison"] + [f"r{i}" for i in range(innocents // 2, innocents)]
+    client.submit([Request(rid, prompt="Hi") for rid in ids])
+    done = client.wait_all(ids)
+    poison = done.pop("poison")
+    assert poison.finish_reason == "error" and not poison.invalid
+    assert poison.error.startswith("the engine process died while this request ran apart from others")
+    assert all(completion.error is None for completion in done.values()) and len(done) == innocents
+    # Deaths with everyone in flight, then one per halving of the suspects down to the poison.
+    assert client.restarts == len(started) - 1 <= SUSPECT_DEATHS + math.ceil(math.log2(innocents + 1)) + 1
     client.submit([Request("later", prompt="Hi")])
     assert client.wait_all(["later"])["later"].error is None
+
+
+def test_a_suspect_let_go_while_it_waits_for_its_turn_holds_up_no_other(monkeypatch):
+    started = []
+    monkeypatch.setattr(EngineClient, "_connect", lambda self: started.append(ServiceDyingOn("poison"))
+                        or started[-1])
+    client = EngineClient(EngineConfig.of(None))
+    client.submit([Request(rid, prompt="Hi") for rid in ("a", "b", "c", "poison")])
+    client._connected()
+    for _ in range(2):  # two deaths: four suspects, in halves, the first half running
+        client._restart(client._service, EOFError("the engine process died"))
+    assert client._trial == ["a", "b"] and client._held_ids == {"c", "poison"}
+    client.abandon(["c"])  # held: in no engine, so no completion of it is coming
+    done = client.wait_all(["a", "b", "poison"])
+    assert done["a"].error is None and done["b"].error is None and done["poison"].finish_reason == "error"
+    assert not client._held_ids and not client._unwanted and not client._resident
 
 
 class SharedProcessStarts:
