@@ -510,7 +510,8 @@ class EngineClient:
                 return self._service
             pending = [rid for rid in self._resident if rid not in self._done and rid not in self._held_ids]
             log.warning("batchgen engine process is gone (%r); starting a new one and resubmitting "
-                        "%d resident request(s)", cause, len(pending))
+                        "%d resident request(s) (suspects apart: %d)", cause, len(pending),
+                        sum(self._deaths[rid] + 1 >= SUSPECT_DEATHS for rid in pending))
             self._service = self._connect()
             self.restarts += 1
             for request_id in pending:

@@ -69,7 +69,7 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineLease]):
         # A bound given alone moves the other's default out of its way (max_batch_size=8: a
         # minimum of 32 would refuse it).
         if min_batch_size is None:
-            min_batch_size = DEFAULT_MIN_BATCH_SIZE if max_batch_size is None else min(DEFAULT_MIN_BATCH_SIZE, max_batch_size)
+            min_batch_size = min(DEFAULT_MIN_BATCH_SIZE, max_batch_size or DEFAULT_MIN_BATCH_SIZE)
         if max_batch_size is None:
             max_batch_size = max(DEFAULT_MAX_BATCH_SIZE, min_batch_size)
         super().__init__(min_batch_size=min_batch_size, max_batch_size=max_batch_size, **kwargs)
