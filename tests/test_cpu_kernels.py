@@ -271,6 +271,17 @@ def test_the_panel_kernel_matches_torch(rows, in_features, out_features):
                                **LINEAR_TOLERANCE)
 
 
+def test_the_panel_kernel_takes_no_rows():
+    """A step whose rows are all a chunked prompt's asks the screen's linear for none (it
+    divided by zero, killing the engine process, when passes were first sized evenly)."""
+    weight = torch.randn(40, 16, generator=gen(3))
+    for packed in (cpu_kernels.pack_panels(weight), cpu_kernels.pack_panels(weight.bfloat16())):
+        out = cpu_kernels.build().panel_linear(torch.randn(0, 16), packed, 40, None)
+        assert out.shape == (0, 40)
+    assert cpu_kernels.bf16_weight_linear(torch.randn(0, 16), weight.bfloat16(),
+                                          cpu_kernels.pack_bf16_weight(weight.bfloat16())).shape == (0, 40)
+
+
 def test_a_panel_kernel_row_does_not_depend_on_the_rows_beside_it():
     """However the rows split into passes and register tiles, each row sums its products in the
     same order: a row of a 1-, 193- or 385-row call is bit-identical to the row alone."""

@@ -159,6 +159,19 @@ def test_the_engine_screens_only_greedy_rows_without_logprobs(tiny):
     assert engine.stats.screened_rows == 12 + 2 * 12 + rejected
 
 
+def test_a_step_that_samples_no_row_screens_nothing(tiny):
+    """A chunk of a prompt alone samples no row: the screen's linear gets none (its C++ kernel
+    divided by zero there, killing the process)."""
+    prompt = random_prompts((40,), seed=6)[0]
+
+    def tokens(screen):
+        engine = make_engine(tiny.dir("llama"), greedy_screen=screen, max_num_batched_tokens=16)
+        [completion] = engine.generate([Request("a", prompt_token_ids=prompt, params=SamplingParams(max_tokens=4))])
+        return completion.token_ids
+
+    assert tokens(True) == tokens(False)
+
+
 def test_a_half_precision_engine_screens_to_the_tokens_it_gives_unscreened(tiny):
     """The candidates' logits are soft-capped in bf16, as the full path's are (transformers'
     rounding): tanh rounds them to a few values near the cap, and the lowest id of the ties

@@ -36,8 +36,8 @@ constexpr int64_t kRowBlock = 192;
 // all the weights, which a pass of few rows cannot hide behind its arithmetic: 200 rows as 192
 // and 8 paid a whole memory-bound read of the weights for the 8.
 inline int64_t rows_per_pass(int64_t rows) {
-  const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
-  return (rows + blocks - 1) / blocks;
+  const int64_t blocks = std::max<int64_t>(1, (rows + kRowBlock - 1) / kRowBlock);  // 0 rows: one empty pass
+  return std::max<int64_t>(1, (rows + blocks - 1) / blocks);
 }
 // While a panel is computed its rows of x also ask for the panel this many further on, into L2
 // (prefetcht1): the memory stream then overlaps the arithmetic of every row group (the default
