@@ -57,8 +57,8 @@ SAMPLING_FLAGS = (
     ("logprobs", int, "return the log-probability of each generated token"),
     ("prompt_logprobs", int, "also score the prompt: each prompt token's log-probability and rank "
                              "(and the N likeliest tokens at each position)"),
-    ("truncate_prompt_tokens", int, "keep only each prompt's last N tokens (else a prompt over the "
-                                    "context is an error row)"),
+    ("truncate_prompt_tokens", int, "keep only each prompt's last N tokens, -1: as many as the context "
+                                    "holds (else a prompt over the context is an error row)"),
     ("min_tokens", int, "tokens to generate before EOS, stop ids or stop strings may end it"),
     ("repetition_penalty", float, "divide (multiply, if negative) the logits of tokens already in "
                                   "the prompt or output by this (1: off)"),

@@ -446,8 +446,8 @@ class Engine:
             raise InvalidPrompt(f"prompt: the tokenizer gave token ids {outside[:5]} past the model's "
                                 f"{self.spec.vocab_size}-token vocabulary")
         keep = request.params.truncate_prompt_tokens
-        if keep is not None:
-            ids = ids[-keep:]  # the end of a prompt is what its continuation follows (vLLM's rule)
+        if keep is not None:  # the end of a prompt is what its continuation follows (vLLM's rule)
+            ids = ids[-(self.max_model_len - 1 if keep == -1 else keep):]
         if len(ids) >= self.max_model_len:
             raise InvalidPrompt(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
                                 "(prompt plus at least one generated token; truncate_prompt_tokens "

@@ -37,7 +37,9 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None  # None = off; k >= 0 = the chosen token's plus the top k
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (scoring)
-    truncate_prompt_tokens: int | None = None  # keep only the prompt's last this many tokens
+    # Keep only the prompt's last this many tokens; -1: as many as leave room for one generated
+    # token (the context's length less one, vLLM's OpenAI server's rule).
+    truncate_prompt_tokens: int | None = None
     min_tokens: int = 0  # before this many, EOS, stop_token_ids and stop strings do not end it
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict works
     # vLLM's: the only tokens that may be chosen (empty: any), and words never to be completed
@@ -113,7 +115,10 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
         if self.truncate_prompt_tokens is not None:
-            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1)
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=-1)
+            if self.truncate_prompt_tokens == 0:
+                raise ValueError("truncate_prompt_tokens must be >= 1, or -1 for as many as the context "
+                                 "holds, got 0")
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")

@@ -415,6 +415,14 @@ def test_truncate_prompt_tokens_keeps_a_long_prompts_end(tiny):
     [still_long] = engine.generate([Request("long", prompt_token_ids=prompt, params=SamplingParams(
         truncate_prompt_tokens=40))])
     assert still_long.finish_reason == "error" and "truncate_prompt_tokens" in still_long.error
+    # -1: as many as leave room for one token (vLLM's OpenAI server's rule).
+    [whole] = engine.generate([Request("whole", prompt_token_ids=prompt, params=SamplingParams(
+        max_tokens=6, truncate_prompt_tokens=-1))])
+    assert whole.error is None and whole.prompt_tokens == 31 and whole.completion_tokens == 1
+    assert whole.finish_reason == "length"
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be >= "):
+            SamplingParams(truncate_prompt_tokens=bad)
 
 
 def test_duplicate_in_flight_id_raises(tiny):
