@@ -36,8 +36,8 @@ constexpr int64_t kRowBlock = 192;
 // all the weights, which a pass of few rows cannot hide behind its arithmetic: 200 rows as 192
 // and 8 paid a whole memory-bound read of the weights for the 8.
 inline int64_t rows_per_pass(int64_t rows) {
-  const int64_t blocks = std::max<int64_t>(1, (rows + kRowBlock - 1) / kRowBlock);  // 0 rows: one empty pass
-  return std::max<int64_t>(1, (rows + blocks - 1) / blocks);
+  const int64_t passes = std::max<int64_t>(1, (rows + kRowBlock - 1) / kRowBlock);  // 0 rows: none
+  return (rows + passes - 1) / passes;
 }
 // While a panel is computed its rows of x also ask for the panel this many further on, into L2
 // (prefetcht1): the memory stream then overlaps the arithmetic of every row group (the default
@@ -108,18 +108,18 @@ inline int64_t tile_rows(int64_t rows, int64_t groups, int64_t g) {
   return rows / groups + (g < rows % groups ? 1 : 0);
 }
 
-// x's rows, a row block at a time, each tile's rows k-major: the tile then broadcasts from one
+// x's rows, a pass at a time, each tile's rows k-major: the tile then broadcasts from one
 // sequential stream. Read in place, a tile's rows are k floats apart, and where that is a
 // multiple of 4 KB (k = 1024, 2048, ...) all of them fall in the same L1 set, which holds 8:
 // 12 rows evicted each other at every step (2048 x 1024 weights at 256 rows: 20% slower).
 void pack_rows(const float* x, int64_t rows, int64_t k, float* packed) {
-  // Every tile of every row block, in order: (first row, rows).
+  // Every tile of every pass, in order: (first row, rows).
   std::vector<std::pair<int64_t, int64_t>> tiles;
   const int64_t pass_rows = rows_per_pass(rows);
   for (int64_t m0 = 0; m0 < rows; m0 += pass_rows) {
-    const int64_t in_block = std::min(pass_rows, rows - m0), groups = num_groups(in_block);
-    for (int64_t g = 0, m = m0; g < groups; m += tile_rows(in_block, groups, g), ++g)
-      tiles.emplace_back(m, tile_rows(in_block, groups, g));
+    const int64_t in_pass = std::min(pass_rows, rows - m0), groups = num_groups(in_pass);
+    for (int64_t g = 0, m = m0; g < groups; m += tile_rows(in_pass, groups, g), ++g)
+      tiles.emplace_back(m, tile_rows(in_pass, groups, g));
   }
   // Tiles split evenly between threads (row blocks did not: 210 rows were 192 and 18), each
   // written in order while its rows are read as r sequential streams.
@@ -133,7 +133,7 @@ void pack_rows(const float* x, int64_t rows, int64_t k, float* packed) {
   });
 }
 
-// The `rows` rows of a row block (packed by pack_rows) against panel p.
+// The `rows` rows of a pass (packed by pack_rows) against panel p.
 template <typename W>
 void panel_rows(const float* x, int64_t rows, int64_t k, const W* packed, int64_t p,
                 int64_t panels, float* y, int64_t n_total, const float* bias) {
