@@ -153,6 +153,11 @@ struct Queries {
   std::vector<int64_t> first, end;   // the keys each reads
   explicit Queries(int64_t heads) : m(heads), l(heads), first(heads), end(heads) {}
 
+  // The keys of the block [start, stop) that query h reads, as [lo, hi) counted from start.
+  std::pair<int64_t, int64_t> in_block(int64_t h, int64_t start, int64_t stop) const {
+    return {std::max(first[h], start) - start, std::min(end[h], stop) - start};
+  }
+
   void start(const Run& run, const Shape& s, const int64_t* context_lens,
              std::optional<int64_t> sliding_window) {
     for (int64_t h = 0; h < run.rows * s.group; ++h) {
@@ -211,9 +216,7 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
         if (next_rows > n)  // a partial block: the rows it had no turn for
           prefetch_rows(k_cache + next + n * row, v_cache + next + n * row, next_rows - n, row, D);
         for (int64_t h = 0; h < heads; ++h) {
-          // The block's keys this query reads: [lo, hi) of its scores.
-          const int64_t lo = std::max(queries.first[h], start) - start;
-          const int64_t hi = std::min(queries.end[h], end) - start;
+          const auto [lo, hi] = queries.in_block(h, start, end);
           if (lo >= hi) continue;
           acc_t* sg = &scores[h * B];
           acc_t& m = queries.m[h];
@@ -302,8 +305,7 @@ void attend_f32(const float* q, const float* k_cache, const float* v_cache,
           prefetch_rows(k_cache + next + n * row, v_cache + next + n * row, next_rows - n, row,
                         DV * 16);
         for (int64_t h = 0; h < heads; ++h) {
-          const int64_t lo = std::max(queries.first[h], start) - start;
-          const int64_t hi = std::min(queries.end[h], end) - start;
+          const auto [lo, hi] = queries.in_block(h, start, end);
           if (lo >= hi) continue;
           float* sg = &scores[h * width];
           float& m = queries.m[h];
