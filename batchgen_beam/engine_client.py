@@ -725,11 +725,12 @@ class EngineClient:
                 elif completion.id in self._unwanted:
                     self._unwanted.remove(completion.id)
                     self._taken.append(completion.id)
-        with self._lock:
-            try:
-                self._start_trial(self._service)
-            except _ENGINE_GONE:  # the next call restarts it, and sends them then
-                pass
+        if self._held:  # read unlocked: a group held meanwhile waits for the next pull
+            with self._lock:
+                try:
+                    self._start_trial(self._service)
+                except _ENGINE_GONE:  # the next call restarts it, and sends them then
+                    pass
 
     @_finishes_when_interrupted
     def info(self) -> dict:

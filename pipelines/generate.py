@@ -44,7 +44,7 @@ from batchgen_beam.model_sources import check_local_folders, model_location
 from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, RepeatedKey, check_defaults,
                                    default_sampling_params, is_missing, is_openai_line, loads_record)
 from runtime.default_model import DEFAULT_MODEL_NAME
-from runtime.sampling import DEFAULT_MAX_LOGPROBS
+from runtime.sampling import DEFAULT_MAX_LOGPROBS, over_max_logprobs
 
 BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"
 # Sampling flags that set their record field's transform-wide default: (name, type, help).
@@ -222,7 +222,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     cap = DEFAULT_MAX_LOGPROBS if args.max_logprobs is None else args.max_logprobs
     for name in ("logprobs", "prompt_logprobs"):  # refused before the engine starts
         wanted = getattr(args, name)
-        if wanted is not None and cap != -1 and wanted > cap:
+        if over_max_logprobs(wanted, cap):
             parser.error(f"--{name} {wanted} is more than --max_logprobs allows ({cap}; -1 allows "
                          f"the whole vocabulary)")
     if not any(a == "--runner" or a.startswith("--runner=") for a in beam_args):

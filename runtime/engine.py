@@ -30,7 +30,8 @@ from runtime.lora import ADAPTER_WEIGHTS
 from runtime.moe import moe_blocks
 from runtime.request import ChatOptions, Completion, CompletionWaiter, Request, SampleOutput, Timings
 from runtime.runner import ModelRunner, ScoredPrompts
-from runtime.sampling import DEFAULT_MAX_LOGPROBS, SampledToken, SampleRow, SamplingParams, sample
+from runtime.sampling import (DEFAULT_MAX_LOGPROBS, SampledToken, SampleRow, SamplingParams, over_max_logprobs,
+                              sample)
 from runtime.scheduler import Scheduler
 from runtime.speculate import DRAFT_BELOW_ROWS, DRAFT_ROWS, accepted
 from runtime.sequence import Event, Sequence, Status, StopRule
@@ -375,7 +376,7 @@ class Engine:
             if wanted is not None and wanted > self.spec.vocab_size:
                 raise ValueError(f"{name}: must be <= the vocabulary's {self.spec.vocab_size} tokens, "
                                  f"got {wanted}")
-            if wanted is not None and self.max_logprobs != -1 and wanted > self.max_logprobs:
+            if over_max_logprobs(wanted, self.max_logprobs):
                 raise ValueError(f"{name}: must be <= the engine's max_logprobs, {self.max_logprobs} "
                                  f"(an engine argument, as vLLM's), got {wanted}")
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
