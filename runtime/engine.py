@@ -592,6 +592,8 @@ class Engine:
             taken = self._take(seq, accepted(verified, draft) if draft else verified, now)
             self.stats.generated_tokens += taken
             self.stats.accepted_draft_tokens += max(taken - 1, 0)
+            if draft and seq.block_table:  # (a finished sequence has released its table)
+                self.scheduler.release_unused(seq)
 
     def _take(self, seq: Sequence, tokens: list[SampledToken], now: float) -> int:
         """A sequence's tokens of this step, in order, until it finishes; how many it took."""
@@ -621,7 +623,9 @@ class Engine:
         up to DRAFT_ROWS, for those with the most tokens left, as far as free KV blocks hold."""
         if batch.prefills or len(batch.decodes) >= DRAFT_BELOW_ROWS:
             return
-        room = DRAFT_ROWS
+        room = min(DRAFT_ROWS, self.scheduler.max_num_batched_tokens - batch.num_tokens)
+        if room <= 0:
+            return
         for seq in sorted(batch.decodes, key=lambda s: s.num_generated - s.params.max_tokens):
             p = seq.params
             if not (p.argmax_only and p.n == 1):

@@ -211,6 +211,14 @@ class Scheduler:
             seq.send(Event.PAGE_BOUNDARY, len(seq.block_table))
         return num
 
+    def release_unused(self, seq: Sequence) -> None:
+        """Give back blocks past those its tokens need (the rejected guesses' after a drafted
+        step): suspended or migrated, a sequence carries exactly its tokens' KV."""
+        keep = self.blocks.blocks_needed(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            self.blocks.release(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
     # ---- primitives ----------------------------------------------------------------------
     def preempt(self, seq: Sequence) -> None:
         seq.counters["preemptions"] += 1

@@ -145,3 +145,61 @@ def test_a_draft_never_preempts_another_sequence(tiny):
     # Its next token takes position 47, the last of its 3 blocks: a guess after it needs a 4th.
     assert scheduler.reserve_draft(a, 4) == 0
     assert scheduler.running == [a, b] and b.counters["preemptions"] == 0 and len(a.block_table) == 3
+
+
+def _looping_requests(seed: int, count: int, max_tokens: int) -> list[Request]:
+    """Greedy requests whose prompts repeat a short phrase: many guesses, many of them wrong."""
+    prompts = random_prompts((4,) * count, seed=seed)
+    return [Request(f"loop{i}", prompt_token_ids=(p * 6)[:10 + 3 * i],
+                    params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+
+
+def test_blocks_of_rejected_guesses_go_back_after_the_step(tiny):
+    """A guess's KV block is reserved for the step that verifies it; past the tokens a sequence
+    took, its table keeps no block (a suspended sequence would park it, and resume wanting it)."""
+    engine = make_engine(tiny.dir("llama"), block_size=2)
+    for request in _looping_requests(seed=5, count=3, max_tokens=40):
+        engine.submit(request)
+    blocks = engine.scheduler.blocks
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            assert len(seq.block_table) <= blocks.blocks_needed(seq.num_tokens), seq.request_id
+    assert engine.stats.draft_tokens > engine.stats.accepted_draft_tokens > 0
+    assert_idle_and_clean(engine)
+
+
+def test_a_drafted_sequence_suspended_for_room_resumes_and_matches_undrafted(tiny):
+    """Under a cache too small for all: sequences that guessed are suspended to the host tier and
+    swap back in (they once parked their rejected guesses' blocks, and a swap-in that found room
+    for their tokens found none for those: the step raised)."""
+    directory = tiny.dir("llama")
+    # (phrase length, prompt length, max_tokens): a case the drafts fuzzer found.
+    shapes = [(4, 27, 15), (3, 24, 44), (2, 8, 47), (2, 20, 25)]
+    phrases = random_prompts(tuple(n for n, _, _ in shapes), seed=6)
+    requests = [Request(f"loop{i}", prompt_token_ids=(phrase * 20)[:length],
+                        params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                for i, (phrase, (_, length, max_tokens)) in enumerate(zip(phrases, shapes))]
+    outcomes = {}
+    for drafts in (False, True):
+        engine = make_engine(directory, num_blocks=22, block_size=4, max_num_seqs=8,
+                             max_num_batched_tokens=32, ngram_drafts=drafts)
+        swapped_in = []
+        swap_in = engine.scheduler.swap_in
+        engine.scheduler.swap_in = lambda seq: swapped_in.append(seq) or swap_in(seq)
+        outcomes[drafts] = [c.token_ids for c in engine.generate(requests)]
+        assert swapped_in
+        assert (engine.stats.accepted_draft_tokens > 0) == drafts
+        assert_idle_and_clean(engine)
+    assert outcomes[True] == outcomes[False]
+
+
+def test_guess_rows_keep_within_the_step_token_budget(tiny):
+    engine = make_engine(tiny.dir("llama"), max_num_batched_tokens=3)
+    rows = []
+    run = engine.runner.run
+    engine.runner.run = lambda batch: rows.append(batch.num_tokens) or run(batch)
+    engine.generate(_looping_requests(seed=2, count=2, max_tokens=30))
+    assert engine.stats.accepted_draft_tokens > 0
+    assert max(rows) <= 3
