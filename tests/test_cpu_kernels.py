@@ -135,6 +135,28 @@ def test_rows_whose_blocks_differ_are_not_computed_together():
     check(q, k, v, tables, lens)
 
 
+def test_rows_whose_windows_leave_a_gap_are_not_computed_together():
+    """Two rows sharing a block, the shorter's window ending before the longer's begins: one pass
+    over both would walk the blocks between through the longer's table, entries neither reads and
+    the contract lets hold anything. Here they hold an id far past the cache (a read would
+    fault); run in a child process, so that a fault fails this test alone."""
+    child = subprocess.run([sys.executable, "-c", """if True:
+        import torch
+        from kernels import attention, cpu_kernels
+        k, v, q = torch.randn(8, 4, 1, 16), torch.randn(8, 4, 1, 16), torch.randn(2, 1, 16)
+        # Window 4, blocks of 4: the first row reads keys 16-19 (its fifth block), the second
+        # keys 4-7 (its second block, the first row's second too); entries 2 and 3 of the
+        # first row lie before its window.
+        tables = torch.tensor([[0, 1, 10**9, 10**9, 2, 0], [0, 1, 3, 3, 3, 3]])
+        lens = torch.tensor([20, 8])
+        out = cpu_kernels.paged_decode_attention(q, k, v, tables, lens, 0.3, 4, None)
+        tables[0, 2:4] = 0
+        expected = attention.paged_decode_attention(q, k, v, tables, lens, 0.3, 4)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        """], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+
+
 @pytest.mark.parametrize("lengths", [[1], [37], [16]])
 def test_batch_of_one(lengths):
     check(*paged_case(lengths, 9, 3, 64, 16, seed=lengths[0]))
@@ -191,6 +213,7 @@ def test_padding_past_the_context_is_never_read():
     (lambda c: c.update(k=c["k"].transpose(2, 3).contiguous().transpose(2, 3),
                         v=c["v"].transpose(2, 3).contiguous().transpose(2, 3)), "must be contiguous"),
     (lambda c: c.update(q=c["q"][:, :3]), "multiple of kv_heads"),
+    (lambda c: c.update(k=c["k"][:, :, :0], v=c["v"][:, :, :0]), "multiple of kv_heads"),
     (lambda c: c.update(v=c["v"].double()), "same dtype"),
 ])
 def test_bad_inputs_raise(change, message):
@@ -505,12 +528,14 @@ def test_silu_and_mul_matches_torch(dtype, shape):
 
 def test_silu_and_mul_at_gates_where_exp_leaves_fp32s_range():
     """The vectorised exp clamps its input: silu must still be ~0 far below zero and the gate
-    itself far above (exp(-g) over- and underflows there)."""
+    itself far above (exp(-g) over- and underflows there), -0 where exp(-g) is infinite as
+    torch has it (a clamped exp left g / 1.7e38: -0.06 at g = -1e37), and NaN at -inf."""
     gate = torch.tensor([-120.0, -100.0, -89.0, -88.5, -87.5, -20.0, -1e-3, 0.0, 1e-3, 20.0, 87.5,
-                         88.5, 89.0, 100.0, 120.0, 3.0] * 2)
+                         88.5, 89.0, 100.0, 120.0, 3.0, -1e37, -3e38, -float("inf"), float("inf"),
+                         1e37, -1e32, -1e6, 5.0] * 2)
     gate_up = torch.cat([gate, torch.linspace(-2, 2, len(gate))])[None]
     torch.testing.assert_close(cpu_kernels.silu_and_mul(gate_up), activation.silu_and_mul(gate_up),
-                               **POINTWISE_TOLERANCE[torch.float32])
+                               equal_nan=True, **POINTWISE_TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 5), (2, 16), (5, 17), (7, 49152), (2, 100003)])

@@ -121,7 +121,7 @@ def test_add_rms_norm(kt, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rotary", [16, 12, 6], ids=["full", "three-quarters", "partial-odd-tiles"])
+@pytest.mark.parametrize("rotary", [16, 12, 6, 0], ids=["full", "three-quarters", "partial-odd-tiles", "none"])
 def test_apply_rope(kt, dtype, rotary):
     tokens, heads, kv_heads, dim = 6, 6, 2, 16
     g = gen(4)

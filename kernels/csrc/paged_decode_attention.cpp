@@ -82,7 +82,8 @@ inline int64_t first_key(int64_t context, std::optional<int64_t> sliding_window)
 
 // Consecutive rows that read the same keys: `rows` rows from `row`, none longer than the first,
 // whose block tables agree with the first's on every block they read. [first, end) spans the
-// keys any of them reads.
+// keys any of them reads, with no gap: a key between two rows' windows that neither reads
+// would be read through the first's table, whose entries there need not be valid.
 struct Run {
   int64_t row, rows, first, end;
 };
@@ -99,7 +100,7 @@ std::vector<Run> runs_of(const int64_t* tables, const int64_t* context_lens, int
       Run& run = runs.back();
       const int64_t* lead = tables + run.row * s.max_blocks;
       const int64_t* own = tables + i * s.max_blocks;
-      bool shares = run.rows < kMaxRunRows && context <= run.end;
+      bool shares = run.rows < kMaxRunRows && context <= run.end && context >= run.first;
       for (int64_t b = first / s.block_size; shares && b <= (context - 1) / s.block_size; ++b)
         shares = own[b] == lead[b];
       if (shares) {
@@ -382,8 +383,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim, "q and the caches differ in head_dim");
-  TORCH_CHECK(heads % kv_heads == 0, "heads (", heads, ") must be a multiple of kv_heads (",
-              kv_heads, ")");
+  TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "heads (", heads,
+              ") must be a multiple of kv_heads (", kv_heads, ")");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch && context_lens.dim() == 1 &&
               context_lens.size(0) == batch,
               "block_tables must be [batch, max_blocks] and context_lens [batch]");

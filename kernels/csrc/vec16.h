@@ -43,11 +43,12 @@ inline float lane_sum(vec16 v) {
 // (Cody-Waite), exp(r) by its degree-7 Taylor polynomial, within 2 ulp of std::exp on
 // |r| <= ln 2 / 2. x is clamped to [-87.3, 88]: below, exp is ~1e-38 (softmax inputs are
 // x - max <= 0, and lanes that small weigh nothing against the max's exp(0) = 1); above, 2^k
-// would leave the exponent's range (exp(88) = 1.7e38 stands in for overflow, which SiLU only
-// divides by).
+// would leave the exponent's range (exp(88) = 1.7e38 stands in up to ln(FLT_MAX), past which
+// exp is inf as std::exp's: SiLU divides by it, and g / 1.7e38 is no zero for g near -FLT_MAX).
 inline vec16 exp16(vec16 x) {
   const vec16 lowest = vec16{} - 87.3f, highest = vec16{} + 88.f;
   const vec16 magic = vec16{} + 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds
+  const auto overflows = x > 88.7228394f;
   x = x < lowest ? lowest : x;
   x = x > highest ? highest : x;
   const vec16 k = (x * 1.44269504f + magic) - magic;
@@ -63,7 +64,7 @@ inline vec16 exp16(vec16 x) {
   const lanes16 two_to_k = (__builtin_convertvector(k, lanes16) + 127) << 23;
   vec16 scale;
   __builtin_memcpy(&scale, &two_to_k, sizeof(scale));
-  return p * scale;
+  return overflows ? vec16{} + __builtin_inff() : p * scale;
 }
 
 }  // namespace

@@ -49,6 +49,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         _rope_kernel[(tokens,)](x, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0),
                                 HALF=rotary // 2, PASS=head_dim - rotary,
                                 HEADS_TILE=triton.next_power_of_2(heads),
-                                HALF_TILE=triton.next_power_of_2(rotary // 2),
+                                HALF_TILE=triton.next_power_of_2(max(rotary // 2, 1)),
                                 PASS_TILE=triton.next_power_of_2(max(head_dim - rotary, 1)))
     return out
