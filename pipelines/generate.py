@@ -210,6 +210,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     if args.weights_in_host_memory and (args.device != "cuda" or args.weight_budget_mb is None):
         parser.error("--weights_in_host_memory streams weights to a GPU: it needs --device cuda "
                      "and --weight_budget_mb")
+    if args.lora is not None and args.weight_budget_mb is not None:
+        parser.error("--lora with --weight_budget_mb is not supported: the adapter is merged into "
+                     "weights held in memory")
     # Beam only warns of arguments no PipelineOptions takes and drops them: a mistyped sampling
     # flag (--temprature) would run the job with the default, unnoticed.
     discarded = _discarded_by_beam(beam_args)

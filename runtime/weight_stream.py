@@ -79,9 +79,13 @@ class _Index:
             self.fds.append(fd)
             (size,) = struct.unpack("<Q", os.pread(fd, 8, 0))
             header = json.loads(os.pread(fd, size, 8))
+            file_size = os.fstat(fd).st_size
             for name, meta in header.items():
                 if name != "__metadata__":
                     start, end = meta["data_offsets"]
+                    if 8 + size + end > file_size:  # found now, not by the step that reads it
+                        raise ValueError(f"{path}: {name} ends past the file's end ({8 + size + end} > "
+                                         f"{file_size} bytes): the checkpoint is cut short")
                     refuse_twice(self._tensors, canonical_name(name), path)
                     self._tensors[canonical_name(name)] = (fd, 8 + size + start, end - start, meta["dtype"],
                                                            tuple(meta["shape"]))

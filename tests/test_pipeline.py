@@ -708,6 +708,9 @@ def test_argument_handling(capsys):
     for flags in (["--weight_budget_mb", "300"], ["--device", "cuda"]):  # one of the two missing
         with pytest.raises(SystemExit):
             cli.parse_args([*flags, "--weights_in_host_memory"])
+    with pytest.raises(SystemExit):  # refused here, not once the engine's process has started
+        cli.parse_args(["--lora", "/a/adapter", "--weight_budget_mb", "300"])
+    assert "--lora with --weight_budget_mb" in capsys.readouterr().err
     assert cli._is_local("DirectRunner") and not cli._is_local("DataflowRunner")
     for mistyped in (["--temprature", "0.9"], ["--n=2"],  # Beam would drop them with a warning
                      ["prompts.jsonl"], ["-temperature", "0.9"], ["--temperature", "0.9", "1.0"],

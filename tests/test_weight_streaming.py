@@ -375,5 +375,15 @@ def test_a_truncated_checkpoint_fails_loudly(tiny, tmp_path):
     shutil.copytree(tiny.dir("llama"), directory)
     weights = directory / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1000])  # the last tensor's bytes cut short
-    with pytest.raises(EOFError):
-        make_engine(directory, weight_budget_bytes=PLENTY).generate(greedy_requests(PROMPTS[:1], 2))
+    with pytest.raises(ValueError, match=r"model.safetensors: .* ends past the file's end .* cut short"):
+        make_engine(directory, weight_budget_bytes=PLENTY)
+
+
+def test_a_checkpoint_cut_short_under_a_running_engine_fails_its_step_loudly(tiny, tmp_path):
+    directory = tmp_path / "cut-later"
+    shutil.copytree(tiny.dir("llama"), directory)
+    engine = make_engine(directory, weight_budget_bytes=PLENTY)
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])  # the same file, which the engine holds open
+    with pytest.raises(EOFError, match=r"checkpoint file ended \d+ bytes early"):
+        engine.generate(greedy_requests(PROMPTS[:1], 2))
