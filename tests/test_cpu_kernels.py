@@ -215,6 +215,8 @@ def test_padding_past_the_context_is_never_read():
     (lambda c: c.update(q=c["q"][:, :3]), "multiple of kv_heads"),
     (lambda c: c.update(k=c["k"][:, :, :0], v=c["v"][:, :, :0]), "multiple of kv_heads"),
     (lambda c: c.update(v=c["v"].double()), "same dtype"),
+    (lambda c: c.update(tables=c["tables"].float()), "must be integer tensors"),
+    (lambda c: c.update(lens=c["lens"] + 0.5), "must be integer tensors"),  # was 40.5 read as 40
 ])
 def test_bad_inputs_raise(change, message):
     q, k, v, tables, lens = paged_case([5, 40], 4, 2, 16, 16, seed=12)

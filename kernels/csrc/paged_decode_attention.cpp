@@ -388,6 +388,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch && context_lens.dim() == 1 &&
               context_lens.size(0) == batch,
               "block_tables must be [batch, max_blocks] and context_lens [batch]");
+  TORCH_CHECK(!at::isFloatingType(block_tables.scalar_type()) &&
+                  !at::isFloatingType(context_lens.scalar_type()),
+              "block_tables and context_lens must be integer tensors");
   TORCH_CHECK(!sliding_window || *sliding_window >= 1, "sliding_window must be at least 1");
   TORCH_CHECK(!softcap || *softcap > 0, "softcap must be positive");
 
