@@ -261,10 +261,12 @@ class Engine:
         else:
             self.model = on_a_passing_thread(load_model, self.model_dir, self.device, dtype, lora)
             self.weights = None
-        # What a migrated request must continue on: these weights, not another model's or adapter's.
+        # What a migrated request must continue on: these weights, not another model's or
+        # adapter's, computed in this dtype.
         self.weights_id = weights_fingerprint(
             [self.model_dir / "config.json", *safetensors_files(self.model_dir)]
-            + ([Path(lora) / "adapter_config.json", Path(lora) / ADAPTER_WEIGHTS] if lora is not None else []))
+            + ([Path(lora) / "adapter_config.json", Path(lora) / ADAPTER_WEIGHTS] if lora is not None else [])
+        ) + f" {dtype}"
         if greedy_screen is None:
             greedy_screen = (not streaming and dtype == torch.float32 and self.model.logits_grow_with_head
                              and kernels.bf16_matmul_is_fast(self.device))
@@ -1009,8 +1011,15 @@ class Engine:
             raise ValueError(f"migrate_in {request_id!r}: not a migrate_out state ({len(sequences)} "
                              f"sequence(s) and {len(outputs)} finished output(s) for n={n})")
         if migrated.get("weights") != self.weights_id:
-            raise ValueError(f"migrate_in {request_id!r}: it was running on other weights (another model "
-                             f"or LoRA adapter) than this engine's")
+            raise ValueError(f"migrate_in {request_id!r}: it was running on other weights (another model, "
+                             f"LoRA adapter or dtype) than this engine's")
+        params = sequences[0].get("params")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"migrate_in {request_id!r}: not a migrate_out state (no SamplingParams)")
+        try:  # as submit() checks a request
+            self.check_params(params)
+        except ValueError as exc:
+            raise ValueError(f"migrate_in {request_id!r}: {exc}") from None
         if n > self.scheduler.blocks.num_blocks:
             raise ValueError(f"migrate_in {request_id!r}: n={n} is more than the KV cache's "
                              f"{self.scheduler.blocks.num_blocks} blocks")

@@ -2,10 +2,12 @@
 engine, fork (n > 1, copy-on-write) — leave every output exactly as an uninterrupted run."""
 
 import pickle
+import shutil
 import threading
 import time
 
 import pytest
+import torch
 
 from helpers import (BatchSpy, CallCounter, assert_idle_and_clean, assert_matches, collect,
                      greedy_requests, live_sequences, make_engine, random_prompts,
@@ -314,6 +316,45 @@ def test_migrate_in_refuses_a_request_that_ran_on_other_weights(tiny, tmp_path, 
     same.migrate_in(state)
     [ran_on] = make_engine(model, lora=tmp_path / "adapter").generate(greedy_requests(PROMPTS[1:2], 8))
     assert collect(same)["r0"].token_ids == ran_on.token_ids
+
+
+@pytest.mark.parametrize("with_kv", [False, True])
+def test_migrate_in_refuses_a_request_that_ran_in_another_dtype(tiny, with_kv):
+    """The same files computed in bf16 are other weights for a request begun in fp32 (without
+    its KV the move was taken, and the tokens changed precision mid-way)."""
+    model = tiny.dir("qwen2")
+    source = make_engine(model)
+    source.submit(greedy_requests(PROMPTS[1:2], 8)[0])
+    source.step()
+    state = source.migrate_out("r0", with_kv=with_kv)
+    half = make_engine(model, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'r0': it was running on other weights"):
+        half.migrate_in(state)
+    assert_idle_and_clean(half)
+
+
+def test_migrate_in_checks_the_request_as_submit_does(tiny_chat, tmp_path):
+    """A state whose sampling values this engine refuses at submit (more logprobs than its
+    max_logprobs, stop strings or a schema without a tokenizer) is refused on arrival as well:
+    it was taken, and returned more logprobs than allowed or failed at its first token."""
+    model = tiny_chat.dir("qwen2")
+    bare = tmp_path / "no-tokenizer"  # the same weights, no tokenizer files
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(model / name, bare / name)
+    cases = [(SamplingParams(max_tokens=8, logprobs=5), make_engine(model, max_logprobs=2),
+              "logprobs: must be <= the engine's max_logprobs"),
+             (SamplingParams(max_tokens=8, stop=["zzz"]), make_engine(bare), "stop: stop strings need a model"),
+             (SamplingParams(max_tokens=8, json_schema='{"type": "object"}'), make_engine(bare),
+              "json_schema, regex, choice: structured output needs a model")]
+    for params, target, refusal in cases:
+        source = make_engine(model)
+        source.submit(Request("x", prompt="Once upon a time", params=params))
+        source.step()
+        state = source.migrate_out("x", with_kv=True)
+        with pytest.raises(ValueError, match=f"'x': {refusal}"):
+            target.migrate_in(state)
+        assert_idle_and_clean(target)
 
 
 def test_a_migrated_request_keeps_its_timings_from_before_the_move(tiny):
