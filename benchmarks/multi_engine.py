@@ -68,7 +68,7 @@ def run_pool(model_dir, items: list[WorkItem], name: str, engines: list[int] | N
         end = time.monotonic()
         result = _summary(name, load, end - start, completions)
         idle = pool.idle(start, end)
-        result["engines"] = [{**{k: s.get(k, 0) for k in ("steps", "decode_tokens", "prefill_tokens",
+        result["engines"] = [{**{k: s[k] for k in ("steps", "decode_tokens", "prefill_tokens",
                                                           "migrated_in", "migrated_out", "kv_migrated_in")},
                               **spans} for s, spans in zip(pool.stats(), idle)]
         result["tail_idle_fraction"] = max(e["tail_idle_s"] for e in idle) / (end - start)

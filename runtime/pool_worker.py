@@ -31,7 +31,8 @@ class _Worker:
         self.report_interval = report_interval
         self.busy = False
         self.transitions: list[tuple[float, bool]] = []  # (time, busy) since the last report
-        self.counts = Counter()  # commands handled, requests migrated in and out
+        # Commands handled, requests migrated in and out: in every report, from the first.
+        self.counts = Counter(dict.fromkeys(("commands", "migrated_in", "migrated_out", "kv_migrated_in"), 0))
         self.last_report = 0.0
 
     def report(self) -> dict:
