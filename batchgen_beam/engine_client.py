@@ -45,6 +45,10 @@ MAX_ENGINE_DEATHS = 3
 SUSPECT_DEATHS = 2
 # The owner of a request whose client left while it ran (EngineService.leave).
 _NO_CLIENT = "<left>"
+# Seconds a RunInference engine no lease uses waits before its client leaves: the next pipeline
+# of a notebook or script takes it up. (Beam's shared-object cache drops the last pipeline's
+# model when the next one sets up, just before it loads its own: each pipeline reloaded.)
+IDLE_LEASE_GRACE_S = 60.0
 
 
 def _finishes_when_interrupted(method):
@@ -365,6 +369,7 @@ class EngineClient:
     _instances: dict[EngineConfig, "EngineClient"] = {}
     _instances_lock = threading.Lock()
     _leases: Counter[EngineConfig] = Counter()  # leases alive in this process, by config
+    _leases_taken: Counter[EngineConfig] = Counter()  # leases ever taken, by config
 
     @classmethod
     def shared(cls, config: EngineConfig) -> "EngineClient":
@@ -382,11 +387,18 @@ class EngineClient:
 
     @classmethod
     def _release_lease(cls, config: EngineConfig) -> None:
-        """A lease was dropped: with none left, and no pinned use, the client leaves."""
-        with cls._instances_lock:  # held while leaving: a new client of it waits for the engine to stop
+        """A lease was dropped: with none left, none taken within IDLE_LEASE_GRACE_S after, and
+        no pinned use, the client leaves."""
+        with cls._instances_lock:
             cls._leases[config] -= 1
+            if cls._leases[config]:
+                return
+            taken = cls._leases_taken[config]
+        time.sleep(IDLE_LEASE_GRACE_S)  # (on a thread of its own: _release_on_a_thread)
+        with cls._instances_lock:  # held while leaving: a new client of it waits for the engine to stop
             client = cls._instances.get(config)
-            if cls._leases[config] or client is None or client._pinned or client._has_resident():
+            if (cls._leases[config] or cls._leases_taken[config] != taken or client is None
+                    or client._pinned or client._has_resident()):
                 return
             del cls._leases[config], cls._instances[config]
             client._leave()
@@ -749,13 +761,15 @@ class EngineClient:
 
 class EngineLease:
     """One use of the machine's engine (a RunInference model): its client stays while any lease
-    of its config lives in this process; when the last is released (or collected), the client
-    leaves the engine, which stops once no client of any process uses it."""
+    of its config lives in this process; when the last is released (or collected) and no other
+    is taken within IDLE_LEASE_GRACE_S, the client leaves the engine, which stops once no client
+    of any process uses it."""
 
     def __init__(self, config: EngineConfig):
         with EngineClient._instances_lock:
             self.client = EngineClient._instance(config)
             EngineClient._leases[config] += 1
+            EngineClient._leases_taken[config] += 1
         self._release = weakref.finalize(self, _release_on_a_thread, config)
         self._release.atexit = False  # at exit, Beam stops the engine process itself
 

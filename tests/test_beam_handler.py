@@ -5,6 +5,7 @@ inference_args fail when the transform is applied; batching does not start at 1.
 
 import gc
 import json
+import time
 from typing import NamedTuple
 
 import apache_beam as beam
@@ -276,9 +277,12 @@ def test_a_model_update_from_the_side_input_moves_later_batches_to_its_engine(mo
     assert model_handler.load_model().client.config.model == str(tmp_path / "newer")
 
 
-def test_an_engine_stops_once_no_lease_of_it_is_left(model_dir):
+def test_an_engine_stops_once_no_lease_of_it_is_left(model_dir, monkeypatch):
     """A RunInference model that Beam replaces (a model update, a model per key evicted) drops
     its lease: the engine process, weights and KV cache, must not stay behind it."""
+    from batchgen_beam import engine_client
+
+    monkeypatch.setattr(engine_client, "IDLE_LEASE_GRACE_S", 0.5)
     model_handler = BatchGenModelHandler(str(model_dir), engine_args={**ENGINE_ARGS, "max_num_seqs": 5})
     first, second = model_handler.load_model(), model_handler.load_model()
     [result] = model_handler.run_inference(["Hi"], first, INFERENCE_ARGS)
@@ -291,6 +295,28 @@ def test_an_engine_stops_once_no_lease_of_it_is_left(model_dir):
     assert gone(pid, within=60.0)
     [again] = model_handler.run_inference(["Hi"], model_handler.load_model(), INFERENCE_ARGS)
     assert again.inference["token_ids"] == result.inference["token_ids"]  # a fresh engine
+
+
+def test_a_lease_taken_soon_after_the_last_was_dropped_keeps_its_engine(model_dir, monkeypatch):
+    """The next pipeline of a notebook takes a lease after Beam dropped the last one's: within
+    the grace it finds the engine up (each pipeline reloaded the model), and once its own lease
+    is gone the engine stops after the grace."""
+    from batchgen_beam import engine_client
+
+    monkeypatch.setattr(engine_client, "IDLE_LEASE_GRACE_S", 3.0)
+    model_handler = BatchGenModelHandler(str(model_dir), engine_args={**ENGINE_ARGS, "max_num_seqs": 3})
+    first = model_handler.load_model()
+    pid = first.client.info()["pid"]
+    first.release()
+    time.sleep(1.0)
+    second = model_handler.load_model()
+    assert second.client.info()["pid"] == pid
+    time.sleep(3.0)  # the first release's grace has passed: a lease was taken meanwhile
+    [result] = model_handler.run_inference(["Hi"], second, INFERENCE_ARGS)
+    assert result.inference["error"] is None and second.client.info()["pid"] == pid
+    second.release()
+    assert not gone(pid, within=1.5)
+    assert gone(pid, within=60.0)
 
 
 def test_joining_an_engine_stopped_meanwhile_starts_another(monkeypatch):
