@@ -17,6 +17,7 @@ import inspect
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 import time
 import traceback
@@ -487,8 +488,12 @@ class EngineClient:
                 raise
             self._handle = handle
             return service
+        hint = ""
+        if getattr(sys.modules["__main__"], "__file__", None):  # what a script's spawned child says
+            hint = (" (so ends a script that needs `if __name__ == \"__main__\":` around its pipeline: "
+                    "the engine process starts with spawn, which runs the main module again)")
         raise EngineStartError(self.config, f"its process was gone {MAX_ENGINE_DEATHS} times as it was "
-                                            f"started or joined (last: {cause})") from cause
+                                            f"started or joined (last: {cause}){hint}") from cause
 
     def _call(self, method: str, *args, restart: bool = True):
         """The engine's `method`; where its process is gone, a new one's (unless not `restart`:

@@ -931,6 +931,8 @@ def test_a_script_without_the_main_guard_fails_saying_so(model_dir, tmp_path, mo
     child = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
     assert child.returncode != 0
     assert 'needs `if __name__ == "__main__":`' in child.stderr
+    # in the error the script's own process raises too, not only in what its children logged
+    assert 'needs `if __name__ == \"__main__\":`' in child.stderr.strip().splitlines()[-1]
 
 
 def test_records_left_in_state_are_resubmitted_by_a_restarted_worker(model_dir, good, bare_engine,
