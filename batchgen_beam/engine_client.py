@@ -46,9 +46,11 @@ MAX_ENGINE_DEATHS = 3
 SUSPECT_DEATHS = 2
 # The owner of a request whose client left while it ran (EngineService.leave).
 _NO_CLIENT = "<left>"
-# Seconds a RunInference engine no lease uses waits before its client leaves: the next pipeline
-# of a notebook or script takes it up. (Beam's shared-object cache drops the last pipeline's
-# model when the next one sets up, just before it loads its own: each pipeline reloaded.)
+# Seconds the last RunInference engine of a process that no lease uses waits before its client
+# leaves: the next pipeline of a notebook or script takes it up. (Beam's shared-object cache
+# drops the last pipeline's model as the next one sets up, just before it loads its own: each
+# pipeline reloaded.) An engine let go while another is in use, or while another is taken up (a
+# model update, a model per key evicted), leaves at once: two engines' memory was not asked for.
 IDLE_LEASE_GRACE_S = 60.0
 
 
@@ -370,7 +372,7 @@ class EngineClient:
     _instances: dict[EngineConfig, "EngineClient"] = {}
     _instances_lock = threading.Lock()
     _leases: Counter[EngineConfig] = Counter()  # leases alive in this process, by config
-    _leases_taken: Counter[EngineConfig] = Counter()  # leases ever taken, by config
+    _idle: dict[EngineConfig, object] = {}  # a config no lease uses, in its grace: its grace's token
 
     @classmethod
     def shared(cls, config: EngineConfig) -> "EngineClient":
@@ -388,21 +390,45 @@ class EngineClient:
 
     @classmethod
     def _release_lease(cls, config: EngineConfig) -> None:
-        """A lease was dropped: with none left, none taken within IDLE_LEASE_GRACE_S after, and
-        no pinned use, the client leaves."""
-        with cls._instances_lock:
-            cls._leases[config] -= 1
-            if cls._leases[config]:
-                return
-            taken = cls._leases_taken[config]
-        time.sleep(IDLE_LEASE_GRACE_S)  # (on a thread of its own: _release_on_a_thread)
+        """A lease was dropped: with none left and no pinned use, the client leaves, at once
+        where another engine is in use here, else after IDLE_LEASE_GRACE_S unless a lease is
+        taken meanwhile (see _take_lease)."""
         with cls._instances_lock:  # held while leaving: a new client of it waits for the engine to stop
-            client = cls._instances.get(config)
-            if (cls._leases[config] or cls._leases_taken[config] != taken or client is None
-                    or client._pinned or client._has_resident()):
+            cls._leases[config] -= 1
+            if not cls._may_leave(config):
                 return
-            del cls._leases[config], cls._instances[config]
-            client._leave()
+            if any(count > 0 for count in cls._leases.values()):
+                cls._leave_now(config)
+                return
+            cls._idle[config] = grace = object()
+        time.sleep(IDLE_LEASE_GRACE_S)  # (on a thread of its own: _release_on_a_thread)
+        with cls._instances_lock:
+            if cls._idle.get(config) is grace:
+                del cls._idle[config]
+                if cls._may_leave(config):
+                    cls._leave_now(config)
+
+    @classmethod
+    def _take_lease(cls, config: EngineConfig) -> "EngineClient":
+        """A lease's client: an idle one of this config is taken up; idle ones of others leave."""
+        with cls._instances_lock:
+            for other in [c for c in cls._idle if c != config]:
+                del cls._idle[other]
+                if cls._may_leave(other):
+                    cls._leave_now(other)
+            cls._idle.pop(config, None)
+            cls._leases[config] += 1
+            return cls._instance(config)
+
+    @classmethod
+    def _may_leave(cls, config: EngineConfig) -> bool:  # with _instances_lock held
+        client = cls._instances.get(config)
+        return not (cls._leases[config] or client is None or client._pinned or client._has_resident())
+
+    @classmethod
+    def _leave_now(cls, config: EngineConfig) -> None:  # with _instances_lock held
+        cls._leases.pop(config, None)
+        cls._instances.pop(config)._leave()
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -766,15 +792,12 @@ class EngineClient:
 
 class EngineLease:
     """One use of the machine's engine (a RunInference model): its client stays while any lease
-    of its config lives in this process; when the last is released (or collected) and no other
-    is taken within IDLE_LEASE_GRACE_S, the client leaves the engine, which stops once no client
-    of any process uses it."""
+    of its config lives in this process; when the last is released (or collected), the client
+    leaves the engine (see IDLE_LEASE_GRACE_S), which stops once no client of any process uses
+    it."""
 
     def __init__(self, config: EngineConfig):
-        with EngineClient._instances_lock:
-            self.client = EngineClient._instance(config)
-            EngineClient._leases[config] += 1
-            EngineClient._leases_taken[config] += 1
+        self.client = EngineClient._take_lease(config)
         self._release = weakref.finalize(self, _release_on_a_thread, config)
         self._release.atexit = False  # at exit, Beam stops the engine process itself
 

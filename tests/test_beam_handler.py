@@ -6,6 +6,7 @@ inference_args fail when the transform is applied; batching does not start at 1.
 import gc
 import json
 import time
+from collections import Counter
 from typing import NamedTuple
 
 import apache_beam as beam
@@ -297,7 +298,16 @@ def test_an_engine_stops_once_no_lease_of_it_is_left(model_dir, monkeypatch):
     assert again.inference["token_ids"] == result.inference["token_ids"]  # a fresh engine
 
 
-def test_a_lease_taken_soon_after_the_last_was_dropped_keeps_its_engine(model_dir, monkeypatch):
+@pytest.fixture
+def own_leases(monkeypatch):
+    """This test's leases alone in the process's books: the other tests' models, kept by Beam's
+    shared-object cache, would count as engines in use beside this test's."""
+    monkeypatch.setattr(EngineClient, "_instances", {})
+    monkeypatch.setattr(EngineClient, "_leases", Counter())
+    monkeypatch.setattr(EngineClient, "_idle", {})
+
+
+def test_a_lease_taken_soon_after_the_last_was_dropped_keeps_its_engine(model_dir, monkeypatch, own_leases):
     """The next pipeline of a notebook takes a lease after Beam dropped the last one's: within
     the grace it finds the engine up (each pipeline reloaded the model), and once its own lease
     is gone the engine stops after the grace."""
@@ -317,6 +327,29 @@ def test_a_lease_taken_soon_after_the_last_was_dropped_keeps_its_engine(model_di
     second.release()
     assert not gone(pid, within=1.5)
     assert gone(pid, within=60.0)
+
+
+def test_an_engine_let_go_beside_another_leaves_at_once(model_dir, monkeypatch, own_leases):
+    """A model update or a model per key evicted lets an engine go while another is in use or
+    being taken up: it does not wait out the grace (two engines' memory was not asked for)."""
+    from batchgen_beam import engine_client
+
+    monkeypatch.setattr(engine_client, "IDLE_LEASE_GRACE_S", 30.0)
+    old, new = (BatchGenModelHandler(str(model_dir), engine_args={**ENGINE_ARGS, "max_num_seqs": seqs})
+                for seqs in (8, 9))
+    first = old.load_model()
+    first_pid = first.client.info()["pid"]
+    second = new.load_model()  # the update's model, loaded before the old one is let go
+    first.release()
+    assert gone(first_pid, within=15.0)
+    second_pid = second.client.info()["pid"]
+    second.release()  # the last in use: it waits, until a lease of another config is taken
+    assert not gone(second_pid, within=1.0)
+    third = old.load_model()
+    assert gone(second_pid, within=15.0)
+    third_pid = third.client.info()["pid"]
+    third.release()
+    assert gone(third_pid, within=60.0)  # its grace
 
 
 def test_joining_an_engine_stopped_meanwhile_starts_another(monkeypatch):
