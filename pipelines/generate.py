@@ -44,6 +44,7 @@ from batchgen_beam.model_sources import check_local_folders, model_location
 from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, RepeatedKey, check_defaults,
                                    default_sampling_params, is_missing, is_openai_line, loads_record)
 from runtime.default_model import DEFAULT_MODEL_NAME
+from runtime.engine import LORA_WITH_STREAMING
 from runtime.sampling import DEFAULT_MAX_LOGPROBS, over_max_logprobs
 
 BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"
@@ -211,8 +212,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         parser.error("--weights_in_host_memory streams weights to a GPU: it needs --device cuda "
                      "and --weight_budget_mb")
     if args.lora is not None and args.weight_budget_mb is not None:
-        parser.error("--lora with --weight_budget_mb is not supported: the adapter is merged into "
-                     "weights held in memory")
+        parser.error(f"--lora with --weight_budget_mb {LORA_WITH_STREAMING}")
     # Beam only warns of arguments no PipelineOptions takes and drops them: a mistyped sampling
     # flag (--temprature) would run the job with the default, unnoticed.
     discarded = _discarded_by_beam(beam_args)

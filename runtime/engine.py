@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 # Batch limits: memory-constrained mode defaults to a large batch, so that each layer read from
 # disk serves as many tokens as possible (module-based batching).
+# Why an engine refuses a LoRA adapter with weight_budget_bytes (the CLI refuses the flags so too).
+LORA_WITH_STREAMING = "is not supported: the adapter is merged into weights held in memory"
 DEFAULT_BATCH = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
 STREAMING_BATCH = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
 SCORE_ROWS = 256  # prompt positions scored at once: [256, vocab] fp32 logits (50 MB for SmolLM2)
@@ -243,8 +245,7 @@ class Engine:
         if weights_in_host_memory and not streaming:
             raise ValueError("weights_in_host_memory streams weights: give weight_budget_bytes too")
         if streaming and lora is not None:
-            raise NotImplementedError("a LoRA adapter with weight streaming is not supported: the "
-                                      "adapter is merged into weights held in memory")
+            raise NotImplementedError(f"a LoRA adapter with weight streaming {LORA_WITH_STREAMING}")
         if streaming and self.device.type not in ("cpu", "cuda"):
             raise NotImplementedError(f"weight streaming runs on CPU and CUDA, not {self.device.type}")
         kernels.prepare(self.device)  # the C++ kernel's build (once per machine) outside any step
