@@ -44,8 +44,9 @@ from batchgen_beam.model_sources import check_local_folders, model_location
 from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, RepeatedKey, check_defaults,
                                    default_sampling_params, is_missing, is_openai_line, loads_record)
 from runtime.default_model import DEFAULT_MODEL_NAME
-from runtime.engine import LORA_WITH_STREAMING
+from runtime.engine import DTYPES, LORA_WITH_STREAMING
 from runtime.sampling import DEFAULT_MAX_LOGPROBS, over_max_logprobs
+from runtime.scheduler import ADMISSION_ORDERS, PREEMPTION_MODES
 
 BUNDLED_PROMPTS = Path(batchgen_beam.__file__).resolve().parent / "data" / "prompts.jsonl"
 # Sampling flags that set their record field's transform-wide default: (name, type, help).
@@ -150,6 +151,25 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokens per engine step (engine default if not given)")
     engine.add_argument("--kv_cache_mb", type=_whole_number(0), default=None,
                         help="device KV cache size in MiB (engine default if not given)")
+    engine.add_argument("--host_kv_mb", type=_whole_number(0), default=None,
+                        help="host memory in MiB that suspended sequences park their KV in "
+                             "(engine default if not given)")
+    engine.add_argument("--max_model_len", type=_whole_number(1), default=None,
+                        help="the most tokens (prompt and completion) a sequence may hold "
+                             "(default: the model's context)")
+    engine.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="the dtype the weights, activations and KV cache are held in "
+                             "(default: float32)")
+    engine.add_argument("--admission", choices=sorted(ADMISSION_ORDERS), default=None,
+                        help="the order waiting records start in: fifo (the default), "
+                             "longest_first or shortest_first by prompt + max_tokens, or "
+                             "adaptive (longest expected first, learned from finished ones)")
+    engine.add_argument("--preemption", choices=PREEMPTION_MODES, default=None,
+                        help="what a sequence pushed out of a full KV cache does: suspend "
+                             "(park its KV in host memory; the default) or evict (recompute it)")
+    engine.add_argument("--no_prefix_caching", dest="enable_prefix_caching", action="store_const",
+                        const=False, default=None,
+                        help="never reuse the KV of a prompt prefix that an earlier record computed")
     engine.add_argument("--num_threads", type=_whole_number(1), default=None,
                         help="torch threads of the engine (default: all cores)")
     engine.add_argument("--device", choices=["cpu", "cuda"], default=None,
@@ -251,6 +271,11 @@ def engine_args_of(args: argparse.Namespace) -> dict:
     given = {"max_num_seqs": args.max_num_seqs,
              "max_num_batched_tokens": args.max_num_batched_tokens,
              "kv_cache_bytes": None if args.kv_cache_mb is None else args.kv_cache_mb << 20,
+             "host_kv_bytes": None if args.host_kv_mb is None else args.host_kv_mb << 20,
+             "max_model_len": args.max_model_len,
+             "dtype": None if args.dtype is None else DTYPES[args.dtype],
+             "admission": args.admission, "preemption": args.preemption,
+             "enable_prefix_caching": args.enable_prefix_caching,
              "num_threads": args.num_threads, "device": args.device,
              "weight_budget_bytes": None if args.weight_budget_mb is None else args.weight_budget_mb << 20,
              "weights_in_host_memory": args.weights_in_host_memory, "greedy_screen": args.greedy_screen,

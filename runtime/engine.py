@@ -42,10 +42,12 @@ from runtime.weight_stream import WeightStreamer
 
 log = logging.getLogger(__name__)
 
-# Batch limits: memory-constrained mode defaults to a large batch, so that each layer read from
-# disk serves as many tokens as possible (module-based batching).
 # Why an engine refuses a LoRA adapter with weight_budget_bytes (the CLI refuses the flags so too).
 LORA_WITH_STREAMING = "is not supported: the adapter is merged into weights held in memory"
+# The dtypes a model runs in on every device, by the names configs and flags give them.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Batch limits: memory-constrained mode defaults to a large batch, so that each layer read from
+# disk serves as many tokens as possible (module-based batching).
 DEFAULT_BATCH = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
 STREAMING_BATCH = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
 SCORE_ROWS = 256  # prompt positions scored at once: [256, vocab] fp32 logits (50 MB for SmolLM2)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 import apache_beam as beam
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
@@ -27,6 +28,7 @@ from batchgen_beam.records import (OUTPUT_SCHEMA, Rejected, error_row, row_from_
                                    rows_to_arrow)
 from beam_helpers import ENGINE_ARGS, IN_MEMORY, chat_model_dir
 from pipelines import generate as cli
+from runtime import Engine, Request, SamplingParams
 from runtime.tokenizer import load_tokenizer
 
 ENGINE_FLAGS = ["--kv_cache_mb", str(ENGINE_ARGS["kv_cache_bytes"] >> 20),
@@ -666,6 +668,30 @@ def test_an_output_prefix_under_home_is_written_there(chat_model, jsonl_input, t
     assert not (tmp_path / "~").exists()
 
 
+def test_engine_flags_configure_the_jobs_engine(chat_model, tmp_path):
+    """--dtype and --max_model_len (with the scheduling flags beside them) reach the engine that
+    runs the job: a record's logprobs are those of a bfloat16 engine's, and a prompt that fits the
+    model's context but not --max_model_len is an error row."""
+    short = {"id": "short", "prompt": "Name a colour.", "max_tokens": 3, "logprobs": 1}
+    long = {"id": "long", "prompt": " ".join(["word"] * 40)}
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (short, long)))
+    flags = ["--dtype", "bfloat16", "--max_model_len", "24", "--admission", "longest_first",
+             "--preemption", "evict", "--no_prefix_caching", "--host_kv_mb", "1"]
+    summary = run(chat_model, "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out/gen"),
+                  "--format", "jsonl", *flags)
+    rows = {r["id"]: r for r in read_jsonl(summary["output_files"])}
+    assert rows["long"]["finish_reason"] == "error" and "24" in rows["long"]["error"], rows["long"]
+    with Engine(chat_model, dtype=torch.bfloat16, max_model_len=24, **ENGINE_ARGS) as engine:
+        [bf16] = engine.generate([Request("short", prompt=short["prompt"],
+                                          params=SamplingParams(max_tokens=3, logprobs=1))])
+    with Engine(chat_model, **ENGINE_ARGS) as engine:
+        [fp32] = engine.generate([Request("short", prompt=short["prompt"],
+                                          params=SamplingParams(max_tokens=3, logprobs=1))])
+    assert rows["short"]["token_ids"] == bf16.token_ids
+    assert rows["short"]["logprobs"] == pytest.approx(bf16.logprobs, abs=1e-6)
+    assert rows["short"]["logprobs"] != pytest.approx(fp32.logprobs, abs=1e-4)  # bf16 is not fp32
+
+
 def test_argument_handling(capsys):
     args, beam_args = cli.parse_args(["--input", "x.jsonl", "--temperature", "0.5",
                                       "--temp_location", "/tmp/t", "--stop", "a", "--stop", "b"])
@@ -700,6 +726,11 @@ def test_argument_handling(capsys):
                                         "weights_in_host_memory": True}
     assert cli.engine_args_of(cli.parse_args(["--no_greedy_screen"])[0]) == {"greedy_screen": False}
     assert cli.engine_args_of(cli.parse_args(["--no_ngram_drafts"])[0]) == {"ngram_drafts": False}
+    args, _ = cli.parse_args(["--dtype", "bfloat16", "--max_model_len", "512", "--host_kv_mb", "3",
+                              "--admission", "longest_first", "--preemption", "evict", "--no_prefix_caching"])
+    assert cli.engine_args_of(args) == {"dtype": torch.bfloat16, "max_model_len": 512, "host_kv_bytes": 3 << 20,
+                                        "admission": "longest_first", "preemption": "evict",
+                                        "enable_prefix_caching": False}
     assert cli.engine_args_of(cli.parse_args(["--lora", "/a/adapter"])[0]) == {"lora": "/a/adapter"}
     assert cli.engine_args_of(cli.parse_args(["--lora", "gs://b/adapter"])[0]) == {"lora": "gs://b/adapter"}
     assert cli.model_label(cli.parse_args(["--lora", "/a/adapter"])[0]) == \
@@ -730,6 +761,9 @@ def test_argument_handling(capsys):
     for flags, said in ((["--output_shards", "-1"], "argument --output_shards: must be >= 0, got -1"),
                         (["--num_key_shards", "0"], "argument --num_key_shards: must be >= 1, got 0"),
                         (["--kv_cache_mb", "-1"], "argument --kv_cache_mb: must be >= 0, got -1"),
+                        (["--max_model_len", "0"], "argument --max_model_len: must be >= 1, got 0"),
+                        (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+                        (["--admission", "lifo"], "argument --admission: invalid choice: 'lifo'"),
                         (["--max_logprobs", "1.5"], "argument --max_logprobs: must be a whole number, got '1.5'")):
         with pytest.raises(SystemExit):
             cli.parse_args(flags)
