@@ -6,8 +6,9 @@ opens).
   JSON parsing happen in `Generate`, so a line that is not UTF-8 or not JSON becomes an error
   row instead of failing the pipeline. Files are split across workers as `ReadFromText` does.
 - ``parquet`` (``.parquet``, ``.pq``): each row as a dict of its columns. A column of
-  nanosecond times (pandas writes ``datetime64[ns]`` so), or of lists or structs holding them,
-  that Python's datetime cannot hold whole has those times read as Arrow's text of them; a
+  times (timestamps, dates, times of day, durations; or of lists or structs holding them)
+  that Python's datetime cannot hold whole (nanoseconds, as pandas writes ``datetime64[ns]``;
+  a year past 9999) has its times read as Arrow's text of them; a
   file that names a column twice makes each of its rows an error row (which of the two would
   the record take?).
 - ``csv`` (``.csv``) and ``tsv`` (``.tsv``): each row under a header row as a dict of its
@@ -207,28 +208,29 @@ def parquet_records(table: pa.Table):
 def _python_values(column: pa.ChunkedArray) -> list:
     try:
         return column.to_pylist()
-    except (pa.ArrowInvalid, ValueError):
-        text_type = _nanoseconds_as_text(column.type)
+    except (pa.ArrowInvalid, ValueError, OverflowError):
+        # A time no Python type holds: nanoseconds, a year past 9999 or before 1, a duration
+        # past timedelta's days. The column's times are then read as Arrow writes them.
+        text_type = _times_as_text(column.type)
         if text_type == column.type:
             raise
-        return pc.cast(column, text_type).to_pylist()  # a time with nanoseconds no Python type holds
+        return pc.cast(column, text_type).to_pylist()
 
 
-def _nanoseconds_as_text(arrow_type: pa.DataType) -> pa.DataType:
-    """The type with every nanosecond timestamp, duration or time in it (nested ones too) text."""
-    if (pa.types.is_timestamp(arrow_type) or pa.types.is_duration(arrow_type)
-            or pa.types.is_time64(arrow_type)) and arrow_type.unit == "ns":
+def _times_as_text(arrow_type: pa.DataType) -> pa.DataType:
+    """The type with every timestamp, date, time or duration in it (nested ones too) text."""
+    if pa.types.is_temporal(arrow_type):
         return pa.string()
     if pa.types.is_map(arrow_type):
-        return pa.map_(_nanoseconds_as_text(arrow_type.key_type), _nanoseconds_as_text(arrow_type.item_type))
+        return pa.map_(_times_as_text(arrow_type.key_type), _times_as_text(arrow_type.item_type))
     if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
         make = pa.list_ if pa.types.is_list(arrow_type) else pa.large_list
-        return make(arrow_type.value_field.with_type(_nanoseconds_as_text(arrow_type.value_type)))
+        return make(arrow_type.value_field.with_type(_times_as_text(arrow_type.value_type)))
     if pa.types.is_fixed_size_list(arrow_type):
-        return pa.list_(arrow_type.value_field.with_type(_nanoseconds_as_text(arrow_type.value_type)),
+        return pa.list_(arrow_type.value_field.with_type(_times_as_text(arrow_type.value_type)),
                         arrow_type.list_size)
     if pa.types.is_struct(arrow_type):
-        return pa.struct([field.with_type(_nanoseconds_as_text(field.type)) for field in arrow_type])
+        return pa.struct([field.with_type(_times_as_text(field.type)) for field in arrow_type])
     return arrow_type
 
 

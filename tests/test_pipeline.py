@@ -423,6 +423,26 @@ def test_parquet_nanosecond_times_python_cannot_hold_are_read_as_text(tmp_path):
             {"id": "c", "prompt": "hi", "at": None, "whole": None, "nested": None}]))
 
 
+def test_parquet_times_out_of_pythons_range_are_read_as_text(tmp_path):
+    """A year past 9999 or before 1, or a duration past timedelta's, fails the row's conversion
+    to Python (OverflowError): its column is read as text, and no record is lost."""
+    far = 253_402_300_800 * 10**6  # 10000-01-01 in microseconds
+    columns = {"id": ["a", "b"], "prompt": ["hi", "yo"],
+               "at": pa.array([far, 0], pa.timestamp("us")),
+               "day": pa.array([2_932_897 + 100, 0], pa.date32()),
+               "early": pa.array([-62_135_596_800 * 10**6 - 10**6, None], pa.timestamp("us", tz="UTC")),
+               "span": pa.array([2**62, 5], pa.duration("s")),
+               "nested": pa.array([[{"t": far}], None], pa.list_(pa.struct([("t", pa.timestamp("us"))])))}
+    pq.write_table(pa.table(columns), tmp_path / "in.parquet")
+    with beam.Pipeline() as p:
+        assert_that(p | ReadRecords(str(tmp_path / "in.parquet")), equal_to([
+            {"id": "a", "prompt": "hi", "at": "10000-01-01 00:00:00.000000", "day": "10000-04-10",
+             "early": "0000-12-31 23:59:59.000000Z", "span": "4611686018427387904",
+             "nested": [{"t": "10000-01-01 00:00:00.000000"}]},
+            {"id": "b", "prompt": "yo", "at": "1970-01-01 00:00:00.000000", "day": "1970-01-01",
+             "early": None, "span": "5", "nested": None}]))
+
+
 def test_text_lines_end_at_lone_carriage_returns_too():
     lines = list(text_lines(io.BytesIO(b"\xef\xbb\xbfone\rtwo\r\n\rthree\n\xff\r")))
     assert lines == [(1, "one"), (2, "two"), (4, "three"), (5, b"\xff")]
