@@ -131,9 +131,7 @@ def check_output(prefix: str) -> None:
     or written."""
     if not prefix.strip():
         raise ValueError("output prefix is empty; give one, e.g. out/generations")
-    if "[" in prefix:  # Beam's writers find their temporary files by a glob of it
-        raise ValueError(f"output prefix {prefix!r} holds '[', which Beam's file writers cannot "
-                         f"finish under (the job would run, then fail to write); rename it")
+    _check_no_glob(prefix)
     if "://" in prefix:
         return  # gs://: the bucket's permissions are known when the job writes
     prefix = os.path.expanduser(prefix)
@@ -147,6 +145,16 @@ def check_output(prefix: str) -> None:
         raise ValueError(f"output prefix {prefix!r}: its folder cannot be made ({exc})") from None
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"output prefix {prefix!r}: its folder {folder} is not writable")
+
+
+def _check_no_glob(prefix: str) -> None:
+    """ValueError for an output prefix holding a glob's characters: Beam's writers find their
+    temporary files by a glob of it ('[': the job would run, then fail to write), and a local
+    delete of an earlier shard globs its path ('*', '?': it would delete other files too)."""
+    if found := sorted(set(prefix) & set("*?[")):
+        raise ValueError(f"output prefix {prefix!r} holds {', '.join(map(repr, found))}, which Beam's "
+                         f"file writers read as a glob (a rerun would delete files it matches, or "
+                         f"the job fail to write); rename it")
 
 
 def _check_parquet_file(path: str, size: int) -> None:
@@ -453,6 +461,7 @@ class WriteRows(beam.PTransform):
     def __init__(self, prefix: str, format: str = "parquet", num_shards: int = 0, *,
                  model: str | None = None):
         super().__init__()
+        _check_no_glob(prefix)
         self.prefix = absolute_path(prefix)
         self.format = _check_format(format, OUTPUT_FORMATS)
         if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 0:

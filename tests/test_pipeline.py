@@ -604,9 +604,14 @@ def test_output_that_could_not_be_written_is_refused_before_it_runs(tmp_path):
     for output, problem in (("", "output prefix is empty"),
                             (f"{tmp_path}/", "is a directory; give a file name prefix in it"),
                             (str(tmp_path / "a-file" / "gen"), "its folder cannot be made"),
-                            (str(tmp_path / "runs[2024]" / "gen"), "holds '\\[', which Beam's file writers")):
+                            (str(tmp_path / "runs[2024]" / "gen"), "holds '\\[', which Beam's file writers"),
+                            # A local delete of an earlier shard would glob: another job's files too.
+                            (str(tmp_path / "gen*"), "holds '\\*', which Beam's file writers read as a glob"),
+                            (str(tmp_path / "run?" / "gen"), "holds '\\?'")):
         with pytest.raises(ValueError, match=problem):
             cli.main(["--input", str(tmp_path / "recs.jsonl"), "--no_progress", "--output", output])
+    with pytest.raises(ValueError, match="read as a glob"):  # the Python API's writer alike
+        WriteRows(str(tmp_path / "gen*"), "jsonl")
 
 
 def test_job_defaults_the_engine_cannot_honour_are_refused_before_the_run(chat_model, jsonl_input, tmp_path):
