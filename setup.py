@@ -31,6 +31,7 @@ setup(
         # The Beam face.
         "apache-beam>=2.77,<2.78",
         "pyarrow>=14,<26",
+        "zstandard>=0.18,<1",  # .zst inputs, read as Beam reads them (batchgen_beam/compressed.py)
         "google-cloud-storage>=2.18.2,<4",
         "google-crc32c>=1.5,<2",
         # Without it Beam's gs:// I/O silently ignores real credentials (anonymous access only).

@@ -4,7 +4,7 @@ opens).
 `ReadRecords(pattern, format=None)` yields what `Generate` takes:
 - ``jsonl`` (``.jsonl``, ``.json``, ``.ndjson``): each non-blank line as raw bytes. Decoding and
   JSON parsing happen in `Generate`, so a line that is not UTF-8 or not JSON becomes an error
-  row instead of failing the pipeline. Files are split across workers as `ReadFromText` does.
+  row instead of failing the pipeline. Plain files are split across workers as `ReadFromText` splits them.
 - ``parquet`` (``.parquet``, ``.pq``): each row as a dict of its columns. A column of
   times (timestamps, dates, times of day, durations; or of lists or structs holding them)
   that Python's datetime cannot hold whole (nanoseconds, as pandas writes ``datetime64[ns]``;
@@ -36,8 +36,10 @@ opens).
   next to the generation they feed. Content hashes were the alternative, but two equal lines
   would share an id, and ids must be unique. A line that is not UTF-8 becomes an error row.
 Text, CSV and TSV files are UTF-8, or UTF-16 or UTF-32 where a byte-order mark says so.
-Compressed files (``.gz``, ``.bz2``, ...) are read transparently and the format is inferred
-from the extension under the compression one; pass `format` for any other name.
+Compressed files (``.gz``, ``.bz2``, ``.xz``, ``.zst``, ...) are read transparently and the
+format is inferred from the extension under the compression one; pass `format` for any other
+name. A compressed file cut short, or not the compression its name says, fails the job with a
+ValueError naming it (`batchgen_beam/compressed.py`), where Beam's reader would stop at the cut.
 
 `WriteRows(prefix, format="parquet")` writes output rows as Parquet (`OUTPUT_SCHEMA`) or JSONL
 shards ``<prefix>-SSSSS-of-NNNNN.<format>``, or as OpenAI Batch API output lines (format
@@ -63,10 +65,11 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.fileio import EmptyMatchTreatment
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.io.parquetio import ReadFromParquetBatched, WriteToParquet, _ParquetSink
-from apache_beam.io.textio import ReadFromText, WriteToText, _TextSink
+from apache_beam.io.textio import ReadAllFromText, WriteToText, _TextSink
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from batchgen_beam.compressed import compression_of, decompressed
 from batchgen_beam.model_sources import check_local_folders, resolve_model
 from batchgen_beam.openai_batch import response_line
 from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, OUTPUT_SCHEMA, Rejected, RepeatedKey,
@@ -111,9 +114,10 @@ def infer_format(pattern: str) -> str:
 def check_input(pattern: str, fmt: str) -> None:
     """FileNotFoundError where the pattern matches nothing; ValueError, naming the file, for
     input that would fail the whole job at run time rather than give error rows: a directory
-    (give a glob of its files), or in Parquet a file without
-    Parquet's magic bytes at both ends (pyarrow's "magic bytes" error; a truncated file too).
-    The other formats read any bytes: what is wrong in them becomes error rows."""
+    (give a glob of its files), in Parquet a file without Parquet's magic bytes at both ends
+    (pyarrow's "magic bytes" error; a truncated file too), and a compressed file whose first
+    bytes are not the compression its name says. The other formats read any bytes: what is
+    wrong in them becomes error rows."""
     matched = FileSystems.match([absolute_path(pattern)])[0].metadata_list
     if not matched:
         raise FileNotFoundError(f"no input files match {pattern!r}")
@@ -123,6 +127,9 @@ def check_input(pattern: str, fmt: str) -> None:
                              f"{os.path.join(meta.path, '*')!r}")
         if fmt == "parquet":
             _check_parquet_file(meta.path, meta.size_in_bytes)
+        elif compression_of(meta.path):
+            with FileSystems.open(meta.path, compression_type=CompressionTypes.UNCOMPRESSED) as stored:
+                decompressed(stored, meta.path).read(1)  # a name that lies about the bytes
 
 
 def check_output(prefix: str) -> None:
@@ -184,20 +191,29 @@ class ReadRecords(beam.PTransform):
         self.format = _check_format(format, INPUT_FORMATS) if format else infer_format(pattern)
 
     def expand(self, pbegin):
-        if self.format == "jsonl":
-            return (pbegin
-                    | "ReadLines" >> ReadFromText(self.pattern, coder=coders.BytesCoder())
-                    | "SkipBlank" >> beam.Filter(lambda line: bool(line.strip())))
         if self.format == "parquet":
             return (pbegin
                     | "ReadParquet" >> ReadFromParquetBatched(self.pattern)
                     | "Rows" >> beam.FlatMap(parquet_records))
         files = (pbegin
-                 # Every format fails alike on a pattern matching nothing (ReadFromText and
-                 # ReadFromParquet do; MatchFiles would run on with no records).
+                 # Every format fails alike on a pattern matching nothing (ReadFromParquet
+                 # does; MatchFiles would run on with no records).
                  | "Match" >> fileio.MatchFiles(self.pattern, EmptyMatchTreatment.DISALLOW)
                  | "Open" >> fileio.ReadMatches())
-        return files | "Records" >> beam.FlatMap(_read_file, _fixed_dir(self.pattern), self.format)
+        if self.format != "jsonl":
+            return files | "Records" >> beam.FlatMap(_read_file, _fixed_dir(self.pattern), self.format)
+        # Plain JSONL files split across workers as ReadFromText splits them; a compressed one
+        # is read whole by one worker anyway, by a reader that notices a stream cut short.
+        plain, packed = files | "ByCompression" >> beam.Partition(
+            lambda file, _: int(compression_of(file.metadata.path) is not None), 2)
+        lines = (plain
+                 | "Paths" >> beam.Map(lambda file: file.metadata.path)
+                 | "ReadLines" >> ReadAllFromText(coder=coders.BytesCoder(),
+                                                  compression_type=CompressionTypes.UNCOMPRESSED),
+                 packed | "ReadCompressed" >> beam.FlatMap(_compressed_jsonl_lines))
+        return (lines
+                | "Lines" >> beam.Flatten()
+                | "SkipBlank" >> beam.Filter(lambda line: bool(line.strip())))
 
 
 def parquet_records(table: pa.Table):
@@ -257,9 +273,24 @@ def _file_name(readable_file, fixed_dir: str) -> str:
     return name or posixpath.basename(path.replace(os.sep, "/"))
 
 
+def _open(readable_file):
+    """The file's bytes, decompressed where its extension names a compression."""
+    path = readable_file.metadata.path
+    stored = readable_file.open(compression_type=CompressionTypes.UNCOMPRESSED)
+    return decompressed(stored, path) if compression_of(path) else stored
+
+
 def _read_file(readable_file, fixed_dir: str, fmt: str):
-    with readable_file.open() as f:
+    with _open(readable_file) as f:
         yield from file_records(f, _file_name(readable_file, fixed_dir), fmt)
+
+
+def _compressed_jsonl_lines(readable_file):
+    """A compressed JSONL file's lines as bytes, as ReadFromText splits them (at "\n" or
+    "\r\n"; a lone "\r" stays in its line)."""
+    with _open(readable_file) as f:
+        for line in f:
+            yield line[:-2] if line.endswith(b"\r\n") else line[:-1] if line.endswith(b"\n") else line
 
 
 def file_records(binary_file, name: str, fmt: str):

@@ -4,19 +4,23 @@ out, local and gs:// (through the GCS emulator), one row per record, error rows 
 The fast tests run the Beam tests' tiny chat model with the same engine arguments
 (beam_helpers), so one engine process, started once per session, serves them all."""
 
+import bz2
 import codecs
 import gzip
 import io
 import json
+import lzma
 import os
 import re
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+import zstandard
 import apache_beam as beam
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
@@ -443,6 +447,48 @@ def test_parquet_times_out_of_pythons_range_are_read_as_text(tmp_path):
              "early": None, "span": "5", "nested": None}]))
 
 
+COMPRESS = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress, ".deflate": zlib.compress,
+            ".zst": lambda data: zstandard.ZstdCompressor().compress(data)}
+PLAIN_FILES = {  # name: (bytes, the records ReadRecords reads, given the name it has)
+    "in.jsonl": (b'\xef\xbb\xbf{"id": "a"}\r\n\r\n{"id": "b", "prompt": "y"}\r{"c": 3}\n  \nlast\r',
+                 lambda name: [b'\xef\xbb\xbf{"id": "a"}', b'{"id": "b", "prompt": "y"}\r{"c": 3}', b"last\r"]),
+    "in.txt": (b"one\r\ntwo\n\nthree", lambda name: [{"id": f"{name}:{n}", "prompt": p}
+                                                    for n, p in ((1, "one"), (2, "two"), (4, "three"))]),
+    "in.csv": (b'id,prompt\na,"two\nlines"\nb,hi\n', lambda name: [{"id": "a", "prompt": "two\nlines"},
+                                                                   {"id": "b", "prompt": "hi"}])}
+
+
+@pytest.mark.parametrize("extension", sorted(COMPRESS))
+def test_compressed_files_read_as_their_plain_bytes_do(tmp_path, extension):
+    """Each format, through each compression Beam tells by extension: the plain file's records
+    (JSONL's lines split as ReadFromText splits a plain file's), two streams one after the
+    other read as one file, an empty file as no records."""
+    compress = COMPRESS[extension]
+    with beam.Pipeline() as p:
+        for name, (data, records) in PLAIN_FILES.items():
+            packed = name + extension
+            (tmp_path / name).write_bytes(data)
+            (tmp_path / packed).write_bytes(compress(data[:9]) + compress(data[9:]))
+            for read in (name, packed):
+                assert_that(p | f"Read {read}" >> ReadRecords(str(tmp_path / read)), equal_to(records(read)),
+                            label=f"Check {read}")
+        (tmp_path / ("empty.jsonl" + extension)).write_bytes(b"")
+        assert_that(p | "Read empty" >> ReadRecords(str(tmp_path / ("empty.jsonl" + extension))),
+                    equal_to([]), label="Check empty")
+
+
+@pytest.mark.parametrize("name", ["in.jsonl.gz", "in.txt.bz2", "in.csv.xz", "in.jsonl.zst"])
+def test_a_compressed_file_cut_short_fails_the_job_naming_it(tmp_path, name):
+    """Beam's reader takes the cut for the end of the file: the records past it were lost
+    without a word."""
+    plain = name.rsplit(".", 1)[0]
+    data = PLAIN_FILES[plain][0] * 50
+    (tmp_path / name).write_bytes(COMPRESS["." + name.rsplit(".", 1)[1]](data)[:-12])
+    with pytest.raises(Exception, match=re.escape(name) + ": its .* data ends before its stream does"):
+        with beam.Pipeline() as p:
+            _ = p | ReadRecords(str(tmp_path / name))
+
+
 def test_text_lines_end_at_lone_carriage_returns_too():
     lines = list(text_lines(io.BytesIO(b"\xef\xbb\xbfone\rtwo\r\n\rthree\n\xff\r")))
     assert lines == [(1, "one"), (2, "two"), (4, "three"), (5, b"\xff")]
@@ -585,9 +631,13 @@ def test_input_that_would_fail_the_job_is_refused_before_it_runs(tmp_path):
     (tmp_path / "cut" / "a.parquet").write_bytes(whole)
     (tmp_path / "cut" / "b.parquet").write_bytes(whole[:len(whole) // 2])
     (tmp_path / "dir").mkdir()
+    (tmp_path / "plain.jsonl.gz").write_text('{"id": "a", "prompt": "hi"}\n')  # named as what it is not
+    (tmp_path / "gz.csv.bz2").write_bytes(gzip.compress(b"id,prompt\na,hi\n"))
     for pattern, fmt, problem in (("*.csv", "parquet", "recs.csv: not a whole Parquet file"),
                                   ("cut/*.parquet", "parquet", "b.parquet: not a whole Parquet file"),
-                                  ("dir", "jsonl", "dir: a directory, not a file")):
+                                  ("dir", "jsonl", "dir: a directory, not a file"),
+                                  ("plain.jsonl.gz", "jsonl", "plain.jsonl.gz: not gzip data"),
+                                  ("gz.csv.bz2", "csv", "gz.csv.bz2: not bzip2 data")):
         with pytest.raises(ValueError, match=problem):
             cli.main(["--input", str(tmp_path / pattern), "--input_format", fmt, "--no_progress",
                       "--output", str(tmp_path / "out/gen")])
