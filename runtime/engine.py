@@ -25,7 +25,7 @@ import kernels
 from runtime.default_model import default_model_dir
 from runtime.estimate import exact_length
 from runtime.kv_cache import BlockManager, HostKVPool, KVCache, block_hash
-from runtime.loader import build_model, load_model, safetensors_files, weights_fingerprint
+from runtime.loader import build_model, load_model, safetensors_files, weights_digest
 from runtime.lora import ADAPTER_WEIGHTS
 from runtime.moe import moe_blocks
 from runtime.request import ChatOptions, Completion, CompletionWaiter, Request, SampleOutput, Timings
@@ -110,6 +110,15 @@ def _content_texts(content) -> list[str] | None:
             for p in content):
         return None
     return [p["text"] for p in content]
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """A file's size and modification time, None once it is gone."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_size, stat.st_mtime_ns
 
 
 def _seq_id(request_id: str, sample_index: int) -> str:
@@ -264,12 +273,11 @@ class Engine:
         else:
             self.model = on_a_passing_thread(load_model, self.model_dir, self.device, dtype, lora)
             self.weights = None
-        # What a migrated request must continue on: these weights, not another model's or
-        # adapter's, computed in this dtype.
-        self.weights_id = weights_fingerprint(
-            [self.model_dir / "config.json", *safetensors_files(self.model_dir)]
-            + ([Path(lora) / "adapter_config.json", Path(lora) / ADAPTER_WEIGHTS] if lora is not None else [])
-        ) + f" {dtype}"
+        weight_files = ([self.model_dir / "config.json", *safetensors_files(self.model_dir)]
+                        + ([Path(lora) / "adapter_config.json", Path(lora) / ADAPTER_WEIGHTS]
+                           if lora is not None else []))
+        self._loaded_files = {path: _stamp(path) for path in weight_files}
+        self._dtype = dtype
         if greedy_screen is None:
             greedy_screen = (not streaming and dtype == torch.float32 and self.model.logits_grow_with_head
                              and kernels.bf16_matmul_is_fast(self.device))
@@ -935,6 +943,16 @@ class Engine:
                 self.scheduler.resume(seq)
             self._wake.set()
             return len(held)
+
+    @functools.cached_property
+    def weights_id(self) -> str:
+        """What a migrated request must continue on: these weights, not another model's or
+        adapter's, computed in this dtype. Digested at the first migration, not at start: it
+        reads every byte of the checkpoint. Files saved again since the engine loaded them
+        (a notebook's new fine-tune) no longer say what it runs: then no other engine's id."""
+        if any(_stamp(path) != stamp for path, stamp in self._loaded_files.items()):
+            return f"changed since loaded {secrets.token_hex(16)}"
+        return weights_digest(list(self._loaded_files)) + f" {self._dtype}"
 
     def reset_prefix_cache(self) -> int:
         """Forget the cached prefixes of finished requests, so that a rerun of the same prompts

@@ -3,8 +3,10 @@ engine, fork (n > 1, copy-on-write) — leave every output exactly as an uninter
 
 import pickle
 import shutil
+import struct
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -316,6 +318,51 @@ def test_migrate_in_refuses_a_request_that_ran_on_other_weights(tiny, tmp_path, 
     same.migrate_in(state)
     [ran_on] = make_engine(model, lora=tmp_path / "adapter").generate(greedy_requests(PROMPTS[1:2], 8))
     assert collect(same)["r0"].token_ids == ran_on.token_ids
+
+
+def _one_value_changed(model: Path, copy: Path, where: float) -> None:
+    """`copy`: the checkpoint with one fp32 value, `where` of the way through its tensor data,
+    doubled (a same-size file: a partial fine-tune or a merged adapter, in miniature)."""
+    if copy != model:
+        shutil.copytree(model, copy, dirs_exist_ok=True)
+    [weights] = copy.glob("*.safetensors")
+    data = bytearray(weights.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")  # past the header
+    at = start + int((len(data) - start) * where) // 4 * 4
+    data[at:at + 4] = struct.pack("<f", 2 * struct.unpack("<f", data[at:at + 4])[0] + 1)
+    weights.write_bytes(data)
+
+
+def test_migrate_in_refuses_weights_that_differ_in_one_value(tiny, tmp_path):
+    """Every byte of the checkpoint counts: a digest of sampled spans took the KV that a copy
+    with one layer edited computed, and registered it in the prefix cache, where later requests
+    of that prompt found it."""
+    model = tiny.dir("llama")
+    for where in (0.03, 0.53, 0.97):
+        _one_value_changed(model, tmp_path / "edited", where)
+        source = make_engine(tmp_path / "edited")
+        source.submit(greedy_requests(PROMPTS[1:2], 8)[0])
+        source.step()
+        state = source.migrate_out("r0", with_kv=True)
+        other = make_engine(model)
+        with pytest.raises(ValueError, match="'r0': it was running on other weights"):
+            other.migrate_in(state)
+        assert_idle_and_clean(other)
+    make_engine(tmp_path / "edited").migrate_in(state)  # the same files: taken
+
+
+def test_an_engine_whose_files_were_saved_again_takes_and_gives_no_migration(tiny, tmp_path):
+    """Its weights are the files as they were: the files now (a notebook's new fine-tune saved
+    in place) are another engine's, which must not take its requests' KV."""
+    shutil.copytree(tiny.dir("llama"), tmp_path / "model")
+    loaded_before = make_engine(tmp_path / "model")
+    loaded_before.submit(greedy_requests(PROMPTS[1:2], 8)[0])
+    loaded_before.step()
+    _one_value_changed(tmp_path / "model", tmp_path / "model", 0.5)
+    loaded_after = make_engine(tmp_path / "model")
+    with pytest.raises(ValueError, match="'r0': it was running on other weights"):
+        loaded_after.migrate_in(loaded_before.migrate_out("r0", with_kv=True))
+    assert_idle_and_clean(loaded_after)
 
 
 @pytest.mark.parametrize("with_kv", [False, True])
