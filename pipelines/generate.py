@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--host_kv_mb", type=_whole_number(0), default=None,
                         help="host memory in MiB that suspended sequences park their KV in "
                              "(engine default if not given)")
-    engine.add_argument("--max_model_len", type=_whole_number(1), default=None,
+    engine.add_argument("--max_model_len", type=_whole_number(2), default=None,
                         help="the most tokens (prompt and completion) a sequence may hold "
                              "(default: the model's context)")
     engine.add_argument("--dtype", choices=sorted(DTYPES), default=None,

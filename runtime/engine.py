@@ -184,7 +184,8 @@ class Engine:
     # The least each size argument takes (None, where allowed, means its default).
     _SIZE_FLOORS = {"kv_cache_bytes": 0, "host_kv_bytes": 0, "weight_budget_bytes": 0,
                     "block_size": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1,
-                    "max_model_len": 1, "num_threads": 1, "max_logprobs": -1}
+                    # A context of one token holds a prompt and nothing it could generate.
+                    "max_model_len": 2, "num_threads": 1, "max_logprobs": -1}
 
     @classmethod
     def check_sizes(cls, **sizes) -> None:

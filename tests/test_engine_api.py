@@ -298,7 +298,7 @@ def test_a_tokenizer_whose_vocabulary_file_is_missing_is_refused_at_load(tmp_pat
 @pytest.mark.parametrize("size, value", [
     ("weight_budget_bytes", float("nan")), ("weight_budget_bytes", "300"), ("weight_budget_bytes", 1.5e8),
     ("kv_cache_bytes", 1e6), ("host_kv_bytes", -1), ("host_kv_bytes", float("nan")),
-    ("max_num_seqs", 0), ("block_size", True), ("num_threads", 0)])
+    ("max_num_seqs", 0), ("block_size", True), ("num_threads", 0), ("max_model_len", 1)])
 def test_size_arguments_that_are_not_whole_numbers_at_least_their_floor_are_refused(tiny, size, value):
     """A NaN budget compared false everywhere: no budget at all; others failed deep in torch.
     The Beam glue checks them when the pipeline is built."""

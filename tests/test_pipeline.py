@@ -836,7 +836,7 @@ def test_argument_handling(capsys):
     for flags, said in ((["--output_shards", "-1"], "argument --output_shards: must be >= 0, got -1"),
                         (["--num_key_shards", "0"], "argument --num_key_shards: must be >= 1, got 0"),
                         (["--kv_cache_mb", "-1"], "argument --kv_cache_mb: must be >= 0, got -1"),
-                        (["--max_model_len", "0"], "argument --max_model_len: must be >= 1, got 0"),
+                        (["--max_model_len", "1"], "argument --max_model_len: must be >= 2, got 1"),
                         (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
                         (["--admission", "lifo"], "argument --admission: invalid choice: 'lifo'"),
                         (["--max_logprobs", "1.5"], "argument --max_logprobs: must be a whole number, got '1.5'")):
