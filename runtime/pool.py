@@ -175,9 +175,10 @@ class EnginePool:
                 self.close()
                 raise RuntimeError(f"engine pool: only {len(ready)} of {len(self._engines)} "
                                    f"engines started within {timeout} s")
-            if message[0] == "failed":
+            if message[0] in ("refused", "failed"):
                 self.close()
-                raise RuntimeError(f"engine {message[1]} failed to start:\n{message[2]}")
+                error = ValueError if message[0] == "refused" else RuntimeError
+                raise error(f"engine {message[1]} failed to start: {message[2]}")
             if message[0] == "ready":
                 _, index, report = message
                 self._engines[index].capacity = report["capacity"]

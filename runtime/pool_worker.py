@@ -7,6 +7,7 @@ Messages to the pool (its `outbox`), each with this engine's index and a load re
   ("update", i, completions, report)        finished requests and/or a periodic report
   ("donated", i, taker, ids, report)        these requests left for engine `taker` (maybe none)
   ("received", i, ids, report)              these migrated-in requests are now resident here
+  ("refused", i, message)                   the engine refused its arguments (a ValueError); the process ends
   ("failed", i, traceback text)             the engine or this loop raised; the process ends
 Commands (its inbox): ("submit", requests), ("donate", taker, taker_load, min_tokens),
 ("migrate_in", states) from a donor engine directly, ("stop",).
@@ -113,8 +114,12 @@ def run(index: int, model, engine_args: dict, threads: int, inboxes: list, outbo
     """The process's entry point."""
     try:
         torch.set_num_threads(threads)
-        worker = _Worker(index, Engine(model, num_threads=threads, **engine_args), inboxes, outbox,
-                         report_interval)
+        try:
+            engine = Engine(model, num_threads=threads, **engine_args)
+        except ValueError as refused:  # arguments only a loaded model can judge (too small a KV cache)
+            outbox.put(("refused", index, str(refused)))
+            return
+        worker = _Worker(index, engine, inboxes, outbox, report_interval)
         worker.send("ready")
         worker.run()
     except BaseException:  # the pool raises it to its callers

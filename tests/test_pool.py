@@ -70,6 +70,15 @@ def test_bad_pool_options_are_refused_before_any_engine_starts(tiny, option, mes
     assert set(multiprocessing.active_children()) <= before
 
 
+def test_arguments_an_engine_refuses_once_loaded_raise_a_value_error(tiny):
+    """A KV cache too small for the model's blocks is known only once its config is read, in
+    the engine's process: the pool raises the engine's ValueError, as one engine would."""
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=r"engine \d failed to start: kv_cache_bytes=1000 holds fewer than 2 blocks"):
+        EnginePool(tiny.dir(FAMILY), kv_cache_bytes=1000)
+    assert set(multiprocessing.active_children()) <= before
+
+
 def test_an_engine_process_killed_while_loading_fails_the_pool_at_once(tiny):
     """The OOM killer sends no "failed" message: the pool notices the exit instead of waiting
     out start_timeout."""
