@@ -120,7 +120,11 @@ def check_input(pattern: str, fmt: str) -> None:
     wrong in them becomes error rows."""
     matched = FileSystems.match([absolute_path(pattern)])[0].metadata_list
     if not matched:
-        raise FileNotFoundError(f"no input files match {pattern!r}")
+        hint = ""
+        if "[" in pattern and os.path.exists(os.path.expanduser(pattern)):
+            hint = (" (a file has that very name, but Beam reads the input as a glob, where '[' "
+                    "starts a set of characters: write each '[' of the name as '[[]')")
+        raise FileNotFoundError(f"no input files match {pattern!r}{hint}")
     for meta in matched:
         if os.path.isdir(meta.path):
             raise ValueError(f"{meta.path}: a directory, not a file; give its files, e.g. "

@@ -645,6 +645,9 @@ def test_input_that_would_fail_the_job_is_refused_before_it_runs(tmp_path):
         with pytest.raises(FileNotFoundError, match="no input files match .*" + re.escape(pattern)):
             cli.main(["--input", str(tmp_path / pattern), "--input_format", fmt, "--no_progress",
                       "--output", str(tmp_path / "out/gen")])
+    (tmp_path / "data[1].jsonl").write_text('{"id": "a", "prompt": "hi"}\n')
+    with pytest.raises(FileNotFoundError, match=re.escape("a file has that very name, but Beam reads")):
+        cli.main(["--input", str(tmp_path / "data[1].jsonl"), "--no_progress", "--output", str(tmp_path / "out/gen")])
     assert not (tmp_path / "out").exists()
 
 
