@@ -4,7 +4,9 @@ opens).
 `ReadRecords(pattern, format=None)` yields what `Generate` takes:
 - ``jsonl`` (``.jsonl``, ``.json``, ``.ndjson``): each non-blank line as raw bytes. Decoding and
   JSON parsing happen in `Generate`, so a line that is not UTF-8 or not JSON becomes an error
-  row instead of failing the pipeline. Plain files are split across workers as `ReadFromText` splits them.
+  row instead of failing the pipeline. Lines end as `ReadFromText` ends them (at ``\n`` or
+  ``\r\n``). Each file is read whole by one worker, so that a compressed one cut short fails
+  the job (see below); `Generate` spreads the records over its keys after.
 - ``parquet`` (``.parquet``, ``.pq``): each row as a dict of its columns. A column of
   times (timestamps, dates, times of day, durations; or of lists or structs holding them)
   that Python's datetime cannot hold whole (nanoseconds, as pandas writes ``datetime64[ns]``;
@@ -59,13 +61,12 @@ import time
 from dataclasses import dataclass
 
 import apache_beam as beam
-from apache_beam import coders
 from apache_beam.io import fileio
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.fileio import EmptyMatchTreatment
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.io.parquetio import ReadFromParquetBatched, WriteToParquet, _ParquetSink
-from apache_beam.io.textio import ReadAllFromText, WriteToText, _TextSink
+from apache_beam.io.textio import WriteToText, _TextSink
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -204,20 +205,7 @@ class ReadRecords(beam.PTransform):
                  # does; MatchFiles would run on with no records).
                  | "Match" >> fileio.MatchFiles(self.pattern, EmptyMatchTreatment.DISALLOW)
                  | "Open" >> fileio.ReadMatches())
-        if self.format != "jsonl":
-            return files | "Records" >> beam.FlatMap(_read_file, _fixed_dir(self.pattern), self.format)
-        # Plain JSONL files split across workers as ReadFromText splits them; a compressed one
-        # is read whole by one worker anyway, by a reader that notices a stream cut short.
-        plain, packed = files | "ByCompression" >> beam.Partition(
-            lambda file, _: int(compression_of(file.metadata.path) is not None), 2)
-        lines = (plain
-                 | "Paths" >> beam.Map(lambda file: file.metadata.path)
-                 | "ReadLines" >> ReadAllFromText(coder=coders.BytesCoder(),
-                                                  compression_type=CompressionTypes.UNCOMPRESSED),
-                 packed | "ReadCompressed" >> beam.FlatMap(_compressed_jsonl_lines))
-        return (lines
-                | "Lines" >> beam.Flatten()
-                | "SkipBlank" >> beam.Filter(lambda line: bool(line.strip())))
+        return files | "Records" >> beam.FlatMap(_read_file, _fixed_dir(self.pattern), self.format)
 
 
 def parquet_records(table: pa.Table):
@@ -289,19 +277,23 @@ def _read_file(readable_file, fixed_dir: str, fmt: str):
         yield from file_records(f, _file_name(readable_file, fixed_dir), fmt)
 
 
-def _compressed_jsonl_lines(readable_file):
-    """A compressed JSONL file's lines as bytes, as ReadFromText splits them (at "\n" or
-    "\r\n"; a lone "\r" stays in its line)."""
-    with _open(readable_file) as f:
-        for line in f:
-            yield line[:-2] if line.endswith(b"\r\n") else line[:-1] if line.endswith(b"\n") else line
-
-
 def file_records(binary_file, name: str, fmt: str):
-    """The records a text, CSV or TSV file holds, as ReadRecords yields them (ids `<name>:<n>`)."""
+    """The records a JSONL, text, CSV or TSV file holds, as ReadRecords yields them (ids
+    `<name>:<n>` where the format has none)."""
+    if fmt == "jsonl":
+        return jsonl_lines(binary_file)
     if fmt in _DELIMITERS:
         return _delimited_records(binary_file, name, fmt)
     return _text_records(binary_file, name)
+
+
+def jsonl_lines(binary_file):
+    """A JSONL file's non-blank lines as bytes, split as Beam's ReadFromText splits them (at
+    "\n" or "\r\n"; a lone "\r" stays in its line)."""
+    for line in binary_file:
+        line = line[:-2] if line.endswith(b"\r\n") else line[:-1] if line.endswith(b"\n") else line
+        if line.strip():
+            yield line
 
 
 def _text_records(binary_file, name: str):

@@ -477,6 +477,19 @@ def test_compressed_files_read_as_their_plain_bytes_do(tmp_path, extension):
                     equal_to([]), label="Check empty")
 
 
+def test_a_file_whose_name_holds_glob_characters_reads_as_itself(tmp_path):
+    """Written as a glob of itself ('[[]'), the file is read, and not the ones its name would
+    match as a glob (Beam's file-splitting reader matched the name again: another file's lines)."""
+    for name, record in (("data[1].jsonl", '{"id": "bracket"}'), ("data1.jsonl", '{"id": "plain"}'),
+                         ("st*r.jsonl", '{"id": "star"}'), ("stXr.jsonl", '{"id": "X"}')):
+        (tmp_path / name).write_text(record + "\n")
+    with beam.Pipeline() as p:
+        assert_that(p | "Bracket" >> ReadRecords(str(tmp_path / "data[[]1].jsonl")),
+                    equal_to([b'{"id": "bracket"}']), label="CheckBracket")
+        assert_that(p | "Star" >> ReadRecords(str(tmp_path / "st[*]r.jsonl")),
+                    equal_to([b'{"id": "star"}']), label="CheckStar")
+
+
 @pytest.mark.parametrize("name", ["in.jsonl.gz", "in.txt.bz2", "in.csv.xz", "in.jsonl.zst"])
 def test_a_compressed_file_cut_short_fails_the_job_naming_it(tmp_path, name):
     """Beam's reader takes the cut for the end of the file: the records past it were lost
