@@ -33,6 +33,7 @@ class LengthEstimator:
         self._lengths: list[int] = []  # the same observations, sorted: the at-risk counts
         self._events: dict[int, int] = {}  # length -> how many ended naturally there
         self._curve: tuple[list[int], list[float], list[float]] | None = None  # built lazily
+        self.version = 0  # observations so far: what an estimate read depends on
 
     def __len__(self) -> int:
         return len(self._lengths)
@@ -53,6 +54,7 @@ class LengthEstimator:
                 if not self._events[old]:
                     del self._events[old]
         self._curve = None
+        self.version += 1
 
     def remaining(self, params: SamplingParams, generated: int) -> float:
         """Expected tokens still to come for a sample with `generated` tokens so far."""

@@ -70,6 +70,7 @@ class Scheduler:
         self.estimator = LengthEstimator()  # fed by the engine as sequences finish
         self.preemption = preemption
         self.waiting: list[Sequence] = []
+        self._waiting_sorted_for: int | None = None  # None: joined since the last sort
         self.suspended: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.held: dict[str, Sequence] = {}  # suspended by a caller: resume only when asked
@@ -80,13 +81,17 @@ class Scheduler:
         the host tier and swaps in like any suspended sequence; if the host tier cannot hold
         it, it is evicted on arrival and recomputes."""
         if kv is None:
-            self.waiting.append(seq)
+            self._wait(seq)
         elif self.host.can_hold(kv.shape[2]):
             self.host.park(seq.seq_id, kv)
             self.suspended.append(seq)
         else:
             seq.send(Event.EVICTED)
-            self.waiting.append(seq)
+            self._wait(seq)
+
+    def _wait(self, seq: Sequence, first: bool = False) -> None:
+        self.waiting.insert(0 if first else len(self.waiting), seq)
+        self._waiting_sorted_for = None
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the scheduler, releasing its device and host KV."""
@@ -133,8 +138,8 @@ class Scheduler:
             scheduled.add(id(seq))
             self._place(seq, num, batch)
             budget -= num
-        # Stable: ties keep arrival order.
-        self.waiting.sort(key=lambda s: self.admission_key(s, self.estimator))
+        if self.waiting and budget and not self.suspended:
+            self._sort_waiting()
         while self.waiting and budget and not self.suspended:
             seq = self.waiting[0]
             if self.running and occupied + _seats(seq) > self.max_num_seqs:
@@ -157,6 +162,15 @@ class Scheduler:
             self._place(seq, num, batch)
             budget -= num
         return batch
+
+    def _sort_waiting(self) -> None:
+        """The waiting queue in admission order (stable: ties keep arrival order), sorted again
+        only once sequences joined it or the estimate the keys read changed: a queue of
+        thousands took every key every step."""
+        sorted_for = self.estimator.version if self.admission_key is ADMISSION_ORDERS["adaptive"] else 0
+        if self._waiting_sorted_for != sorted_for:
+            self.waiting.sort(key=lambda s: self.admission_key(s, self.estimator))
+            self._waiting_sorted_for = sorted_for
 
     def _blocks_for_all_tokens(self, seq: Sequence) -> int:
         """Blocks for all its tokens and the next it generates: what a sequence waits for before
@@ -258,7 +272,7 @@ class Scheduler:
         self.remove(seq)
         seq.block_hashes = []
         seq.send(Event.EVICTED)
-        self.waiting.insert(0, seq)  # first in line when space returns
+        self._wait(seq, first=True)  # first in line when space returns (fifo)
 
 
 def _seats(seq: Sequence) -> int:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from helpers import (assert_idle_and_clean, assert_matches, greedy_requests, make_engine,
+from helpers import (CallCounter, assert_idle_and_clean, assert_matches, greedy_requests, make_engine,
                      random_prompt, random_prompts)
 from runtime import Engine, Request, SamplingParams
 
@@ -764,6 +764,18 @@ def test_admission_order(tiny, admission, order):
     assert [c.id for c in by_start] == order
     for completion, prompt in zip(results, prompts):
         assert len(completion.token_ids) == 5
+
+
+@pytest.mark.parametrize("admission", ["fifo", "longest_first", "shortest_first"])
+def test_a_long_queue_is_sorted_when_it_changes_not_every_step(tiny, admission):
+    """Each key once per request that joins (the steps between admit nothing new): sorting the
+    whole queue every step made a job of N requests cost O(N^2 / max_num_seqs) keys."""
+    engine = make_engine(tiny.dir(FAMILY), max_num_seqs=2, admission=admission)
+    keys = CallCounter(engine.scheduler, "admission_key")
+    requests = greedy_requests(random_prompts([3 + i % 7 for i in range(60)], seed=13), 3, ignore_eos=True)
+    assert all(not c.error for c in engine.generate(requests))
+    assert len(keys) <= 2 * len(requests), len(keys)
+    assert_idle_and_clean(engine)
 
 
 def test_completions_iterator_does_not_end_before_the_last_delivery(tiny):
