@@ -50,10 +50,15 @@ class TokenTexts:
     So the completion's tokens' texts join into its text, up to an EOS token or a stop string;
     the tokens of a character the completion never finishes show "", as its text holds it back.
     Where vLLM's are lossy we are not: a run of tokens that each end one character and start
-    the next shows whole on the token that ends it (vLLM's show "" and U+FFFD).
+    the next shows whole on the token that ends it (vLLM's show "" and U+FFFD), up to
+    MAX_RUN tokens: a longer one (a degenerate output, or prompt ids chosen so) breaks there,
+    the character across the break showing nowhere, as vLLM's would.
     Without a tokenizer: "token_id:<id>", vLLM's name for a token it does not decode."""
 
     MAX_STALLED = 16  # tokens in a row that finish no character: bytes that never will (broken UTF-8)
+    # Tokens in one run at most: each position decodes its run's suffixes, so a run of any
+    # length made the texts of n tokens cost n^3.
+    MAX_RUN = 64
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None):
         self._tokenizer = tokenizer
@@ -65,24 +70,28 @@ class TokenTexts:
         if self._tokenizer is None:
             return lambda token_id, position: f"token_id:{token_id}"
         completion = list(completion)
-        starts = self._run_starts(completion)
+        starts, cuts = self._run_starts(completion)
 
         def text(token_id: int, position: int) -> str:
             if token_id in self._special:
                 return self.alone(token_id)
-            return self._completed(completion[starts[position]:position] + [token_id])
+            cut = position in cuts and token_id == completion[position]
+            return self._completed(completion[starts[position]:position] + [token_id], cut)
 
         return text
 
-    def _completed(self, run: list[int]) -> str:
+    def _completed(self, run: list[int], cut: bool = False) -> str:
         """What the last token of a run shows: the text from the latest of the run's tokens
         that starts whole characters (bytes before it that no token completes are left out,
-        as vLLM leaves them); "" where the character it ends inside is not done."""
+        as vLLM leaves them); "" where the character it ends inside is not done, unless the
+        run is cut there (MAX_RUN): then its whole characters."""
         for start in range(len(run) - 1, -1, -1):
             text = self.alone(run[-1]) if start == len(run) - 1 else self._tokenizer.decode(run[start:])
             if "\ufffd" not in text:
                 return text
-        text = self._tokenizer.decode(run)
+        text = self._tokenizer.decode(run).lstrip("\ufffd")
+        if cut:
+            return text.rstrip("\ufffd")
         return "" if text.endswith("\ufffd") else text
 
     def decoded(self, token_id: int) -> str:
@@ -100,11 +109,12 @@ class TokenTexts:
             self._alone[token_id] = text
         return self._alone[token_id]
 
-    def _run_starts(self, completion: list[int]) -> list[int]:
+    def _run_starts(self, completion: list[int]) -> tuple[list[int], set[int]]:
         """Per position: the last character boundary at or before it, where the run of tokens
-        that its text continues starts. A special token ends a run (no character continues
-        through it)."""
+        that its text continues starts; and the positions where a run reached MAX_RUN inside
+        a character. A special token ends a run (no character continues through it)."""
         starts: list[int] = []
+        cuts: set[int] = set()
         start, stalled, finished = 0, 0, 0
         for position, token in enumerate(completion):
             starts.append(start)
@@ -114,9 +124,12 @@ class TokenTexts:
             done = len(decoded.rstrip("\ufffd"))
             stalled = 0 if done > finished else stalled + 1
             finished = done
-            if token in self._special or not decoded.endswith("\ufffd") or stalled >= self.MAX_STALLED:
+            inside = decoded.endswith("\ufffd")
+            if token in self._special or not inside or stalled >= self.MAX_STALLED or len(run) >= self.MAX_RUN:
+                if inside and len(run) >= self.MAX_RUN:
+                    cuts.add(position)
                 start, stalled, finished = position + 1, 0, 0
-        return starts
+        return starts, cuts
 
 
 def _space_marker(tokenizer: PreTrainedTokenizerBase) -> str | None:

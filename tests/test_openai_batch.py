@@ -13,6 +13,7 @@ from batchgen_beam.records import (arrow_to_rows, completion_row, error_row, par
                                    row_to_json, rows_to_arrow)
 from runtime.request import Completion, SampleOutput, Timings
 from runtime.tokenizer import TokenTexts
+from helpers import CallCounter
 from tiny_models import make_tiny_tokenizer
 
 TIMINGS = Timings(submitted=1.0, first_scheduled=1.5, first_token=2.0, finished=3.0)
@@ -266,6 +267,22 @@ def test_a_token_that_ends_one_character_and_starts_the_next():
     # Longer runs than the guard against broken bytes allows still show whole: [a2 e6 bc] ...
     long_run = [0, *[4] * (TokenTexts.MAX_STALLED + 4), 5]
     assert shown(TokenTexts(tokenizer), long_run) == [""] * (len(long_run) - 1) + ["漢" * (TokenTexts.MAX_STALLED + 5)]
+
+
+def test_token_texts_of_a_long_run_cost_a_bounded_number_of_decodes_each():
+    """A run of tokens that each end one character and start the next (prompt ids chosen so,
+    or a degenerate output) decoded every suffix at every position: hours for one row of a few
+    thousand tokens. It breaks at MAX_RUN tokens, the character across each break showing
+    nowhere (vLLM's rule for bytes no token completes)."""
+    han = "漢".encode()
+    tokenizer = byte_level_tokenizer([han[:2], han[2:] + han[:1], han[1:], b"a", han[2:] + han[:2], han[2:]])
+    decodes = CallCounter(tokenizer, "decode")
+    run = [0, *[4] * 300, 5]
+    texts = shown(TokenTexts(tokenizer), run)
+    assert len(decodes) <= 2 * TokenTexts.MAX_RUN * len(run), len(decodes)
+    whole, breaks = "漢" * 301, len(run) // TokenTexts.MAX_RUN
+    assert "".join(texts) == "漢" * (301 - breaks)  # one character lost at each break
+    assert texts[TokenTexts.MAX_RUN - 1] == "漢" * (TokenTexts.MAX_RUN - 1)  # the first run, whole
 
 
 def test_a_token_that_finishes_text_and_starts_a_character_shows_on_the_one_completing_it():
