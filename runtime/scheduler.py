@@ -90,7 +90,11 @@ class Scheduler:
             self._wait(seq)
 
     def _wait(self, seq: Sequence, first: bool = False) -> None:
-        self.waiting.insert(0 if first else len(self.waiting), seq)
+        """Queue seq for admission, last (first: at the front, fifo's next)."""
+        if first:
+            self.waiting.insert(0, seq)
+        else:
+            self.waiting.append(seq)
         self._waiting_sorted_for = None
 
     def remove(self, seq: Sequence) -> None:
