@@ -93,3 +93,23 @@ class LengthEstimator:
         if j == 0:
             return float(x)
         return area[j - 1] + (x - times[j - 1]) * values[j - 1]
+
+
+class EstimateOrder:
+    """Keeps a queue in the order of a key over (item, estimator), lowest first (stable: ties
+    keep arrival order), sorting it again only once items joined it or, for keys that read the
+    estimate, the estimate changed: sorting a queue of thousands every step took every key
+    every step."""
+
+    def __init__(self, estimator: LengthEstimator, reads_estimate: bool):
+        self.estimator, self.reads_estimate = estimator, reads_estimate
+        self._sorted_for: int | None = None  # None: items joined since the last sort
+
+    def joined(self) -> None:
+        self._sorted_for = None
+
+    def sort(self, items: list, key) -> None:
+        sorted_for = self.estimator.version if self.reads_estimate else 0
+        if self._sorted_for != sorted_for:
+            items.sort(key=lambda item: key(item, self.estimator))
+            self._sorted_for = sorted_for

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from runtime import pool_worker
 from runtime.engine import Engine
-from runtime.estimate import LengthEstimator, exact_length
+from runtime.estimate import EstimateOrder, LengthEstimator, exact_length
 from runtime.rebalance import QUEUE_ORDERS
 from runtime.request import Completion, CompletionWaiter, Request
 from runtime.sampling import SamplingParams
@@ -152,7 +152,7 @@ class EnginePool:
 
         self._lock = threading.Lock()  # everything below, and the engines' bookkeeping
         self._queue: list[Request] = []  # shared split: not yet sent to an engine
-        self._queue_sorted_for: int | None = None  # None: requests joined since the last sort
+        self._queue_order = EstimateOrder(self.estimator, reads_estimate=policy == "adaptive")
         self._params: dict[str, SamplingParams] = {}  # in flight: submitted, not yet completed
         self._results: queue.Queue[Completion] = queue.Queue()
         self._waiters: dict[str, CompletionWaiter] = {}
@@ -229,7 +229,7 @@ class EnginePool:
                 self._complete(None, Completion.failed(request_id, error, invalid=True))
             if self.split == "shared":
                 self._queue.extend(r for r in requests if r.id not in unsendable)
-                self._queue_sorted_for = None
+                self._queue_order.joined()
                 self._dispatch()
                 return
             if engines is None:
@@ -375,7 +375,7 @@ class EnginePool:
         a free slot."""
         if not self._queue or self._failure:
             return
-        self._sort_queue()
+        self._queue_order.sort(self._queue, QUEUE_ORDERS[self.policy])
         loads = [e.load() for e in self._engines]
         # Samples, as max_num_seqs counts them; a request above it goes to an empty engine.
         room = [e.capacity - sum(self._params[rid].n for rid in e.in_flight) for e in self._engines]
@@ -394,16 +394,6 @@ class EnginePool:
             empty[index] = False
         for index, batch in batches.items():
             self._send_requests(index, batch)
-
-    def _sort_queue(self) -> None:
-        """The queue in policy order (stable: ties keep arrival order), sorted again only once
-        requests joined it or the estimate the keys read changed: a queue of 100,000 took every
-        key at every message from an engine."""
-        sorted_for = self.estimator.version if self.policy == "adaptive" else 0
-        if self._queue_sorted_for != sorted_for:
-            order = QUEUE_ORDERS[self.policy]
-            self._queue.sort(key=lambda r: order(r, self.estimator))
-            self._queue_sorted_for = sorted_for
 
     def _rebalance(self) -> None:
         """Pair the least loaded engine with the most loaded one and have the latter donate,

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from runtime.estimate import LengthEstimator
+from runtime.estimate import EstimateOrder, LengthEstimator
 from runtime.kv_cache import BlockManager, HostKVPool, KVCache
 from runtime.sequence import Event, Sequence, Status
 
@@ -70,7 +70,7 @@ class Scheduler:
         self.estimator = LengthEstimator()  # fed by the engine as sequences finish
         self.preemption = preemption
         self.waiting: list[Sequence] = []
-        self._waiting_sorted_for: int | None = None  # None: joined since the last sort
+        self._waiting_order = EstimateOrder(self.estimator, reads_estimate=admission == "adaptive")
         self.suspended: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.held: dict[str, Sequence] = {}  # suspended by a caller: resume only when asked
@@ -95,7 +95,7 @@ class Scheduler:
             self.waiting.insert(0, seq)
         else:
             self.waiting.append(seq)
-        self._waiting_sorted_for = None
+        self._waiting_order.joined()
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the scheduler, releasing its device and host KV."""
@@ -143,7 +143,7 @@ class Scheduler:
             self._place(seq, num, batch)
             budget -= num
         if self.waiting and budget and not self.suspended:
-            self._sort_waiting()
+            self._waiting_order.sort(self.waiting, self.admission_key)
         while self.waiting and budget and not self.suspended:
             seq = self.waiting[0]
             if self.running and occupied + _seats(seq) > self.max_num_seqs:
@@ -166,15 +166,6 @@ class Scheduler:
             self._place(seq, num, batch)
             budget -= num
         return batch
-
-    def _sort_waiting(self) -> None:
-        """The waiting queue in admission order (stable: ties keep arrival order), sorted again
-        only once sequences joined it or the estimate the keys read changed: a queue of
-        thousands took every key every step."""
-        sorted_for = self.estimator.version if self.admission_key is ADMISSION_ORDERS["adaptive"] else 0
-        if self._waiting_sorted_for != sorted_for:
-            self.waiting.sort(key=lambda s: self.admission_key(s, self.estimator))
-            self._waiting_sorted_for = sorted_for
 
     def _blocks_for_all_tokens(self, seq: Sequence) -> int:
         """Blocks for all its tokens and the next it generates: what a sequence waits for before

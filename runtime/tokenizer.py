@@ -124,10 +124,10 @@ class TokenTexts:
             done = len(decoded.rstrip("\ufffd"))
             stalled = 0 if done > finished else stalled + 1
             finished = done
-            inside = decoded.endswith("\ufffd")
-            if token in self._special or not inside or stalled >= self.MAX_STALLED or len(run) >= self.MAX_RUN:
-                if inside and len(run) >= self.MAX_RUN:
-                    cuts.add(position)
+            inside, full = decoded.endswith("\ufffd"), len(run) >= self.MAX_RUN
+            if inside and full:
+                cuts.add(position)
+            if token in self._special or not inside or stalled >= self.MAX_STALLED or full:
                 start, stalled, finished = position + 1, 0, 0
         return starts, cuts
 
