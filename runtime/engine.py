@@ -512,11 +512,20 @@ class Engine:
 
     def step(self) -> bool:
         """Run one scheduling step. False when there was nothing to run."""
+        return self._step() == "ran"
+
+    def _step(self) -> str:
+        """"ran"; "idle" (nothing to run, nothing that could be, or a request submitted since
+        the step looked, for the next); or "stuck": requests it holds, none of them runnable.
+        Decided within the step: after it, another caller's submit and step could make a
+        stuck engine look busy, or a busy one stuck."""
         with self._lock.step(), self._on_device():
             self._drain_inbox()
             batch = self.scheduler.schedule()
             if not batch:
-                return False
+                with self._ids_lock:  # None: submitted after the drain
+                    stuck = any(state is not None for state in self._requests.values())
+                return "stuck" if stuck else "idle"
             if self.ngram_drafts:
                 self._draft(batch)
             now = time.perf_counter()
@@ -545,7 +554,7 @@ class Engine:
                     taken = seq.num_tokens - length
                     self.stats.decode_step_tokens += taken
                     self.stats.decode_step_context += taken * length + taken * (taken - 1) // 2
-            return True
+            return "ran"
 
     @torch.inference_mode()
     def _score_prompts(self, prompts: ScoredPrompts) -> None:
@@ -800,7 +809,7 @@ class Engine:
         completions = []
         if self._thread is None:
             while self._outbox.empty() and self.has_unfinished():
-                self._step_or_stall()
+                self._step_or_stall(lambda: not self._outbox.empty())
         elif self._outbox.empty() and (timeout is not None or self.has_unfinished()):
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:  # in slices: the loop may die, be stopped, or its work migrate away
@@ -850,7 +859,7 @@ class Engine:
                 self._submit(request, waiter)
             while not waiter.done.is_set():
                 if self._thread is None:
-                    self._step_or_stall()
+                    self._step_or_stall(waiter.done.is_set)
                 else:
                     waiter.done.wait(0.1)
                     self._raise_failure()
@@ -861,12 +870,11 @@ class Engine:
                         del self._waiters[request_id]
         return [waiter.results[r.id] for r in requests]
 
-    def _step_or_stall(self) -> None:
-        if self.step():
-            return
-        with self._ids_lock:  # another caller's step, which this one waited behind, may have
-            stalled = bool(self._requests) and self._inbox.empty()  # finished what was left
-        if stalled:
+    def _step_or_stall(self, done) -> None:
+        """A step for a caller without a background loop, who waits until `done()`; raises
+        where the engine can make no progress and the caller's wait is not over (another
+        caller's step may have ended it)."""
+        if self._step() == "stuck" and not done():
             held = len(self.scheduler.held)
             raise RuntimeError(f"no progress possible: {held} sequence(s) held by suspend() "
                                "need resume()" if held else "engine stalled with requests in flight")

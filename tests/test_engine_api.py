@@ -718,7 +718,7 @@ def test_a_failed_step_from_one_caller_after_another_finished_the_work_is_no_sta
     """Callers without a background loop each run steps; one that waited behind another's
     step, which finished the last request, found nothing to run: not a stall."""
     engine = make_engine(tiny.dir(FAMILY))
-    engine._step_or_stall()  # nothing in flight: before, "engine stalled with requests in flight"
+    engine._step_or_stall(lambda: False)  # nothing in flight: before, "engine stalled with requests in flight"
     engine.submit(Request("r", prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=2)))
     threads = [threading.Thread(target=lambda: collected.extend(engine.completions())) for _ in range(3)]
     collected = []
@@ -727,6 +727,81 @@ def test_a_failed_step_from_one_caller_after_another_finished_the_work_is_no_sta
     for thread in threads:
         thread.join(30)
     assert [c.id for c in collected] == ["r"]
+    assert_idle_and_clean(engine)
+
+
+def test_a_step_that_found_nothing_is_no_stall_though_another_caller_submits_right_after(tiny, monkeypatch):
+    """Caller A's request is finished by caller B's step, so A's next step finds nothing; B then
+    submits and its step drains the new request before A looked: A saw a request in flight and
+    none queued, and raised "engine stalled" for an engine that was busy (and its own done)."""
+    engine = make_engine(tiny.dir(FAMILY))
+    real_step = Engine._step
+    b_finished_a, a_idle, b_drained = threading.Event(), threading.Event(), threading.Event()
+
+    def step(self):
+        if threading.current_thread().name == "A":
+            assert b_finished_a.wait(30)
+            outcome = real_step(self)
+            if outcome != "ran":
+                a_idle.set()
+                assert b_drained.wait(30)  # B's request is in flight, none queued: A decides now
+            return outcome
+        outcome = real_step(self)
+        if a_idle.is_set():
+            b_drained.set()
+            time.sleep(0.1)
+        return outcome
+
+    monkeypatch.setattr(Engine, "_step", step)
+    prompts = random_prompts([5, 6, 7], seed=1)
+    results = {}
+
+    def a():
+        try:
+            results["a"] = engine.generate([Request("a", prompt_token_ids=prompts[0], params=SamplingParams(max_tokens=1))])
+        except RuntimeError as exc:
+            results["a"] = exc
+
+    def b():
+        while engine._inbox.empty():
+            time.sleep(0.001)
+        engine.generate([Request("b1", prompt_token_ids=prompts[1], params=SamplingParams(max_tokens=1))])
+        b_finished_a.set()  # its step ran "a" too
+        assert a_idle.wait(30)
+        results["b2"] = engine.generate([Request("b2", prompt_token_ids=prompts[2], params=SamplingParams(max_tokens=4))])
+
+    threads = [threading.Thread(target=a, name="A"), threading.Thread(target=b, name="B")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert [c.id for c in results["a"]] == ["a"], results["a"]
+    assert [c.id for c in results["b2"]] == ["b2"]
+    assert_idle_and_clean(engine)
+
+
+def test_a_caller_whose_request_another_step_finished_returns_though_the_engine_is_stuck(tiny, monkeypatch):
+    """A suspended request leaves the engine nothing it can run; a caller whose own request was
+    finished meanwhile (by another caller's step) has its answer and must not raise."""
+    engine = make_engine(tiny.dir(FAMILY))
+    prompts = random_prompts([9, 11], seed=3)
+    engine.submit(Request("held", prompt_token_ids=prompts[0], params=SamplingParams(max_tokens=MAX_TOKENS)))
+    engine.step()
+    assert engine.suspend("held") == 1
+    real_step = Engine._step
+
+    def another_callers_step_first(self):
+        real_step(self)  # finishes "mine" (one token), as a concurrent caller's step would
+        return real_step(self)  # then this caller's: only the held request is left
+
+    monkeypatch.setattr(Engine, "_step", another_callers_step_first)
+    [completion] = engine.generate([Request("mine", prompt_token_ids=prompts[1], params=SamplingParams(max_tokens=1))])
+    assert completion.id == "mine" and len(completion.token_ids) == 1
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="held by suspend"):
+        engine.poll()
+    assert engine.resume("held") == 1
+    assert [c.id for c in engine.completions()] == ["held"]
     assert_idle_and_clean(engine)
 
 
