@@ -438,6 +438,10 @@ class EngineClient:
         self._resident: dict[str, Request | dict] = {}
         self._done: dict[str, Completion] = {}
         self._taken: list[str] = []  # taken here since the last poll: acknowledged with the next
+        # Acknowledged by polls on their way (another thread's): an id among them is not free
+        # to submit again until they are back (see _acknowledge_before_reuse).
+        self._acknowledging: Counter[str] = Counter()
+        self._polls_back = threading.Condition(self._lock)
         # Cancelled or abandoned, their completions on the way: acknowledged on arrival.
         self._unwanted: set[str] = set()
         self.restarts = 0
@@ -635,13 +639,17 @@ class EngineClient:
             self._call(method, self.client_id, fresh)
 
     def _acknowledge_before_reuse(self, request_ids: list[str]) -> None:
-        """The engine holds an id this client took until the next poll acknowledges it; an id
+        """The engine holds an id this client took until a poll acknowledges it; an id
         submitted again before that (an identical record after the first's row went out) would
-        be taken for the one in flight and never run. So acknowledge first."""
-        with self._lock:
-            reused = not set(self._taken).isdisjoint(request_ids)
-        if reused:
-            self._pull(0.0)
+        be taken for the one in flight and never run, and an acknowledgement arriving after
+        the submit would disown the new one. So acknowledge first, and wait for another
+        thread's poll that carries one."""
+        while True:
+            with self._polls_back:
+                self._polls_back.wait_for(lambda: self._acknowledging.keys().isdisjoint(request_ids))
+                if set(self._taken).isdisjoint(request_ids):
+                    return
+            self._pull(0.0)  # another thread's poll may take them first: then wait for it
 
     @_finishes_when_interrupted
     def migrate_out(self, request_ids: Iterable[str]) -> dict[str, dict]:
@@ -750,12 +758,17 @@ class EngineClient:
     def _pull(self, timeout: float) -> None:
         with self._lock:
             acknowledged, self._taken = self._taken, []
+            self._acknowledging.update(acknowledged)
         try:
             completions, taken, self.last_info = self._call("poll", self.client_id, timeout, acknowledged)
         except BaseException:  # maybe not sent: acknowledged again with the next (the engine minds not)
             with self._lock:
                 self._taken[:0] = acknowledged
             raise
+        finally:
+            with self._polls_back:
+                self._acknowledging -= Counter(acknowledged)
+                self._polls_back.notify_all()
         with self._lock:
             for request_id in taken:  # another process collects these now
                 self._forget(request_id)

@@ -777,6 +777,35 @@ def test_an_id_submitted_again_right_after_it_was_taken_runs_again(model_dir, ba
     assert second and second[request.id].token_ids == first[request.id].token_ids
 
 
+def test_an_id_submitted_again_while_another_threads_poll_acknowledges_it_runs_again(
+        model_dir, bare_engine, monkeypatch):
+    """Bundle threads share the client. Another thread's poll carrying the acknowledgement of
+    a taken id is on its way when this thread submits the id again (an identical record): the
+    submit reached the engine first, which took it for the one in flight, and the late
+    acknowledgement then disowned it; it never ran and the flush waited for good."""
+    service = EngineService(EngineConfig.of(str(model_dir), **ENGINE_ARGS))
+    monkeypatch.setattr(EngineClient, "_connect", lambda self: service)
+    client = EngineClient(EngineConfig.of(str(model_dir), **ENGINE_ARGS))
+    real_poll, polling = service.poll, threading.Event()
+
+    def slow_poll(client_id, timeout, taken):
+        if threading.current_thread().name == "other bundle":
+            polling.set()
+            time.sleep(0.5)  # its call still on the way
+        return real_poll(client_id, timeout, taken)
+    monkeypatch.setattr(service, "poll", slow_poll)
+    [request] = engine_requests(bundled_prompts(bare_engine.tokenizer, 1, 20), "again-")
+    client.submit([request])
+    first = client.wait_all([request.id])
+    other = threading.Thread(target=client.done_ids, name="other bundle")
+    other.start()
+    assert polling.wait(10)
+    client.submit([request])
+    second = client.take([request.id], timeout=30)
+    other.join()
+    assert second and second[request.id].token_ids == first[request.id].token_ids
+
+
 def test_a_request_resubmitted_by_another_process_runs_once(model_dir, bare_engine):
     """A timer firing in another SDK process resubmits pending records by id: that client takes
     the requests over (finished or still running) instead of the engine running them twice, and
