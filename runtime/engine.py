@@ -112,6 +112,32 @@ def _content_texts(content) -> list[str] | None:
     return [p["text"] for p in content]
 
 
+def _decode(tokenizer, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+    return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def _bad_word_token_ids(tokenizer, vocab_size: int, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """The token ids of each bad word as vLLM reads it: as it tokenizes alone and, where that
+    gives another first token but as many tokens, after a space (the word inside a text)."""
+    if tokenizer is None:
+        raise ValueError("bad_words: need a model with a tokenizer")
+    ids = []
+    for word in words:
+        _check_text("bad_words", word)
+        alone, spaced = (tuple(tokenizer.encode(text, add_special_tokens=False))
+                         for text in (word.lstrip(), " " + word.lstrip()))
+        if not alone:
+            raise ValueError(f"bad_words: {word!r} gives no tokens")
+        ids.append(alone)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            ids.append(spaced)
+    outside = sorted({t for word_ids in ids for t in word_ids if t >= vocab_size})
+    if outside:  # the tokenizer knows tokens the model has no logit for (added ones)
+        raise ValueError(f"bad_words: the tokenizer gives token ids {outside[:5]} past the "
+                         f"model's {vocab_size}-token vocabulary")
+    return tuple(ids)
+
+
 def _stamp(path: Path) -> tuple[int, int] | None:
     """A file's size and modification time, None once it is gone."""
     try:
@@ -238,9 +264,6 @@ class Engine:
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len, num_threads=num_threads, max_logprobs=max_logprobs)
         self.max_logprobs = max_logprobs
-        # Bad words' token ids, for the requests that use the same words (a job-wide list), while
-        # per-record lists come and go.
-        self._bad_word_ids = functools.lru_cache(maxsize=1024)(self._tokenize_bad_words)
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_dir = Path(model) if model is not None else default_model_dir()
@@ -307,8 +330,13 @@ class Engine:
         self.max_model_len = min(max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings, num_blocks * block_size)
         has_tokenizer = self.tokenizer is not None
+        # Neither holds the engine (a cycle): a dropped engine frees its KV cache at once, not
+        # at the collector's next pass. Bad words' token ids are cached for the requests that
+        # use the same words (a job-wide list), while per-record lists come and go.
+        self._bad_word_ids = functools.lru_cache(maxsize=1024)(
+            functools.partial(_bad_word_token_ids, self.tokenizer, self.spec.vocab_size))
         self.stop_rule = StopRule(frozenset(self._eos_token_ids()), self.max_model_len,
-                                  self._detokenize if has_tokenizer else None,
+                                  functools.partial(_decode, self.tokenizer) if has_tokenizer else None,
                                   Grammars(self.tokenizer, self.spec.vocab_size) if has_tokenizer else None,
                                   getattr(self.tokenizer, "backend_tokenizer", None))
         self.stats = EngineStats()
@@ -338,9 +366,6 @@ class Engine:
                                      f"got {eos!r}")
                 return eos
         return list(self.spec.eos_token_ids)
-
-    def _detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     # ---- submitting ----------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -401,27 +426,6 @@ class Engine:
                                  f"got {outside[0]}")
         if params.bad_words:
             self._bad_word_ids(params.bad_words)
-
-    def _tokenize_bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-        """The token ids of each bad word as vLLM reads it: as it tokenizes alone and, where that
-        gives another first token but as many tokens, after a space (the word inside a text)."""
-        if self.tokenizer is None:
-            raise ValueError("bad_words: need a model with a tokenizer")
-        ids = []
-        for word in words:
-            _check_text("bad_words", word)
-            alone, spaced = (tuple(self.tokenizer.encode(text, add_special_tokens=False))
-                             for text in (word.lstrip(), " " + word.lstrip()))
-            if not alone:
-                raise ValueError(f"bad_words: {word!r} gives no tokens")
-            ids.append(alone)
-            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
-                ids.append(spaced)
-        outside = sorted({t for word_ids in ids for t in word_ids if t >= self.spec.vocab_size})
-        if outside:  # the tokenizer knows tokens the model has no logit for (added ones)
-            raise ValueError(f"bad_words: the tokenizer gives token ids {outside[:5]} past the "
-                             f"model's {self.spec.vocab_size}-token vocabulary")
-        return tuple(ids)
 
     def _reserve_id(self, request_id: str, waiter: CompletionWaiter | None = None,
                     queued: "_RequestState | None" = None) -> None:

@@ -805,6 +805,31 @@ def test_a_caller_whose_request_another_step_finished_returns_though_the_engine_
     assert_idle_and_clean(engine)
 
 
+@pytest.mark.parametrize("how", ["stepped", "started", "streaming weights"])
+def test_a_dropped_engine_is_freed_at_once_not_at_the_collectors_next_pass(tiny_chat, how):
+    """Its bad-words cache and its stop rule's detokenizer held the engine itself: a dropped
+    engine (and its KV cache, 2 GiB by default, and its weight readers' threads) lived on until
+    a cyclic collection, so a notebook or worker making engines in turn held several at once."""
+    import gc
+    import weakref
+
+    engine = make_engine(tiny_chat.dir(FAMILY), **({"weight_budget_bytes": 1 << 20} if how == "streaming weights" else {}))
+    if how == "started":
+        engine.start()
+    engine.generate([Request("r", prompt="Hello there", params=SamplingParams(
+        max_tokens=4, bad_words=("Hi",), stop=("zz",)))])
+    engine.stop()
+    threads_before = threading.active_count()
+    dropped = weakref.ref(engine)
+    gc.disable()
+    try:
+        del engine
+        assert dropped() is None
+    finally:
+        gc.enable()
+    assert threading.active_count() <= threads_before
+
+
 def test_a_request_id_that_looks_like_another_requests_sample_keeps_its_own_kv(tiny):
     """Sample 1 of request "r" and request "r#1" were both keyed "r#1" in the host KV tier and
     among the held sequences: suspending both lost one."""
