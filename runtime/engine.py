@@ -353,6 +353,14 @@ class Engine:
         self._failure: BaseException | None = None
 
     def _eos_token_ids(self) -> list[int]:
+        """generation_config.json's ids (else config.json's) and the tokenizer's eos_token, as
+        vLLM stops at: a chat fine-tune's tokenizer may name <|im_end|> where its configs
+        still name the base model's <|endoftext|>."""
+        tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
+        tokenizer_eos = [tokenizer_eos] if isinstance(tokenizer_eos, int) and tokenizer_eos < self.spec.vocab_size else []
+        return self._configured_eos_token_ids() + tokenizer_eos
+
+    def _configured_eos_token_ids(self) -> list[int]:
         gen_config = self.model_dir / "generation_config.json"
         if gen_config.exists():
             try:

@@ -10,7 +10,7 @@ import torch
 from helpers import (EOS, BatchSpy, CallCounter, assert_idle_and_clean, assert_matches, collect,
                      greedy_requests, make_engine, random_prompts)
 from runtime import Request, SamplingParams
-from tiny_models import FAMILIES, hf_greedy, image_text_config
+from tiny_models import FAMILIES, hf_greedy, image_text_config, make_tiny_model, make_tiny_tokenizer
 
 MAX_TOKENS = 24
 # Lengths straddle block boundaries (block_size 16) and Mistral's sliding window (24).
@@ -44,7 +44,7 @@ def test_greedy_matches_transformers(tiny, family):
 def test_longrope_runs_to_its_original_context_with_the_short_factors(tmp_path):
     """Phi-3's 128k variants: within original_max_position_embeddings transformers turns every
     position with the short factors (and LongRoPE's attention scaling); the engine stops there."""
-    from tiny_models import hf_greedy, hf_model, make_tiny_model
+    from tiny_models import hf_model
 
     rotary_half = 6  # of Phi-3's tiny head: 16 dims, 0.75 of them rotary
     directory = make_tiny_model("phi3", tmp_path / "phi3-longrope", original_max_position_embeddings=160,
@@ -104,6 +104,28 @@ def test_an_image_text_model_stops_at_the_whole_model_s_eos_ids(tmp_path, kind):
     (tmp_path / "config.json").write_text(json.dumps(config))
     expected = transformers.GenerationConfig.from_model_config(transformers.AutoConfig.from_pretrained(tmp_path))
     assert set(make_engine(tmp_path).stop_rule.eos_token_ids) == set(expected.eos_token_id) == {2, 7}
+
+
+@pytest.mark.parametrize("generation_config", [True, False])
+def test_the_tokenizers_eos_token_ends_a_completion_too(tmp_path, generation_config):
+    """A chat fine-tune's tokenizer names <|im_end|> its eos_token while its configs still name
+    the base model's <|endoftext|>: vLLM stops at both (and bans both under min_tokens); we ran
+    on past <|im_end|> to max_tokens."""
+    tokenizer = make_tiny_tokenizer(tmp_path)
+    endoftext, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    assert tokenizer.eos_token_id == im_end != endoftext
+    make_tiny_model("llama", tmp_path, vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=endoftext)
+    (tmp_path / "generation_config.json").unlink(missing_ok=True)
+    if generation_config:
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": endoftext}))
+    engine = make_engine(tmp_path)
+    assert engine.stop_rule.eos_token_ids == {endoftext, im_end}
+    favoured = {im_end: 100.0}
+    [stopped, banned] = engine.generate([
+        Request("stopped", prompt="Hi", params=SamplingParams(max_tokens=8, logit_bias=favoured)),
+        Request("banned", prompt="Hi", params=SamplingParams(max_tokens=8, min_tokens=3, logit_bias=favoured))])
+    assert stopped.token_ids == [im_end] and stopped.outputs[0].finish_reason == "stop"
+    assert im_end not in banned.token_ids[:3] and banned.token_ids[3] == im_end
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -385,8 +407,6 @@ def test_a_config_we_would_compute_wrong_is_refused(overrides, problem):
 
 
 def test_a_rope_type_transformers_does_not_know_is_refused_by_name(tmp_path):
-    from tiny_models import make_tiny_model
-
     directory = make_tiny_model("qwen2", tmp_path / "m")
     config = json.loads((directory / "config.json").read_text())
     config["rope_parameters"] = {"rope_type": "mrope", "rope_theta": 10000.0}
