@@ -209,9 +209,11 @@ class TextStream:
 
     # Prompt tokens decoded before the completion, at least: enough for the decoder's rules at
     # a text's start (a first space dropped) to fall on the prompt, and for a character of up
-    # to four bytes split between the two; the decoder reads no further back than the last
-    # character boundary.
+    # to four bytes split between the two.
     CONTEXT_TOKENS = 8
+    # Tokens the context may start earlier so as not to start inside a character: a character
+    # has at most three bytes after its first.
+    BOUNDARY_TOKENS = 3
 
     def __init__(self, detokenize: Callable[[list[int], bool], str], skip_special_tokens: bool,
                  backend: Tokenizer | None = None, prompt: Sequence[int] = ()):
@@ -227,10 +229,16 @@ class TextStream:
     def _context_of(self, prompt: Sequence[int]) -> list[int]:
         """The prompt's last CONTEXT_TOKENS tokens, or twice, four times... as many where they
         decode to nothing (special tokens, skipped): some of the prompt's text comes before
-        the completion's, as the whole prompt's does."""
+        the completion's, as the whole prompt's does. Taken from a character's start: a
+        byte-fallback decoder turns a whole run of byte tokens cut inside a character into
+        U+FFFDs, which the completion's first other token would bring into its text."""
         size = self.CONTEXT_TOKENS
         while size < len(prompt) and not self._decode(prompt[-size:]):
             size *= 2
+        for _ in range(self.BOUNDARY_TOKENS):
+            if size >= len(prompt) or not self._decode(prompt[-size:]).startswith("\ufffd"):
+                break
+            size += 1
         return list(prompt[-size:])
 
     def _decode(self, ids: Sequence[int]) -> str:

@@ -194,3 +194,26 @@ def test_a_prompt_s_stray_byte_leaves_the_completion_s_text_whole():
         for token in [260, 259, 260]:
             stream.add(token)
         assert stream.text == " cb c", cut
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+def test_a_prompt_ending_in_characters_spelled_in_bytes_leaves_the_completion_s_text_whole(incremental):
+    """Byte fallback (Llama 2, Mistral, Gemma): a prompt ending in CJK characters, three byte
+    tokens each. The decoder was primed with the prompt's last 8 tokens, which began inside a
+    character: the byte decoder turned that whole run into U+FFFDs, and the completion's first
+    word brought them into its text ("\ufffd" * 8 + " c"), where vLLM's has " c"."""
+    from runtime.tokenizer import TextStream
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}, "b": 259, "\u2581c": 260}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+    for characters in ("日", "日本", "日本語", "你好吗呢", "\U0001F389日本語", "é日本語"):
+        prompt = [259] + [3 + b for b in characters.encode()]
+        assert tokenizer.decode(prompt) == "b" + characters
+        stream = TextStream(lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip), True,
+                            tokenizer.backend_tokenizer if incremental else None, prompt=prompt)
+        for token in [260, 259, 260]:
+            stream.add(token)
+        assert stream.text == " cb c", characters
+
