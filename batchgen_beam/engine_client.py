@@ -449,6 +449,7 @@ class EngineClient:
         self._held: list[list[str]] = []  # suspects' groups (SUSPECT_DEATHS), waiting for their turn
         self._held_ids: set[str] = set()  # their ids: resident, not in the engine
         self._trial: list[str] = []  # the suspects' group in the engine now, if any
+        self._narrowings = 0  # deaths of a suspects' group: each split it, or ended its one suspect
         self.last_info: dict | None = None  # the engine's counters as of the last poll
         # Connected on first use, not here: Beam's multi-model RunInference constructs the
         # handler's model under the lock that connecting needs too (a deadlock).
@@ -536,8 +537,11 @@ class EngineClient:
                 raise
             cause = gone
         # The engine process died; a new one may die again (a request that crashes it becomes a
-        # suspect, and runs apart from the others: _restart).
-        for _ in range(MAX_ENGINE_DEATHS + 1):
+        # suspect, and runs apart from the others: _restart). Deaths that narrowed the suspects
+        # down are progress, however many in a row: only the others count.
+        deaths = 1
+        while True:
+            narrowed = self._narrowings
             try:
                 service = self._restart(service, cause)
                 if method in ("submit", "resume"):  # the restart resubmitted every resident one, these too
@@ -545,8 +549,11 @@ class EngineClient:
                 return getattr(service, method)(*args)
             except _ENGINE_GONE as gone:
                 cause = gone
-        raise RuntimeError(f"the engine process died {MAX_ENGINE_DEATHS + 2} times in a row "
-                           f"(calling {method}): {cause!r}") from cause
+            if self._narrowings == narrowed:
+                deaths += 1
+                if deaths > MAX_ENGINE_DEATHS + 1:
+                    raise RuntimeError(f"the engine process died {deaths} times in a row with no suspect "
+                                       f"request to set apart (calling {method}): {cause!r}") from cause
 
     def _restart(self, failed_service, cause: BaseException):
         """A new engine process, every resident request resubmitted to it but the suspects
@@ -566,6 +573,7 @@ class EngineClient:
             tried = [rid for rid in self._trial if rid in pending]
             others = [rid for rid in pending if rid not in self._trial]
             self._trial = []
+            self._narrowings += bool(tried)
             if len(tried) == 1:  # it killed the engine on its own
                 [request_id] = tried
                 self._done[request_id] = Completion.failed(

@@ -627,19 +627,23 @@ class ServiceDyingOn:
                 for rid in done], [], {}
 
 
-@pytest.mark.parametrize("innocents", [1, 3, 10])
-def test_a_request_that_kills_the_engine_whenever_it_runs_ends_alone_as_an_error(monkeypatch, innocents):
+@pytest.mark.parametrize("innocents", [1, 3, 10, 16])
+@pytest.mark.parametrize("before", ["none", "half", "all"])
+def test_a_request_that_kills_the_engine_whenever_it_runs_ends_alone_as_an_error(monkeypatch, innocents, before):
     """It is resubmitted with those in flight beside it until they have been through
     SUSPECT_DEATHS deaths; then the suspects run apart, in halves split again wherever one
     kills the engine, so the poison ends as an error completion by itself (not invalid: no value
-    of its own was wrong), every other one completes, and later requests run."""
+    of its own was wrong), every other one completes, and later requests run. A poison in the
+    first half dies with it each time, one death after another within one call: that call
+    raised "died 5 times in a row" before the poison was found."""
     from batchgen_beam.engine_client import SUSPECT_DEATHS
 
     started = []
     monkeypatch.setattr(EngineClient, "_connect", lambda self: started.append(ServiceDyingOn("poison"))
                         or started[-1])
     client = EngineClient(EngineConfig.of(None))
-    ids = [f"r{i}" for i in range(innocents // 2)] + ["poison"] + [f"r{i}" for i in range(innocents // 2, innocents)]
+    split = {"none": 0, "half": innocents // 2, "all": innocents}[before]
+    ids = [f"r{i}" for i in range(split)] + ["poison"] + [f"r{i}" for i in range(split, innocents)]
     client.submit([Request(rid, prompt="Hi") for rid in ids])
     done = client.wait_all(ids)
     poison = done.pop("poison")
@@ -650,6 +654,20 @@ def test_a_request_that_kills_the_engine_whenever_it_runs_ends_alone_as_an_error
     assert client.restarts == len(started) - 1 <= SUSPECT_DEATHS + math.ceil(math.log2(innocents + 1)) + 1
     client.submit([Request("later", prompt="Hi")])
     assert client.wait_all(["later"])["later"].error is None
+
+
+def test_an_engine_that_dies_whatever_it_holds_fails_the_call_after_a_few_deaths(monkeypatch):
+    """Deaths that narrow no suspects down (nothing in flight to blame) are counted: the call
+    raises after MAX_ENGINE_DEATHS + 2 of them in a row instead of restarting for good."""
+    from batchgen_beam.engine_client import MAX_ENGINE_DEATHS
+
+    started = []
+    monkeypatch.setattr(EngineClient, "_connect", lambda self: started.append(ServiceDyingOn("")) or started[-1])
+    monkeypatch.setattr(ServiceDyingOn, "poll", lambda *args: (_ for _ in ()).throw(EOFError("the engine process died")))
+    client = EngineClient(EngineConfig.of(None))
+    with pytest.raises(RuntimeError, match=f"died {MAX_ENGINE_DEATHS + 2} times in a row with no suspect"):
+        client.done_ids()
+    assert len(started) == MAX_ENGINE_DEATHS + 2
 
 
 def test_a_suspect_let_go_while_it_waits_for_its_turn_holds_up_no_other(monkeypatch):
