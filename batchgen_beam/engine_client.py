@@ -10,6 +10,7 @@ per key evicted) lets go of its `EngineLease`.
 """
 
 import dataclasses
+import fcntl
 import functools
 import gc
 import hashlib
@@ -18,6 +19,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -67,6 +69,35 @@ def _finishes_when_interrupted(method):
             return method(self, *args, **kwargs)
         return self._worker.submit(method, self, *args, **kwargs).result()
     return run
+
+
+class _SuspectsTurn:
+    """The machine's turn to run suspects, one client at a time. A suspect that kills the
+    engine alone is to blame only where no other client's suspects ran beside it: another SDK
+    process's, which this client's bookkeeping cannot see (two lone suspects in one engine, an
+    innocent one and a poison, both ended as errors). A lock file per engine; the system
+    releases it where its process dies."""
+
+    def __init__(self, tag: str):
+        self._path = os.path.join(tempfile.gettempdir(), f"{tag}.suspects.lock")
+        self._file = None
+
+    def take(self) -> bool:
+        """Whether this client has the turn now (taken here if free)."""
+        if self._file is None:
+            file = open(self._path, "a")
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                file.close()
+                return False
+            self._file = file
+        return True
+
+    def give_back(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing it unlocks it
+            self._file = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,6 +480,7 @@ class EngineClient:
         self._held: list[list[str]] = []  # suspects' groups (SUSPECT_DEATHS), waiting for their turn
         self._held_ids: set[str] = set()  # their ids: resident, not in the engine
         self._trial: list[str] = []  # the suspects' group in the engine now, if any
+        self._suspects_turn = _SuspectsTurn(config.tag)  # taken while its groups run
         self._narrowings = 0  # deaths of a suspects' group: each split it, or ended its one suspect
         self.last_info: dict | None = None  # the engine's counters as of the last poll
         # Connected on first use, not here: Beam's multi-model RunInference constructs the
@@ -469,6 +501,7 @@ class EngineClient:
         process (a client joining meanwhile finds it gone and starts another)."""
         with self._lock:
             service, handle, self._service = self._service, self._handle, None
+            self._suspects_turn.give_back()
         if service is None:
             return
         try:
@@ -598,15 +631,21 @@ class EngineClient:
         self._held_ids.update(suspects)
 
     def _start_trial(self, service) -> None:
-        """Once no suspects run, send the next held group (call with the lock held). Where the
-        engine is gone, the group stays first in line and _ENGINE_GONE is raised."""
-        if not self._held or any(rid in self._resident and rid not in self._done for rid in self._trial):
+        """Once no suspects run, send the next held group in the machine's suspects' turn, or
+        give the turn back where none is left (call with the lock held). Where the engine is
+        gone, the group stays first in line and _ENGINE_GONE is raised."""
+        if any(rid in self._resident and rid not in self._done for rid in self._trial):
             return
         self._trial = []
         while self._held and not self._trial:
+            if not self._suspects_turn.take():
+                return  # another process's suspects run: a later pull tries again
             group = self._held.pop(0)
             self._held_ids.difference_update(group)
             self._trial = [rid for rid in group if rid in self._resident]  # not let go meanwhile
+        if not self._trial:
+            self._suspects_turn.give_back()
+            return
         try:
             self._send(service, [self._resident[rid] for rid in self._trial])
         except _ENGINE_GONE:
@@ -789,7 +828,7 @@ class EngineClient:
                 elif completion.id in self._unwanted:
                     self._unwanted.remove(completion.id)
                     self._taken.append(completion.id)
-        if self._held:  # read unlocked: a group held meanwhile waits for the next pull
+        if self._held or self._trial:  # read unlocked: a group held meanwhile waits for the next pull
             with self._lock:
                 try:
                     self._start_trial(self._service)

@@ -670,6 +670,73 @@ def test_an_engine_that_dies_whatever_it_holds_fails_the_call_after_a_few_deaths
     assert len(started) == MAX_ENGINE_DEATHS + 2
 
 
+class MachineDyingOn:
+    """A stand-in for the machine's one engine process, shared by clients (SDK processes): it
+    dies at any poll while `poison` is in it, whoever submitted it; a client that finds it dead
+    starts the next one."""
+
+    def __init__(self, poison: str):
+        self.poison, self.lock, self.engine = poison, threading.Lock(), None
+
+    def connect(self):
+        with self.lock:
+            if self.engine is None or self.engine.dead:
+                self.engine = types.SimpleNamespace(dead=False, held={})
+            engine = self.engine
+        machine = self
+
+        class Service:
+            def join(self, client_id):
+                machine._check(engine)
+
+            def submit(self, client_id, requests):
+                with machine.lock:
+                    machine._check(engine)
+                    engine.held.update({r.id: client_id for r in requests})
+
+            def poll(self, client_id, timeout, acknowledged):
+                time.sleep(0.005)
+                with machine.lock:
+                    machine._check(engine)
+                    if machine.poison in engine.held:
+                        engine.dead = True
+                        raise EOFError("the engine process died")
+                    mine = [rid for rid, owner in engine.held.items() if owner == client_id]
+                    for rid in mine:
+                        del engine.held[rid]
+                return [Completion(rid, [SampleOutput(0, [1], "x", "length")], 1, Timings(submitted=0.0))
+                        for rid in mine], [], {}
+        return Service()
+
+    @staticmethod
+    def _check(engine):
+        if engine.dead:
+            raise EOFError("the engine process is gone")
+
+
+def test_another_processs_poison_gets_no_request_of_this_one_blamed(monkeypatch):
+    """Two SDK processes share the engine, one with a poison. Each ran its suspects apart from
+    its own others only: this process's lone innocent suspect ran beside the other's poison,
+    died with it, and ended as an error. Suspects now run in the machine's turn, one process's
+    at a time."""
+    machine = MachineDyingOn("poison")
+    monkeypatch.setattr(EngineClient, "_connect", lambda self: machine.connect())
+    first, second = EngineClient(EngineConfig.of(None)), EngineClient(EngineConfig.of(None))
+    work = {first: ["a0", "a1", "poison", "a2"], second: ["b0", "b1", "b2", "b3"]}
+    results = {}
+
+    def run(client):
+        client.submit([Request(rid, prompt="Hi") for rid in work[client]])
+        results.update(client.wait_all(work[client]))
+    threads = [threading.Thread(target=run, args=(client,)) for client in work]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(results) == sorted(work[first] + work[second])
+    assert {rid for rid, completion in results.items() if completion.error is not None} == {"poison"}
+
+
 def test_a_suspect_let_go_while_it_waits_for_its_turn_holds_up_no_other(monkeypatch):
     started = []
     monkeypatch.setattr(EngineClient, "_connect", lambda self: started.append(ServiceDyingOn("poison"))
