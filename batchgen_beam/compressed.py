@@ -52,6 +52,11 @@ class _Decompressing(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    def close(self) -> None:
+        if not self.closed:
+            self._raw.close()
+        super().close()
+
     def readinto(self, buffer) -> int:
         while not self._out:
             if self._decompressor is None or self._decompressor.eof:

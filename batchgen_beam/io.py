@@ -265,15 +265,14 @@ def _file_name(readable_file, fixed_dir: str) -> str:
     return name or posixpath.basename(path.replace(os.sep, "/"))
 
 
-def _open(readable_file):
-    """The file's bytes, decompressed where its extension names a compression."""
-    path = readable_file.metadata.path
-    stored = readable_file.open(compression_type=CompressionTypes.UNCOMPRESSED)
+def open_input(path: str):
+    """The input file's bytes, decompressed where its extension names a compression."""
+    stored = FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
     return decompressed(stored, path) if compression_of(path) else stored
 
 
 def _read_file(readable_file, fixed_dir: str, fmt: str):
-    with _open(readable_file) as f:
+    with open_input(readable_file.metadata.path) as f:
         yield from file_records(f, _file_name(readable_file, fixed_dir), fmt)
 
 

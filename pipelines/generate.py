@@ -39,7 +39,7 @@ import batchgen_beam
 from batchgen_beam.engine_client import EngineClient, EngineConfig, EngineStartError
 from batchgen_beam.generate import METRICS_NAMESPACE, Generate
 from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, absolute_path,
-                              check_input, check_output, file_records, infer_format)
+                              check_input, check_output, file_records, infer_format, open_input)
 from batchgen_beam.model_sources import check_local_folders, model_location
 from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, RepeatedKey, check_defaults,
                                    default_sampling_params, is_missing, is_openai_line, loads_record)
@@ -369,11 +369,8 @@ def count_records(pattern: str, fmt: str, limit_bytes: int = COUNT_LIMIT_BYTES) 
         return None
     total = 0
     for meta in files:
-        with FileSystems.open(meta.path) as f:
-            if fmt == "jsonl":
-                total += sum(1 for line in f if line.strip())
-            else:  # read as the pipeline reads them: a malformed row counts as its error row
-                total += sum(1 for _ in file_records(f, meta.path, fmt))
+        with open_input(meta.path) as f:  # read as the job reads them: a malformed row is its error row
+            total += sum(1 for _ in file_records(f, meta.path, fmt))
     return total
 
 
