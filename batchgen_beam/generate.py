@@ -95,7 +95,9 @@ class EngineMetrics:
         # The engine process that answered; on one machine min == max: all shared one engine.
         self.engine_pid = Metrics.distribution(METRICS_NAMESPACE, "engine_pid")
         self.continuations = Metrics.counter(METRICS_NAMESPACE, "continuations")
-        self._seen = (0, 0)  # engine (steps, tokens) at the last report
+        # Engine (steps, tokens) at the last report; None before the first, which only sets
+        # it: the engine's counters are its life's, earlier jobs' steps included.
+        self._seen: tuple[int, int] | None = None
 
     def row(self, row: dict) -> None:
         self.finished.inc()
@@ -109,7 +111,7 @@ class EngineMetrics:
         self.queue_depth.set(info["waiting"])
         self.engine_pid.update(info["pid"])
         steps, tokens = info["steps"], info["decode_tokens"] + info["prefill_tokens"]
-        if steps > self._seen[0]:
+        if self._seen is not None and steps > self._seen[0]:
             self.tokens_per_step.update((tokens - self._seen[1]) // (steps - self._seen[0]))
         self._seen = (steps, tokens)
 

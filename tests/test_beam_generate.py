@@ -27,7 +27,7 @@ from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.timestamp import Timestamp
 
 from batchgen_beam.engine_client import EngineClient, EngineConfig, EngineService
-from batchgen_beam.generate import Generate, _GenerateFn, _LiveJobs, _StreamingGenerateFn, stateful_stage
+from batchgen_beam.generate import EngineMetrics, Generate, _GenerateFn, _LiveJobs, _StreamingGenerateFn, stateful_stage
 from batchgen_beam.records import parse_record, row_to_json
 from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, MULTI_PROCESSING, bundled_prompts,
                           chat_model_dir, counter, distribution, gone, run_pipeline, worker_pythonpath)
@@ -668,6 +668,17 @@ def test_an_engine_that_dies_whatever_it_holds_fails_the_call_after_a_few_deaths
     with pytest.raises(RuntimeError, match=f"died {MAX_ENGINE_DEATHS + 2} times in a row with no suspect"):
         client.done_ids()
     assert len(started) == MAX_ENGINE_DEATHS + 2
+
+
+def test_tokens_per_step_samples_only_the_steps_since_the_job_began():
+    """The engine's counters are its life's: a job's first report sampled the average step of
+    every earlier job too (22 tokens a step for a job whose steps had at most 5)."""
+    metrics, sampled = EngineMetrics(), []
+    metrics.tokens_per_step = types.SimpleNamespace(update=sampled.append)
+    info = {"waiting": 0, "pid": 1, "steps": 10, "decode_tokens": 200, "prefill_tokens": 20}
+    metrics.engine(info)
+    metrics.engine({**info, "steps": 14, "decode_tokens": 212})
+    assert sampled == [3]
 
 
 class MachineDyingOn:
