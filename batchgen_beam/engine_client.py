@@ -477,11 +477,11 @@ class EngineClient:
         self._unwanted: set[str] = set()
         self.restarts = 0
         self._deaths: Counter[str] = Counter()  # engine deaths each resident request was in flight for
+        self._deaths_alone: Counter[str] = Counter()  # those of them it ran apart from the others
         self._held: list[list[str]] = []  # suspects' groups (SUSPECT_DEATHS), waiting for their turn
         self._held_ids: set[str] = set()  # their ids: resident, not in the engine
         self._trial: list[str] = []  # the suspects' group in the engine now, if any
         self._suspects_turn = _SuspectsTurn(config.tag)  # taken while its groups run
-        self._narrowings = 0  # deaths of a suspects' group: each split it, or ended its one suspect
         self.last_info: dict | None = None  # the engine's counters as of the last poll
         # Connected on first use, not here: Beam's multi-model RunInference constructs the
         # handler's model under the lock that connecting needs too (a deadlock).
@@ -570,11 +570,9 @@ class EngineClient:
                 raise
             cause = gone
         # The engine process died; a new one may die again (a request that crashes it becomes a
-        # suspect, and runs apart from the others: _restart). Deaths that narrowed the suspects
-        # down are progress, however many in a row: only the others count.
+        # suspect, and runs apart from the others: _restart).
         deaths = 1
         while True:
-            narrowed = self._narrowings
             try:
                 service = self._restart(service, cause)
                 if method in ("submit", "resume"):  # the restart resubmitted every resident one, these too
@@ -582,11 +580,22 @@ class EngineClient:
                 return getattr(service, method)(*args)
             except _ENGINE_GONE as gone:
                 cause = gone
-            if self._narrowings == narrowed:
-                deaths += 1
-                if deaths > MAX_ENGINE_DEATHS + 1:
-                    raise RuntimeError(f"the engine process died {deaths} times in a row with no suspect "
-                                       f"request to set apart (calling {method}): {cause!r}") from cause
+            deaths += 1
+            if deaths > self._deaths_in_a_row_allowed():
+                with self._lock:  # its suspects wait for the next call; other processes' need not
+                    self._suspects_turn.give_back()
+                raise RuntimeError(f"the engine process died {deaths} times in a row "
+                                   f"(calling {method}): {cause!r}") from cause
+
+    def _deaths_in_a_row_allowed(self) -> int:
+        """Deaths one call rides out: a few, and one more for each halving that setting a poison
+        apart from the requests in flight may take (this client's, or the engine's as last
+        seen: another process's suspects may be the ones halved). An engine that dies whatever
+        it holds fails the call after as many, not after every request ran alone."""
+        info = self.last_info or {}
+        in_flight = max(len(self._resident), sum(info.get(key, 0) for key in ("waiting", "running", "suspended")))
+        search = SUSPECT_DEATHS + in_flight.bit_length() if in_flight else 0  # and a lone suspect's retries
+        return MAX_ENGINE_DEATHS + 1 + search
 
     def _restart(self, failed_service, cause: BaseException):
         """A new engine process, every resident request resubmitted to it but the suspects
@@ -606,13 +615,17 @@ class EngineClient:
             tried = [rid for rid in self._trial if rid in pending]
             others = [rid for rid in pending if rid not in self._trial]
             self._trial = []
-            self._narrowings += bool(tried)
-            if len(tried) == 1:  # it killed the engine on its own
-                [request_id] = tried
-                self._done[request_id] = Completion.failed(
-                    request_id, f"the engine process died while this request ran apart from others "
-                                f"({self._deaths[request_id]} deaths with it in flight, last: {cause!r}); "
-                                f"not resubmitted again")
+            lone = tried[0] if len(tried) == 1 else None
+            if lone is not None:
+                self._deaths_alone[lone] += 1
+            # Alone but for requests not suspects yet (submitted since, here or by another
+            # process): a poison among them is set apart after SUSPECT_DEATHS deaths, so one
+            # more death alone convicts it.
+            if lone is not None and self._deaths_alone[lone] > SUSPECT_DEATHS:
+                self._done[lone] = Completion.failed(
+                    lone, f"the engine process died while this request ran apart from others "
+                          f"({self._deaths[lone]} deaths with it in flight, {self._deaths_alone[lone]} of "
+                          f"them apart, last: {cause!r}); not resubmitted again")
             else:  # the suspects of the group that died again go first, in halves
                 self._hold(tried, first=True)
             self._hold([rid for rid in others if self._deaths[rid] >= SUSPECT_DEATHS])
@@ -712,6 +725,7 @@ class EngineClient:
         """No longer this client's to resubmit (call with the lock held)."""
         self._resident.pop(request_id, None)
         self._deaths.pop(request_id, None)
+        self._deaths_alone.pop(request_id, None)
         self._held_ids.discard(request_id)
 
     @_finishes_when_interrupted
@@ -723,6 +737,7 @@ class EngineClient:
             for request_id in request_ids:
                 if request_id in self._resident:  # a held suspect is in no engine
                     self._let_go(request_id, completion_coming=request_id not in self._held_ids)
+            self._next_trial()  # a trial let go is over: its turn must not wait for a pull
 
     @_finishes_when_interrupted
     def cancel(self, prefix: str) -> None:
@@ -744,6 +759,7 @@ class EngineClient:
             for request_id in ids:  # those not taken out had finished (or are held suspects)
                 self._let_go(request_id, completion_coming=engine_up and request_id not in taken_out
                              and request_id not in self._held_ids)
+            self._next_trial()
 
     def _let_go(self, request_id: str, completion_coming: bool) -> None:
         """No longer this client's; its completion is acknowledged unread: now if it is here,
@@ -830,10 +846,17 @@ class EngineClient:
                     self._taken.append(completion.id)
         if self._held or self._trial:  # read unlocked: a group held meanwhile waits for the next pull
             with self._lock:
-                try:
-                    self._start_trial(self._service)
-                except _ENGINE_GONE:  # the next call restarts it, and sends them then
-                    pass
+                self._next_trial()
+
+    def _next_trial(self) -> None:
+        """Where suspects wait or ran: the next group sent, or the machine's turn given back
+        (call with the lock held). An engine found gone is left to the next call, which
+        restarts it and sends them then."""
+        if self._service is not None and (self._held or self._trial):
+            try:
+                self._start_trial(self._service)
+            except _ENGINE_GONE:
+                pass
 
     @_finishes_when_interrupted
     def info(self) -> dict:

@@ -650,24 +650,30 @@ def test_a_request_that_kills_the_engine_whenever_it_runs_ends_alone_as_an_error
     assert poison.finish_reason == "error" and not poison.invalid
     assert poison.error.startswith("the engine process died while this request ran apart from others")
     assert all(completion.error is None for completion in done.values()) and len(done) == innocents
-    # Deaths with everyone in flight, then one per halving of the suspects down to the poison.
-    assert client.restarts == len(started) - 1 <= SUSPECT_DEATHS + math.ceil(math.log2(innocents + 1)) + 1
+    # Deaths with everyone in flight, one per halving of the suspects down to the poison, and
+    # its own deaths alone.
+    assert client.restarts == len(started) - 1 <= SUSPECT_DEATHS + math.ceil(math.log2(innocents + 1)) + SUSPECT_DEATHS + 1
     client.submit([Request("later", prompt="Hi")])
     assert client.wait_all(["later"])["later"].error is None
 
 
-def test_an_engine_that_dies_whatever_it_holds_fails_the_call_after_a_few_deaths(monkeypatch):
-    """Deaths that narrow no suspects down (nothing in flight to blame) are counted: the call
-    raises after MAX_ENGINE_DEATHS + 2 of them in a row instead of restarting for good."""
-    from batchgen_beam.engine_client import MAX_ENGINE_DEATHS
+@pytest.mark.parametrize("in_flight", [0, 4, 64])
+def test_an_engine_that_dies_whatever_it_holds_fails_the_call_after_a_few_deaths(monkeypatch, in_flight):
+    """Deaths in a row are ridden out up to a few, plus one for each halving that setting a
+    poison apart from the requests in flight may take; then the call raises, rather than
+    restarting until every request has run alone and failed (131 restarts for 64)."""
+    from batchgen_beam.engine_client import MAX_ENGINE_DEATHS, SUSPECT_DEATHS
 
     started = []
     monkeypatch.setattr(EngineClient, "_connect", lambda self: started.append(ServiceDyingOn("")) or started[-1])
     monkeypatch.setattr(ServiceDyingOn, "poll", lambda *args: (_ for _ in ()).throw(EOFError("the engine process died")))
     client = EngineClient(EngineConfig.of(None))
-    with pytest.raises(RuntimeError, match=f"died {MAX_ENGINE_DEATHS + 2} times in a row with no suspect"):
-        client.done_ids()
-    assert len(started) == MAX_ENGINE_DEATHS + 2
+    ids = [f"r{i}" for i in range(in_flight)]
+    client.submit([Request(rid, prompt="Hi") for rid in ids])
+    deaths = MAX_ENGINE_DEATHS + 2 + (SUSPECT_DEATHS + in_flight.bit_length() if in_flight else 0)
+    with pytest.raises(RuntimeError, match=f"died {deaths} times in a row"):
+        client.wait_all(ids) if ids else client.done_ids()
+    assert len(started) == deaths
 
 
 def test_tokens_per_step_samples_only_the_steps_since_the_job_began():
@@ -746,6 +752,56 @@ def test_another_processs_poison_gets_no_request_of_this_one_blamed(monkeypatch)
         thread.join(60)
     assert sorted(results) == sorted(work[first] + work[second])
     assert {rid for rid, completion in results.items() if completion.error is not None} == {"poison"}
+
+
+@pytest.mark.parametrize("let_go", ["abandon", "cancel"])
+def test_a_trial_let_go_gives_the_machines_turn_back_at_once(monkeypatch, let_go):
+    """A process's lone suspect ran in the machine's turn; the process let it go (a failed
+    RunInference batch, a job that is over) and made no call after: it kept the turn, and
+    another process's suspects waited for it forever."""
+    machine = MachineDyingOn("poison")
+
+    def connect(self):
+        service = machine.connect()
+        service.migrate_out = lambda client_id, ids: {}  # every one finished already
+        return service
+    monkeypatch.setattr(EngineClient, "_connect", connect)
+    first, second = EngineClient(EngineConfig.of(None)), EngineClient(EngineConfig.of(None))
+    first.submit([Request(rid, prompt="Hi") for rid in ("a0", "a1")])
+    for _ in range(2):  # two deaths: a0 and a1 suspects, a0 running alone in the first's turn
+        first._restart(first._connected(), EOFError("the engine process died"))
+    assert first._trial == ["a0"]
+    first.abandon(["a0", "a1"]) if let_go == "abandon" else first.cancel("a")
+    second.submit([Request(rid, prompt="Hi") for rid in ("b0", "poison")])
+    done = {}
+    waiting = threading.Thread(target=lambda: done.update(second.wait_all(["b0", "poison"])), daemon=True)
+    waiting.start()
+    waiting.join(30)
+    assert done["b0"].error is None and done["poison"].finish_reason == "error"
+
+
+@pytest.mark.parametrize("whose", ["this process's", "another process's"])
+def test_a_lone_suspect_is_not_blamed_for_a_poison_that_came_after_it(monkeypatch, whose):
+    """A suspect runs alone but for requests not suspects yet: one submitted since may be a
+    poison, which killed the engine beside it, and the innocent suspect ended as the error."""
+    machine = MachineDyingOn("poison")
+    monkeypatch.setattr(EngineClient, "_connect", lambda self: machine.connect())
+    first, second = EngineClient(EngineConfig.of(None)), EngineClient(EngineConfig.of(None))
+    first.submit([Request(rid, prompt="Hi") for rid in ("a0", "a1")])
+    for _ in range(2):  # two deaths (of some other cause): a0 and a1 suspects, a0 running alone
+        first._restart(first._connected(), EOFError("the engine process died"))
+    assert first._trial == ["a0"]
+    poisoned = first if whose == "this process's" else second
+    poisoned.submit([Request("poison", prompt="Hi")])
+    done = {}
+    waits = [threading.Thread(target=lambda: done.update(first.wait_all(["a0", "a1"])), daemon=True),
+             threading.Thread(target=lambda: done.update(poisoned.wait_all(["poison"])), daemon=True)]
+    for wait in waits:
+        wait.start()
+    for wait in waits:
+        wait.join(30)
+    assert sorted(done) == ["a0", "a1", "poison"]
+    assert [rid for rid, completion in sorted(done.items()) if completion.error is not None] == ["poison"]
 
 
 def test_a_suspect_let_go_while_it_waits_for_its_turn_holds_up_no_other(monkeypatch):
