@@ -875,12 +875,27 @@ class Engine:
                 else:
                     waiter.done.wait(0.1)
                     self._raise_failure()
+        except KeyboardInterrupt:  # a notebook's stop button: the same call can run again
+            self._withdraw(waiter.pending)
+            raise
         finally:  # after a failure, stop routing the rest to this waiter
             with self._ids_lock:
                 for request_id in list(waiter.pending):
                     if self._waiters.get(request_id) is waiter:
                         del self._waiters[request_id]
         return [waiter.results[r.id] for r in requests]
+
+    def _withdraw(self, request_ids) -> None:
+        """Drop these requests, those still in the engine."""
+        with self._lock.held():
+            for request_id in list(request_ids):
+                try:
+                    _, live = self._take_out(request_id, "withdrawn: its generate() call was interrupted")
+                except KeyError:  # finished meanwhile, or never submitted
+                    continue
+                for seq in live:
+                    self.scheduler.remove(seq)
+                    seq.send(Event.MIGRATED)
 
     def _step_or_stall(self, done) -> None:
         """A step for a caller without a background loop, who waits until `done()`; raises
@@ -995,14 +1010,8 @@ class Engine:
         engine (same model) continues exactly where it stopped. with_kv: sequences that have
         computed KV take it along (host tensors) and arrive suspended instead of recomputing."""
         with self._lock.held():
-            live = self._live_sequences(request_id)
-            with self._ids_lock:
-                state = self._requests.pop(request_id)
-                waiter = self._waiters.pop(request_id, None)
-            if waiter is not None:  # a generate() call waits on it here: it must not wait forever
-                waiter.add(Completion.failed(request_id, "migrated out of this engine: its completion "
-                                                         "comes from the engine it migrated to",
-                                             state.timings))
+            state, live = self._take_out(request_id, "migrated out of this engine: its completion comes "
+                                                     "from the engine it migrated to")
             exported = []
             for seq in live:
                 kv = self._export_kv(seq) if with_kv else None
@@ -1013,6 +1022,18 @@ class Engine:
                     "prompt_tokens": state.prompt_tokens, "n": state.n,
                     "timings": state.timings.carried(), "outputs": dict(state.outputs),
                     "scored_prompt": state.scored_prompt, "sequences": exported}
+
+    def _take_out(self, request_id: str, why: str) -> tuple[_RequestState, list[Sequence]]:
+        """The request, no longer the engine's, and its live sequences, still scheduled (call
+        with the lock held). A generate() call waiting on it gets a failed completion saying
+        why: it must not wait forever."""
+        live = self._live_sequences(request_id)
+        with self._ids_lock:
+            state = self._requests.pop(request_id)
+            waiter = self._waiters.pop(request_id, None)
+        if waiter is not None:
+            waiter.add(Completion.failed(request_id, why, state.timings))
+        return state, live
 
     def _export_kv(self, seq: Sequence) -> torch.Tensor | None:
         if seq.seq_id in self.scheduler.host:  # suspended or held: already on the host

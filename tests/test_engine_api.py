@@ -830,6 +830,38 @@ def test_a_dropped_engine_is_freed_at_once_not_at_the_collectors_next_pass(tiny_
     assert threading.active_count() <= threads_before
 
 
+@pytest.mark.parametrize("loop", [False, True])
+def test_an_interrupted_generate_leaves_none_of_its_requests_in_flight(tiny, monkeypatch, loop):
+    """A notebook's stop button mid-generate(): its requests ran on in the engine, so running
+    the same cell again failed ("request ids already in flight") until something drained them."""
+    engine = make_engine(tiny.dir(FAMILY))
+    prompts = random_prompts([9, 15, 23], seed=5)
+    requests = greedy_requests(prompts, MAX_TOKENS)
+    interrupt_at = 1 if loop else 3  # the loop's first wait slice, or the third step
+    if loop:
+        engine.start()
+        target, real = "_raise_failure", engine._raise_failure
+    else:
+        target, real = "_step", engine._step
+
+    def interrupted(*args):
+        nonlocal interrupt_at
+        interrupt_at -= 1
+        if interrupt_at == 0:
+            raise KeyboardInterrupt
+        return real(*args)
+    monkeypatch.setattr(engine, target, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(requests)
+    monkeypatch.undo()
+    assert not engine.has_unfinished()
+    for completion, prompt in zip(engine.generate(requests), prompts):
+        assert_matches(completion, *reference(tiny, prompt))
+    engine.stop()
+    assert engine.finished() == []
+    assert_idle_and_clean(engine)
+
+
 def test_a_request_id_that_looks_like_another_requests_sample_keeps_its_own_kv(tiny):
     """Sample 1 of request "r" and request "r#1" were both keyed "r#1" in the host KV tier and
     among the held sequences: suspending both lost one."""
