@@ -527,10 +527,10 @@ class Engine:
         return self._step() == "ran"
 
     def _step(self) -> str:
-        """"ran"; "idle" (nothing to run, nothing that could be, or a request submitted since
-        the step looked, for the next); or "stuck": requests it holds, none of them runnable.
-        Decided within the step: after it, another caller's submit and step could make a
-        stuck engine look busy, or a busy one stuck."""
+        """One step; what it found: "ran"; "idle" (nothing to run, nothing that could be, or a
+        request submitted since it looked, for the next); or "stuck" (requests it holds, none
+        of them runnable). Decided within the step: after it, another caller's submit and step
+        could make a stuck engine look busy, or a busy one stuck."""
         with self._lock.step(), self._on_device():
             self._drain_inbox()
             batch = self.scheduler.schedule()
