@@ -133,8 +133,8 @@ def check_input(pattern: str, fmt: str) -> None:
         if fmt == "parquet":
             _check_parquet_file(meta.path, meta.size_in_bytes)
         elif compression_of(meta.path):
-            with FileSystems.open(meta.path, compression_type=CompressionTypes.UNCOMPRESSED) as stored:
-                decompressed(stored, meta.path).read(1)  # a name that lies about the bytes
+            with open_input(meta.path) as f:
+                f.read(1)  # a name that lies about the bytes
 
 
 def check_output(prefix: str) -> None:

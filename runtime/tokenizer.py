@@ -233,12 +233,15 @@ class TextStream:
         byte-fallback decoder turns a whole run of byte tokens cut inside a character into
         U+FFFDs, which the completion's first other token would bring into its text."""
         size = self.CONTEXT_TOKENS
-        while size < len(prompt) and not self._decode(prompt[-size:]):
+        text = self._decode(prompt[-size:])
+        while size < len(prompt) and not text:
             size *= 2
+            text = self._decode(prompt[-size:])
         for _ in range(self.BOUNDARY_TOKENS):
-            if size >= len(prompt) or not self._decode(prompt[-size:]).startswith("\ufffd"):
+            if size >= len(prompt) or not text.startswith("\ufffd"):
                 break
             size += 1
+            text = self._decode(prompt[-size:])
         return list(prompt[-size:])
 
     def _decode(self, ids: Sequence[int]) -> str:
