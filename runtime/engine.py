@@ -79,7 +79,12 @@ def on_a_passing_thread(build, *args, **kwargs):
 
 
 class InvalidPrompt(ValueError):
-    """A request the engine answers with an error completion instead of running."""
+    """A request the engine answers with an error completion instead of running; `prompt_tokens`:
+    the prompt's length where it was tokenized (its error row's usage)."""
+
+    def __init__(self, message: str, prompt_tokens: int = 0):
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
 
 
 def _token_ids(value) -> list[int] | None:
@@ -385,17 +390,17 @@ class Engine:
         """submit(), for `waiter`'s generate() call where given (which has claimed the id)."""
         self._check_request(request)
         timings = Timings(submitted=time.perf_counter())
-        error = None
+        error, prompt_tokens = None, 0
         try:
             prompt_ids = self._prompt_token_ids(request)
         except InvalidPrompt as bad:
-            error = str(bad)
+            error, prompt_tokens = str(bad), bad.prompt_tokens
         except Exception as exc:  # noqa: BLE001 - the tokenizer failed on this request alone
             log.exception("request %r: could not tokenize its prompt", request.id)
             error = f"prompt: could not be tokenized ({type(exc).__name__}: {exc})"
         if error is not None:
             self._reserve_id(request.id, waiter)
-            self._complete(Completion.failed(request.id, error, timings, invalid=True))
+            self._complete(Completion.failed(request.id, error, timings, prompt_tokens, invalid=True))
             return
         state = _RequestState(request.id, len(prompt_ids), request.params.n, timings)
         state.seqs.append(self._new_sequence(request.id, 0, prompt_ids, request.params))
@@ -478,7 +483,7 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise InvalidPrompt(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
                                 "(prompt plus at least one generated token; truncate_prompt_tokens "
-                                "keeps only a prompt's last tokens)")
+                                "keeps only a prompt's last tokens)", prompt_tokens=len(ids))
         return ids
 
     def _encode_chat(self, messages: list[dict], options: ChatOptions) -> list[int]:

@@ -398,6 +398,7 @@ def test_max_model_len_bounds_the_context(tiny):
         Request("long", prompt_token_ids=random_prompts([32], seed=13)[0])])
     assert fits.finish_reason == "length" and len(fits.token_ids) == 1
     assert too_long.finish_reason == "error" and "32" in too_long.error
+    assert too_long.prompt_tokens == 32 and too_long.completion_tokens == 0  # the row's usage
 
 
 def test_truncate_prompt_tokens_keeps_a_long_prompts_end(tiny):
