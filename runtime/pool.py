@@ -22,6 +22,7 @@ queue, running set, counters and migrations, and `idle(start, end)` the time it 
 
 import contextlib
 import multiprocessing
+import operator
 import pickle
 import queue
 import threading
@@ -42,6 +43,16 @@ SPLITS = ("shared", "static")
 STEAL_BELOW = 0.5  # an engine takes work once its load is under this fraction of another's
 DECLINED_PAUSE = 0.5  # seconds before asking an engine again that had nothing worth giving
 HISTORY = 100_000  # samples kept per engine for timeline() and idle()
+
+
+def _is_index(value, size: int) -> bool:
+    """Whether `value` is an integer (numpy's too; not a bool) in [0, size)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        return 0 <= operator.index(value) < size
+    except TypeError:
+        return False
 
 
 def _unsendable(requests: list[Request]) -> dict[str, str]:
@@ -213,8 +224,8 @@ class EnginePool:
         if engines is not None:
             if self.split != "static":
                 raise ValueError('engines can be named only with split="static"')
-            if len(engines) != len(requests) or not all(0 <= e < len(self._engines) for e in engines):
-                raise ValueError(f"need one engine index in [0, {len(self._engines)}) per request")
+            if len(engines) != len(requests) or not all(_is_index(e, len(self._engines)) for e in engines):
+                raise ValueError(f"need one engine index (an int) in [0, {len(self._engines)}) per request")
         unsendable = _unsendable(requests)
         with self._lock:
             self._raise_failure()

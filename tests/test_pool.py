@@ -8,6 +8,7 @@ import re
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from helpers import kv_block_bytes, make_engine, random_prompts
@@ -337,6 +338,19 @@ def test_bad_requests(shared_pool):
         shared_pool.submit(Request("params", prompt_token_ids=[5], params={"max_tokens": 3}))
     with pytest.raises(ValueError, match="split"):
         EnginePool(split="round_robin")
+
+
+def test_a_static_pool_refuses_an_engine_index_that_is_no_int(static_pool):
+    """Refused before the id is taken: the pool holds nothing in flight after it."""
+    request = Request("where", prompt_token_ids=[5, 6], params=SamplingParams(max_tokens=2))
+    for index in (0.5, 1.0, True, "0", -1, 2):
+        with pytest.raises(ValueError, match="engine index"):
+            static_pool.generate([request], engines=[index])
+        with pytest.raises(ValueError, match="engine index"):
+            static_pool.submit(request, engine=index)
+    assert not static_pool.has_unfinished()
+    [done] = static_pool.generate([request], engines=[np.int64(1)])
+    assert done.error is None and len(done.token_ids) == 2
 
 
 def test_a_dead_engine_process_fails_its_callers(tiny):
