@@ -120,7 +120,7 @@ class EngineConfig:
         unknown = sorted(set(engine_args) - set(known))
         if unknown:
             raise TypeError(f"engine_args: unknown {unknown}; runtime.Engine takes {', '.join(known)}")
-        Engine.check_sizes(**engine_args)
+        Engine.check_args(**engine_args)
         if engine_args.get("lora") is not None:
             engine_args["lora"] = model_location(engine_args["lora"])
         return cls(model_location(model), tuple(sorted(engine_args.items()))).current()

@@ -78,6 +78,22 @@ def on_a_passing_thread(build, *args, **kwargs):
         return setup.submit(build, *args, **kwargs).result()
 
 
+def _device_of(device: str | torch.device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as bad:
+        raise ValueError(f"device={device!r}: not a torch device ({bad})") from None
+
+
+def _dtype_of(dtype: torch.dtype | str) -> torch.dtype:
+    """A floating-point torch dtype, or one named as DTYPES names them (a config's, a flag's)."""
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    raise ValueError(f"dtype={dtype!r}: give a floating-point torch dtype or one of {sorted(DTYPES)}")
+
+
 class InvalidPrompt(ValueError):
     """A request the engine answers with an error completion instead of running; `prompt_tokens`:
     the prompt's length where it was tokenized (its error row's usage)."""
@@ -219,23 +235,28 @@ class Engine:
                     "max_model_len": 2, "num_threads": 1, "max_logprobs": -1}
 
     @classmethod
-    def check_sizes(cls, **sizes) -> None:
-        """ValueError for a size argument that is not a whole number at least its floor (a NaN
-        budget would compare false everywhere, i.e. no budget). Beam glue calls it at pipeline
-        construction, so a bad value fails there rather than on a worker."""
-        for name, value in sizes.items():
-            if value is None or name not in cls._SIZE_FLOORS:
-                continue
-            floor = cls._SIZE_FLOORS[name]
-            if isinstance(value, bool) or not hasattr(value, "__index__") or value < floor:
+    def check_args(cls, **engine_args) -> None:
+        """ValueError for an argument of those given that is out of its domain: a size that is
+        not a whole number at least its floor (a NaN budget would compare false everywhere,
+        i.e. no budget), an unknown admission order or preemption mode, a device torch cannot
+        name, a dtype that is no float. Beam glue and EnginePool call it before any engine
+        starts, so a bad value fails there rather than in an engine process."""
+        for name, floor in cls._SIZE_FLOORS.items():
+            value = engine_args.get(name)
+            if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__") or value < floor):
                 raise ValueError(f"{name} must be a whole number >= {floor}, got {value!r}")
+        if "device" in engine_args:
+            _device_of(engine_args["device"])
+        if "dtype" in engine_args:
+            _dtype_of(engine_args["dtype"])
+        Scheduler.check_modes(engine_args.get("admission", "fifo"), engine_args.get("preemption", "suspend"))
 
     def __init__(self, model: str | Path | None = None, *, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  kv_cache_bytes: int = 2 << 30, host_kv_bytes: int = 2 << 30,
                  admission: str = "fifo", preemption: str = "suspend",
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
                  num_threads: int | None = None, weight_budget_bytes: int | None = None,
                  weights_in_host_memory: bool = False, greedy_screen: bool | None = None,
                  lora: str | Path | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS, ngram_drafts: bool = True):
@@ -264,15 +285,16 @@ class Engine:
         ngram_drafts: while few sequences decode, greedy ones guess their next tokens from where
         their last ones appeared before and verify the guesses in the same step
         (runtime/speculate.py); the tokens are the same, in fewer steps."""
-        self.check_sizes(kv_cache_bytes=kv_cache_bytes, host_kv_bytes=host_kv_bytes,
-                         weight_budget_bytes=weight_budget_bytes, block_size=block_size,
-                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                         max_model_len=max_model_len, num_threads=num_threads, max_logprobs=max_logprobs)
+        self.check_args(kv_cache_bytes=kv_cache_bytes, host_kv_bytes=host_kv_bytes,
+                        weight_budget_bytes=weight_budget_bytes, block_size=block_size,
+                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                        max_model_len=max_model_len, num_threads=num_threads, max_logprobs=max_logprobs,
+                        admission=admission, preemption=preemption, device=device, dtype=dtype)
         self.max_logprobs = max_logprobs
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_dir = Path(model) if model is not None else default_model_dir()
-        self.device = torch.device(device)
+        self.device, dtype = _device_of(device), _dtype_of(dtype)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device!r}: this torch ({torch.__version__}) sees no CUDA device "
                              f"(a CPU build, or no GPU or driver)")

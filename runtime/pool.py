@@ -145,7 +145,7 @@ class EnginePool:
                                    ("min_steal_tokens", min_steal_tokens, 0)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= floor:
                 raise ValueError(f"{name} must be a number >= {floor}, got {value!r}")
-        Engine.check_sizes(**engine_args)  # here, not in each engine process
+        Engine.check_args(**engine_args)  # here, not in each engine process
         self.split, self.reallocate, self.policy = split, reallocate, policy
         self.min_steal_tokens = min_steal_tokens
         self.estimator = LengthEstimator()  # learned from every engine's completions

@@ -54,13 +54,17 @@ class ScheduledBatch:
 
 
 class Scheduler:
+    @staticmethod
+    def check_modes(admission: str, preemption: str) -> None:
+        if not isinstance(admission, str) or admission not in ADMISSION_ORDERS:
+            raise ValueError(f"admission must be one of {sorted(ADMISSION_ORDERS)}, got {admission!r}")
+        if not isinstance(preemption, str) or preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
+
     def __init__(self, blocks: BlockManager, kv: KVCache, host: HostKVPool, max_num_seqs: int,
                  max_num_batched_tokens: int, admission: str = "fifo",
                  preemption: str = "suspend"):
-        if admission not in ADMISSION_ORDERS:
-            raise ValueError(f"admission must be one of {sorted(ADMISSION_ORDERS)}, got {admission!r}")
-        if preemption not in PREEMPTION_MODES:
-            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
+        self.check_modes(admission, preemption)
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.blocks, self.kv, self.host = blocks, kv, host

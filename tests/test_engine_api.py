@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from helpers import (CallCounter, assert_idle_and_clean, assert_matches, greedy_requests, make_engine,
                      random_prompt, random_prompts)
@@ -309,6 +310,27 @@ def test_size_arguments_that_are_not_whole_numbers_at_least_their_floor_are_refu
         make_engine(tiny.dir(FAMILY), **{size: value})
     with pytest.raises(ValueError, match=message):
         EngineConfig.of(None, **{size: value})
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("admission", "bogus", "admission must be one of"), ("preemption", "drop", "preemption must be one of"),
+    ("admission", ["fifo"], "admission must be one of"), ("device", "tpu9", "device='tpu9': not a torch device"),
+    ("dtype", "fp32", "dtype='fp32': give a floating-point torch dtype or one of"),
+    ("dtype", "int8", "dtype='int8'"), ("dtype", torch.int32, "dtype=torch.int32"), ("dtype", None, "dtype=None"),
+    ("device", None, "device=None")])
+def test_arguments_out_of_their_domain_are_refused_by_the_engine_and_at_pipeline_construction(
+        tiny, name, value, message):
+    """Not a worker's engine start failing deep in torch or the scheduler: a ValueError at once."""
+    from batchgen_beam.engine_client import EngineConfig
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_engine(tiny.dir(FAMILY), **{name: value})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig.of(None, **{name: value})
+
+
+def test_a_dtype_may_be_named_as_configs_and_flags_name_it(tiny):
+    assert make_engine(tiny.dir(FAMILY), dtype="bfloat16").kv.block_layout()[1] == torch.bfloat16
 
 
 def test_reset_prefix_cache_makes_a_rerun_compute_its_prompt_again(tiny):
@@ -966,16 +988,12 @@ def test_finished_takes_what_is_done_without_running_a_step(tiny):
 
 
 def test_a_cuda_device_torch_cannot_see_is_refused_naming_it(tiny, monkeypatch):
-    import torch
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="device='cuda': this torch .* sees no CUDA device"):
         make_engine(tiny.dir("llama"), device="cuda")
 
 
 def test_a_dtype_the_triton_kernels_have_no_tiles_for_is_refused_on_cuda(tiny, monkeypatch):
-    import torch
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before any CUDA call
     with pytest.raises(ValueError, match="dtype=torch.float64: CUDA runs the Triton kernels, which take"):
         make_engine(tiny.dir("llama"), device="cuda", dtype=torch.float64)
