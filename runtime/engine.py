@@ -430,6 +430,8 @@ class Engine:
         self._wake.set()
 
     def _check_request(self, request: Request) -> None:
+        if not isinstance(request.id, str):  # 1 and "1" would name the same sequences
+            raise TypeError(f"request ids are strings, got {request.id!r}")
         if not isinstance(request.params, SamplingParams):
             raise TypeError(f"request {request.id!r}: params must be SamplingParams")
         self.check_params(request.params)
@@ -1088,7 +1090,10 @@ class Engine:
     def _check_migrated(self, migrated: dict) -> None:
         """ValueError for a state this engine could never finish: it would wait here forever,
         and hold up what comes after it."""
-        request_id, n = migrated.get("request_id"), migrated.get("n")
+        if not isinstance(migrated, dict) or not isinstance(migrated.get("request_id"), str):
+            raise ValueError(f"migrate_in: not a migrate_out state (a dict with a string request_id), "
+                             f"got {type(migrated).__name__}")
+        request_id, n = migrated["request_id"], migrated.get("n")
         if migrated.get("format") != STATE_FORMAT:
             raise ValueError(f"migrate_in {request_id!r}: a state of another release (format "
                              f"{migrated.get('format')}; this engine reads {STATE_FORMAT})")

@@ -219,6 +219,8 @@ class EnginePool:
     def _submit(self, requests: list[Request], engines: list[int] | None,
                 waiter: CompletionWaiter | None = None) -> None:
         for request in requests:
+            if not isinstance(request.id, str):
+                raise TypeError(f"request ids are strings, got {request.id!r}")
             if not isinstance(request.params, SamplingParams):
                 raise TypeError(f"request {request.id!r}: params must be SamplingParams")
         if engines is not None:

@@ -27,6 +27,18 @@ def over_max_logprobs(wanted: int | None, max_logprobs: int) -> bool:
 _FP32_MAX = torch.finfo(torch.float32).max
 
 
+def _tuple_of(name: str, value) -> tuple:
+    """A list-valued field as a tuple: None is empty, a lone string a list of one (stop strings
+    and bad words); anything else must be an iterable that is no text or mapping."""
+    if value is None:
+        return ()
+    if isinstance(value, str) and name in ("stop", "bad_words"):
+        return (value,)
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise ValueError(f"{name} must be a list, got {value!r}")
+    return tuple(value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -65,15 +77,9 @@ class SamplingParams:
     choice: tuple[str, ...] = ()
 
     def __post_init__(self):
-        # Normalise list inputs so params stay hashable and picklable.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
-        if isinstance(self.bad_words, str):
-            object.__setattr__(self, "bad_words", (self.bad_words,))
-        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        # Normalise list inputs so params stay hashable and picklable; None is none (vLLM's).
+        for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
+            object.__setattr__(self, name, _tuple_of(name, getattr(self, name)))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.json_schema is not None:
             object.__setattr__(self, "json_schema", canonical_json_schema(self.json_schema))

@@ -469,6 +469,18 @@ def test_duplicate_in_flight_id_raises(tiny):
     assert_idle_and_clean(engine)
 
 
+def test_a_request_id_that_is_no_string_is_refused(tiny):
+    """1 and "1" would name the same sequences (the host tier and held sequences are keyed by
+    them), and None would run as "None"."""
+    engine = make_engine(tiny.dir(FAMILY))
+    for request_id in (1, None, ("a",)):
+        with pytest.raises(TypeError, match="request ids are strings"):
+            engine.submit(Request(request_id, prompt_token_ids=[5, 6]))
+        with pytest.raises(TypeError, match="request ids are strings"):
+            engine.generate([Request("fine", prompt_token_ids=[5, 6]), Request(request_id, prompt_token_ids=[5, 6])])
+    assert_idle_and_clean(engine)
+
+
 def test_engine_argument_checks(tiny):
     directory = tiny.dir(FAMILY)
     with pytest.raises(ValueError, match="admission"):

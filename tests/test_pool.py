@@ -338,6 +338,8 @@ def test_bad_requests(shared_pool):
         shared_pool.submit(Request("pinned", prompt_token_ids=[5]), engine=0)
     with pytest.raises(TypeError):
         shared_pool.submit(Request("params", prompt_token_ids=[5], params={"max_tokens": 3}))
+    with pytest.raises(TypeError, match="request ids are strings"):
+        shared_pool.submit(Request(7, prompt_token_ids=[5]))
     with pytest.raises(ValueError, match="split"):
         EnginePool(split="round_robin")
 

@@ -282,6 +282,9 @@ def test_migrate_in_refuses_a_state_this_engine_could_never_finish(tiny):
     with pytest.raises(ValueError, match="'ghost': not a migrate_out state"):
         small.migrate_in({"format": state["format"], "request_id": "ghost", "prompt_tokens": 3, "n": 1,
                           "outputs": {}, "sequences": []})
+    for not_a_state in (None, [state], {**state, "request_id": None}):
+        with pytest.raises(ValueError, match="migrate_in: not a migrate_out state"):
+            small.migrate_in(not_a_state)
     earlier = {k: v for k, v in state.items() if k != "format"}  # exported by an earlier release
     with pytest.raises(ValueError, match="'big': a state of another release"):
         small.migrate_in(earlier)

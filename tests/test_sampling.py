@@ -390,6 +390,7 @@ INVALID = [
     ("logprobs", -1), ("logprobs", 1.5), ("logprobs", True),
     ("stop", [""]), ("stop", ""), ("stop", [3]), ("stop", ["ok", None]),
     ("stop_token_ids", [-1]), ("stop_token_ids", [1 << 63]), ("stop_token_ids", [1.5]), ("stop_token_ids", ["2"]),
+    ("stop_token_ids", 1), ("stop_token_ids", "2"), ("stop", {"a": 1}), ("allowed_token_ids", 3), ("bad_words", 7),
     ("ignore_eos", "yes"), ("ignore_eos", 1),
     ("repetition_penalty", 0), ("repetition_penalty", -1.2), ("repetition_penalty", math.nan),
     ("frequency_penalty", 2.5), ("frequency_penalty", "0.1"), ("presence_penalty", -2.01),
@@ -410,6 +411,8 @@ def test_valid_edge_values_are_accepted_and_normalised():
     assert params.greedy
     assert not SamplingParams(temperature=1e-3).greedy
     hash(SamplingParams(stop=["a", "b"]))  # lists normalised: hashable
+    none = SamplingParams(stop=None, stop_token_ids=None, allowed_token_ids=None, bad_words=None)
+    assert none == SamplingParams()  # None is none, as in vLLM (and JSON's null)
 
 
 @pytest.mark.parametrize("temperature", [0.05, 0.1, 0.7])
