@@ -31,10 +31,11 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from batchgen_beam.records import LOGPROB_FLOOR
+
 if TYPE_CHECKING:  # transformers: loaded only where a row needs token texts
     from runtime.tokenizer import TokenTexts
 
-_MIN_LOGPROB = -9999.0  # vLLM's stand-in for -inf
 
 
 def response_line(row: Mapping, *, model: str, created: int,
@@ -181,6 +182,6 @@ def _positions(sample: Mapping):
 
 def _finite(logprob: float | str) -> float:
     """A logprob JSON can hold: -inf and NaN (NaN logits: a broken model or an fp16 overflow)
-    as -9999.0. Rows read back from our JSONL hold them as the text "-inf" and "nan"."""
+    as LOGPROB_FLOOR."""
     logprob = float(logprob)
-    return logprob if logprob >= _MIN_LOGPROB else _MIN_LOGPROB
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR

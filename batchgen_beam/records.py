@@ -1055,9 +1055,26 @@ def arrow_to_rows(table: pa.Table) -> list[dict]:
     return [row_from_arrow_dict(r) for r in table.to_pylist()]
 
 
+# What JSON writes for a logprob of -inf (a token a grammar or allowed_token_ids rules out) or
+# NaN: it has no infinities, and a string would make a float column two types. OpenAI's and
+# vLLM's floor.
+LOGPROB_FLOOR = -9999.0
+
+
 def row_to_json(row: dict) -> str:
-    """One JSONL line; passthrough stays a nested object."""
-    return _dumps(row)
+    """One JSONL line; passthrough stays a nested object (written as _json_safe says)."""
+    return _dumps({k: v if k == "passthrough" else _floored(v) for k, v in row.items()})
+
+
+def _floored(value: Any) -> Any:
+    """A row column with its non-finite floats (logprobs: the row's only ones) at LOGPROB_FLOOR."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else LOGPROB_FLOOR
+    if isinstance(value, dict):
+        return {k: _floored(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_floored(v) for v in value]
+    return value
 
 
 def row_from_json(line: str | bytes) -> dict:

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen_beam.records import (MAX_NESTING, OUTPUT_SCHEMA, Parsed, Rejected, arrow_to_rows, check_defaults,
+from batchgen_beam.records import (LOGPROB_FLOOR, MAX_NESTING, OUTPUT_SCHEMA, Parsed, Rejected, arrow_to_rows, check_defaults,
                                    completion_row, error_row, parse_record, row_from_json,
                                    row_to_arrow_dict, row_to_json, rows_to_arrow)
 from batchgen_beam.io import parquet_records
@@ -586,6 +586,24 @@ def test_passthrough_that_strict_json_cannot_hold_is_written_as_text():
     expected = {"score": "nan", "bounds": ["-inf", 1.0], "by_pair": {"(1, 2)": "x", "2024-01-02": "y", "3": "z"}}
     assert json.loads(row_to_json(row), parse_constant=_refuse)["passthrough"] == expected
     assert json.loads(row_to_arrow_dict(row)["passthrough"], parse_constant=_refuse) == expected
+
+
+def test_a_logprob_json_cannot_hold_is_written_as_the_floor_keeping_its_column_floats():
+    """-inf: a token a grammar rules out, among the top ones asked for; NaN: a broken model.
+    As text ("-inf") the column would be two types for the JSONL's readers; Parquet keeps them."""
+    inf = -math.inf
+    output = SampleOutput(0, [1, 2], "ok", "stop", logprobs=[-0.5, math.nan],
+                          top_logprobs=[{1: -0.5, 7: inf}, {2: math.nan, 3: inf}])
+    row = completion_row(parse_record({"id": "a", "prompt": "Hi", "logprobs": 2, "n": 2, "note": inf}),
+                         Completion("a", [output, output], 1, Timings(0.0)))
+    line = json.loads(row_to_json(row), parse_constant=_refuse)
+    assert line["logprobs"] == [-0.5, LOGPROB_FLOOR]
+    assert line["top_logprobs"] == [[{"token_id": 1, "logprob": -0.5}, {"token_id": 7, "logprob": LOGPROB_FLOOR}],
+                                    [{"token_id": 2, "logprob": LOGPROB_FLOOR}, {"token_id": 3, "logprob": LOGPROB_FLOOR}]]
+    assert line["samples"][0]["logprobs"] == [-0.5, LOGPROB_FLOOR]
+    assert line["samples"][0]["top_logprobs"] == line["top_logprobs"]
+    assert line["passthrough"] == {"note": "-inf"}  # the record's own values: as the passthrough's rule says
+    assert rows_to_arrow([row]).column("top_logprobs").to_pylist()[0][0][1]["logprob"] == inf
 
 
 def test_keys_json_would_write_alike_are_refused_not_written_twice():
