@@ -18,9 +18,9 @@ setup(
         # Never leave torch unpinned: an open range pulls a multi-GB CUDA build on CPU boxes.
         "torch>=2.9,<2.14",  # 2.9: torch._grouped_mm on CPU (MoE experts)
         "ninja>=1.11,<1.14",  # torch's JIT build of the C++ CPU kernels (kernels/cpu_kernels.py)
-        "transformers>=5.20,<5.25",
-        "safetensors>=0.6,<0.9",
-        "tokenizers>=0.22,<0.24",
+        "transformers>=5.21,<5.25",  # 5.21: Gemma 2 attention soft-capped (eager), as the tests' oracle
+        "safetensors>=0.8,<0.9",  # transformers 5.21 requires 0.8
+        "tokenizers>=0.23.1,<0.24",  # transformers 5.21 requires 0.23.1
         "jinja2>=3.1,<4",  # chat templates (transformers does not require it)
         # GGUF de-quantisation of the default model (transformers' loader needs both).
         "gguf>=0.17,<0.20",
@@ -30,7 +30,7 @@ setup(
         "llguidance>=1.9,<2",  # structured output: JSON-schema-constrained decoding (runtime/structured.py)
         # The Beam face.
         "apache-beam>=2.77,<2.78",
-        "pyarrow>=14,<26",
+        "pyarrow>=14.0.1,<26",  # apache-beam 2.77 requires 14.0.1
         "zstandard>=0.18,<1",  # .zst inputs, read as Beam reads them (batchgen_beam/compressed.py)
         "google-cloud-storage>=2.18.2,<4",
         "google-crc32c>=1.5,<2",
@@ -40,8 +40,8 @@ setup(
     extras_require={
         # Benchmarks: PNG charts.
         "bench": ["matplotlib>=3.8,<4"],
-        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "psutil>=5.9,<8", "gcp-storage-emulator>=2026.7.18,<2027",
-                 "peft>=0.17,<0.22",  # the oracle of LoRA merging (tests/test_lora.py)
+        "test": ["pytest>=8,<10", "pytest-timeout>=2.3.1,<3", "psutil>=5.9,<8", "gcp-storage-emulator>=2026.7.18,<2027",
+                 "peft>=0.19,<0.22",  # the oracle of LoRA merging (tests/test_lora.py); 0.19: transformers 5 and Mixtral's router
                  TRITON],  # the Triton kernels' tests run in its interpreter, on CPU
         "cuda": [TRITON],
         # Launching on Dataflow: Beam's Dataflow runner client (its workers' SDK image has it).
