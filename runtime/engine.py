@@ -675,10 +675,12 @@ class Engine:
                 if seq.is_finished:
                     self._finish_sequence(seq)
                     return taken + 1
+            except UnfollowableGrammar as exc:  # the request's own grammar: no traceback to log
+                self._fail_request(seq.request_id, f"{seq.params.structured_field}: {exc}", invalid=True)
+                return taken + 1
             except Exception as exc:  # noqa: BLE001 - fail this request, keep serving the rest
                 log.exception("request %r failed after token %d", seq.request_id, seq.num_generated)
-                self._fail_request(seq.request_id, f"{type(exc).__name__}: {exc}",
-                                   invalid=isinstance(exc, UnfollowableGrammar))
+                self._fail_request(seq.request_id, f"{type(exc).__name__}: {exc}")
                 return taken + 1
         return len(tokens)
 

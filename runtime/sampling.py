@@ -161,6 +161,12 @@ class SamplingParams:
         return self.json_schema is not None or self.regex is not None or bool(self.choice)
 
     @property
+    def structured_field(self) -> str | None:
+        """The field its structured output came from (an error names it), or None."""
+        return ("json_schema" if self.json_schema is not None else "regex" if self.regex is not None
+                else "choice" if self.choice else None)
+
+    @property
     def grammar(self) -> str | None:
         """The llguidance grammar its structured output asks for, or None."""
         if self.json_schema is not None:

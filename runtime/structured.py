@@ -136,7 +136,8 @@ def consume(matcher: llguidance.LLMatcher, token: int) -> None:
         # The first line says what went wrong (a regex too large to compile, say); the lines
         # after it are the matcher's state, of no use in an error row.
         reason = (matcher.get_error() or "").strip().split("\n")[0]
-        raise UnfollowableGrammar(f"token {token} breaks the output's grammar: {reason}")
+        raise UnfollowableGrammar(f"no text it allows goes on from here (the grammar engine refused "
+                                  f"token {token}: {reason or 'no reason given'})")
 
 
 def allowed_tokens(matcher: llguidance.LLMatcher, vocab_size: int) -> torch.Tensor:
