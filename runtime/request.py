@@ -9,9 +9,10 @@ from typing import Any
 from runtime.sampling import SamplingParams
 
 
-# apply_chat_template's own parameters: what it does with the text, not what the template reads.
+# apply_chat_template's own parameters: what it does with the text, not what the template reads
+# (tools and documents it checks and renders itself: a record's tools are taken only empty).
 _NOT_TEMPLATE_VARIABLES = frozenset({
-    "conversation", "messages", "chat_template", "tokenize", "add_generation_prompt",
+    "conversation", "messages", "chat_template", "tokenize", "add_generation_prompt", "tools", "documents",
     "continue_final_message", "padding", "truncation", "max_length", "return_tensors",
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
 

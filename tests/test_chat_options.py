@@ -78,6 +78,8 @@ def test_continuing_a_message_the_template_does_not_end_with_is_an_error_complet
     ({"continue_final_message": True}, "continue_final_message must come with add_generation_prompt false"),
     ({"template_kwargs": {"tokenize": True}}, "chat_template_kwargs must hold template variables, not ['tokenize']"),
     ({"template_kwargs": {"add_generation_prompt": False}}, "not ['add_generation_prompt']"),
+    ({"template_kwargs": {"tools": 5}}, "not ['tools']"),  # apply_chat_template's, not a variable
+    ({"template_kwargs": {"documents": [{"text": "x"}]}}, "not ['documents']"),
     ({"template_kwargs": ["enable_thinking"]}, "chat_template_kwargs must map names to values"),
     ({"template_kwargs": {1: True}}, "chat_template_kwargs must map names to values"),
     ({"add_generation_prompt": 1}, "add_generation_prompt must be a bool"),
