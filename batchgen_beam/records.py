@@ -194,11 +194,12 @@ def parse_record(raw: Any, defaults: Mapping[str, Any] | None = None,
         if _nests_deeper(record, MAX_NESTING):
             # Checking it (or writing its row: json, pyarrow, repr) would recurse past Python's
             # stack limit.
-            return Rejected(None, f"record: nested deeper than {MAX_NESTING} levels", {"raw": _preview(raw)})
+            return Rejected(_id_of_rejected(record), f"record: nested deeper than {MAX_NESTING} levels",
+                            {"raw": _preview(raw)})
         return _parse_mapping(_plain(record), base)
     except Exception as exc:  # noqa: BLE001 - one odd record must not stop the pipeline
-        return Rejected(None, _writable(f"record: could not be validated ({type(exc).__name__}: {exc})"),
-                        {"raw": _preview(raw)})
+        return Rejected(_id_of_rejected(record), _writable(f"record: could not be validated "
+                                                           f"({type(exc).__name__}: {exc})"), {"raw": _preview(raw)})
 
 
 def check_defaults(defaults: Mapping[str, Any] | None) -> dict:
@@ -289,9 +290,24 @@ def _id_of_unread(raw: Any) -> str | None:
     keys = [name for name, _ in pairs]
     key = "id" if "id" in keys else "custom_id"  # an OpenAI line's, only where there is no id (is_openai_line)
     values = [value for name, value in pairs if name == key]
-    if len(values) == 1 and _unwritable(values[0], key) is None:
+    return _readable_id(values[0], key) if len(values) == 1 else None
+
+
+def _id_of_rejected(record: Mapping) -> str | None:
+    """The id of a record rejected whole (nested too deep, or an unforeseen failure), where
+    the id itself is valid; else None."""
+    try:  # the record failed once already: reading it may too
+        key = "id" if "id" in record else "custom_id"
+        return _readable_id(record[key], key) if key in record else None
+    except Exception:  # noqa: BLE001 - its row goes without an id
+        return None
+
+
+def _readable_id(value: Any, key: str) -> str | None:
+    """`value` as an id, where it is a valid one (a str, an int, a whole float); else None."""
+    if isinstance(value, (str, int, float)) and _unwritable(value, key) is None:
         try:
-            return _check_id(values[0], key)
+            return _check_id(value, key)
         except _Invalid:
             pass
     return None

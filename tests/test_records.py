@@ -491,8 +491,13 @@ def test_a_record_nested_past_the_limit_is_an_error_row_that_can_be_written():
                     '{"id": "a", "prompt": "Hi", "deep": ' + "[" * depth + "]" * depth + "}"):
             got = parse_record(raw)
             assert isinstance(got, Rejected) and "nested" in got.error, (depth, got)
+            readable = isinstance(raw, dict) or depth < 3000  # json reads no text that deep at all
+            assert got.id == ("a" if readable else None)  # its row is still the record's
             json.loads(row_to_json(error_row(got)))
             rows_to_arrow([error_row(got)])
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": _nested(3000)}}
+    assert parse_record(line).id == "c"
+    assert parse_record({"id": _nested(3000), "prompt": "Hi"}).id is None  # no valid id to carry
 
 
 def test_a_namedtuple_or_beam_row_is_a_record():
