@@ -14,7 +14,9 @@ latest `window` observations count, so the estimate follows a workload that chan
 
 import bisect
 from collections import deque
+from collections.abc import Callable
 from itertools import accumulate
+from typing import Any
 
 from runtime.sampling import SamplingParams
 
@@ -99,17 +101,43 @@ class EstimateOrder:
     """Keeps a queue in the order of a key over (item, estimator), lowest first (stable: ties
     keep arrival order), sorting it again only once items joined it or, for keys that read the
     estimate, the estimate changed: sorting a queue of thousands every step took every key
-    every step."""
+    every step.
 
-    def __init__(self, estimator: LengthEstimator, reads_estimate: bool):
+    With `overdue_after`, waits are bounded: an item that has seen more than that many items
+    taken from the queue since it joined (`joined_at(item)`: `taken` then) goes to the head,
+    the longest overdue first. Under a priority key, a stream of arrivals that outrank it
+    would otherwise hold it back for as long as the stream lasts."""
+
+    def __init__(self, estimator: LengthEstimator, reads_estimate: bool,
+                 joined_at: Callable[[Any], int] | None = None, overdue_after: int | None = None):
         self.estimator, self.reads_estimate = estimator, reads_estimate
-        self._sorted_for: int | None = None  # None: items joined since the last sort
+        self.joined_at, self.overdue_after = joined_at, overdue_after
+        self.taken = 0  # items taken from the head: the clock items age by
+        self._sorted_for: int | None = None  # None: items joined (or left) since the last sort
+        self._overdue = 0  # how many items at the head went there overdue
 
     def joined(self) -> None:
         self._sorted_for = None
+
+    def took(self) -> None:
+        """The queue's head was taken."""
+        self.taken += 1
+        self._overdue = max(self._overdue - 1, 0)
 
     def sort(self, items: list, key) -> None:
         sorted_for = self.estimator.version if self.reads_estimate else 0
         if self._sorted_for != sorted_for:
             items.sort(key=lambda item: key(item, self.estimator))
-            self._sorted_for = sorted_for
+            self._sorted_for, self._overdue = sorted_for, 0
+        if self.overdue_after is not None:
+            self._put_overdue_first(items)
+
+    def _put_overdue_first(self, items: list) -> None:
+        due = self.taken - self.overdue_after
+        rest = items[self._overdue:]
+        overdue = [item for item in rest if self.joined_at(item) < due]
+        if overdue:
+            overdue.sort(key=self.joined_at)
+            moved = set(map(id, overdue))
+            items[self._overdue:] = overdue + [item for item in rest if id(item) not in moved]
+            self._overdue += len(overdue)

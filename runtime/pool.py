@@ -4,8 +4,9 @@ One engine per process (spawned; on a CPU box each with its own torch threads), 
 runtime/pool_worker.py. In batch inference output lengths show only at run time, so a split
 fixed up front leaves some engines idle while others grind through long sequences, and the job
 waits for the slowest. The pool fixes that two ways:
-- split="shared": requests wait in the pool's queue, ordered by `policy`, and each goes to the
-  least loaded engine with a free slot (an engine holds at most its max_num_seqs), so work is
+- split="shared": requests wait in the pool's queue, ordered by `policy` (aged as the engines'
+  admission orders are, runtime/scheduler.py), and each goes to the least loaded engine with
+  a free slot (an engine holds at most its max_num_seqs), so work is
   bound to an engine as late as possible. split="static": request i goes to engine
   i % num_engines when submitted (or to the engine named) — a static partition, such as Beam's
   keyed sharding gives; the baseline.
@@ -38,6 +39,7 @@ from runtime.estimate import EstimateOrder, LengthEstimator, exact_length
 from runtime.rebalance import QUEUE_ORDERS
 from runtime.request import Completion, CompletionWaiter, Request
 from runtime.sampling import SamplingParams
+from runtime.scheduler import OVERDUE_AFTER_BATCHES
 
 SPLITS = ("shared", "static")
 STEAL_BELOW = 0.5  # an engine takes work once its load is under this fraction of another's
@@ -163,7 +165,9 @@ class EnginePool:
 
         self._lock = threading.Lock()  # everything below, and the engines' bookkeeping
         self._queue: list[Request] = []  # shared split: not yet sent to an engine
-        self._queue_order = EstimateOrder(self.estimator, reads_estimate=policy == "adaptive")
+        self._queued_at: dict[str, int] = {}  # by id: requests dispatched when it joined (aging)
+        self._queue_order = EstimateOrder(self.estimator, reads_estimate=policy == "adaptive",
+                                          joined_at=lambda request: self._queued_at[request.id])
         self._params: dict[str, SamplingParams] = {}  # in flight: submitted, not yet completed
         self._results: queue.Queue[Completion] = queue.Queue()
         self._waiters: dict[str, CompletionWaiter] = {}
@@ -171,6 +175,8 @@ class EnginePool:
         self._failure: str | None = None
         self._closing = threading.Event()
         self._await_ready(start_timeout)
+        if policy != "fifo":  # the engines' capacities are known once they are ready
+            self._queue_order.overdue_after = OVERDUE_AFTER_BATCHES * sum(e.capacity for e in self._engines)
         self._thread = threading.Thread(target=self._serve, name="batchgen-pool", daemon=True)
         self._thread.start()
 
@@ -241,7 +247,9 @@ class EnginePool:
             for request_id, error in unsendable.items():
                 self._complete(None, Completion.failed(request_id, error, invalid=True))
             if self.split == "shared":
-                self._queue.extend(r for r in requests if r.id not in unsendable)
+                queued = [r for r in requests if r.id not in unsendable]
+                self._queue.extend(queued)
+                self._queued_at.update((r.id, self._queue_order.taken) for r in queued)
                 self._queue_order.joined()
                 self._dispatch()
                 return
@@ -400,6 +408,8 @@ class EnginePool:
             if not free:
                 break
             request = self._queue.pop(0)
+            del self._queued_at[request.id]
+            self._queue_order.took()
             index = min(free, key=lambda i: loads[i])
             batches[index].append(request)
             loads[index] += self._expected(request)

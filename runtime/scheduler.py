@@ -1,8 +1,9 @@
 """Continuous batching under a per-step token budget.
 
 Each step: running sequences first (decodes, then continuing prefill chunks), then suspended
-ones resume, then waiting ones are admitted in the configured order, each taking a prefill
-chunk of what budget is left (each once blocks for all its tokens are free). When KV blocks
+ones resume, then waiting ones are admitted in the configured order (one passed over for
+OVERDUE_AFTER_BATCHES batches of admissions first), each taking a prefill chunk of what budget
+is left (each once blocks for all its tokens are free). When KV blocks
 run out, the most recently admitted running sequence is preempted: suspended to the host tier
 if it has room (or if asked to), else evicted.
 """
@@ -30,6 +31,9 @@ ADMISSION_ORDERS: dict[str, Callable[[Sequence, LengthEstimator], object]] = {
     "adaptive": lambda seq, est: -(seq.num_tokens + est.remaining(seq.params, seq.num_generated)),
 }
 PREEMPTION_MODES = ("suspend", "evict")
+# Under an order other than fifo, a sequence passed over while this many batches (of
+# max_num_seqs) were admitted goes first: arrivals that outrank it cannot hold it back for ever.
+OVERDUE_AFTER_BATCHES = 2
 
 
 @dataclass
@@ -74,7 +78,9 @@ class Scheduler:
         self.estimator = LengthEstimator()  # fed by the engine as sequences finish
         self.preemption = preemption
         self.waiting: list[Sequence] = []
-        self._waiting_order = EstimateOrder(self.estimator, reads_estimate=admission == "adaptive")
+        self._waiting_order = EstimateOrder(
+            self.estimator, reads_estimate=admission == "adaptive", joined_at=lambda seq: seq.queued_at,
+            overdue_after=None if admission == "fifo" else OVERDUE_AFTER_BATCHES * max_num_seqs)
         self.suspended: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.held: dict[str, Sequence] = {}  # suspended by a caller: resume only when asked
@@ -99,6 +105,7 @@ class Scheduler:
             self.waiting.insert(0, seq)
         else:
             self.waiting.append(seq)
+        seq.queued_at = self._waiting_order.taken
         self._waiting_order.joined()
 
     def remove(self, seq: Sequence) -> None:
@@ -106,6 +113,8 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.suspended):
             if seq in queue:
                 queue.remove(seq)
+                if queue is self.waiting:
+                    self._waiting_order.joined()  # its order is to be taken again
         self.held.pop(seq.seq_id, None)
         self.blocks.release(seq.block_table)
         seq.block_table = []
@@ -159,6 +168,7 @@ class Scheduler:
                 self.blocks.release(cached)
                 break
             self.waiting.pop(0)
+            self._waiting_order.took()
             seq.block_table, seq.block_hashes = cached, hashes
             seq.send(Event.ADMITTED)
             if cached:

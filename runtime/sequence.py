@@ -104,6 +104,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.counters = dict.fromkeys(("preemptions", "suspends", "evictions", "migrations"), 0)
+        self.queued_at = 0  # the scheduler's admissions when it last joined the waiting queue (aging)
         self.forked = sample_index > 0  # only sample 0 of an n > 1 request forks the others
         # Its structured output's matcher, fed every token generated (before a migration too).
         if grammar is None and params.grammar:

@@ -7,7 +7,7 @@ import pytest
 
 from helpers import make_engine, random_prompts
 from runtime import Request, SamplingParams
-from runtime.estimate import LengthEstimator, exact_length
+from runtime.estimate import EstimateOrder, LengthEstimator, exact_length
 
 LOOSE = SamplingParams(max_tokens=100)  # may stop on EOS: 100 is only a bound
 
@@ -124,3 +124,55 @@ def test_workload_reports_each_requests_expected_remaining_tokens(tiny):
     loads = {load.request_id: load for load in engine.workload()}
     assert (loads["x"].where, loads["x"].remaining_tokens, loads["x"].context_tokens) == ("running", 25, 15)
     assert loads["y"].where == "waiting"
+
+
+def test_an_item_passed_over_long_enough_goes_first_oldest_first():
+    """Keys rank 'long' items first; a short one joined at taken=0 is overdue once more than 3
+    items were taken since, and goes to the head whatever joins after it."""
+    joined = {}
+    order = EstimateOrder(LengthEstimator(), reads_estimate=False, joined_at=joined.get, overdue_after=3)
+    queue, rank = [], lambda item, est: 0 if item.startswith("long") else 1
+
+    def join(*items):
+        for item in items:
+            joined[item] = order.taken
+        queue.extend(items)
+        order.joined()
+
+    def take():
+        order.sort(queue, rank)
+        order.took()
+        return queue.pop(0)
+
+    join("short-a", "short-b")
+    taken = []
+    for i in range(8):  # a long arrival outranks them at every turn
+        join(f"long{i}")
+        taken.append(take())
+    assert taken == ["long0", "long1", "long2", "long3", "short-a", "short-b", "long4", "long5"]
+    assert EstimateOrder(LengthEstimator(), reads_estimate=False).overdue_after is None  # no aging
+
+
+@pytest.mark.parametrize("admission", ["longest_first", "adaptive"])
+def test_a_short_request_waits_no_longer_however_long_a_stream_of_longer_ones_lasts(tiny, admission):
+    """Arrivals that outrank it, faster than the engine drains them, once held it back until the
+    stream ended; now its wait is bounded (and its tokens are what it gets alone)."""
+    def victim_finish_step(arrivals: int) -> int:
+        engine = make_engine(tiny.dir("qwen2"), max_num_seqs=2, admission=admission, ngram_drafts=False)
+        long_params = SamplingParams(max_tokens=12, ignore_eos=True)
+        prompts = random_prompts([6] * arrivals, seed=31)
+        victim = Request("victim", prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=2, ignore_eos=True))
+        step, finished = 0, {}
+        while step < 4 * arrivals or engine.has_unfinished() or "victim" not in finished:
+            if step % 4 == 0 and step // 4 < arrivals:  # one every 4 steps; two at a time take 12 each
+                engine.submit(Request(f"long{step}", prompt_token_ids=prompts[step // 4], params=long_params))
+            if step == 21:  # both seats taken, longer ones waiting
+                engine.submit(victim)
+            engine.step()
+            finished.update((c.id, (step, c)) for c in engine.finished())
+            step += 1
+        [alone] = make_engine(tiny.dir("qwen2")).generate([victim])
+        assert finished["victim"][1].token_ids == alone.token_ids
+        return finished["victim"][0]
+
+    assert victim_finish_step(40) == victim_finish_step(80) < 4 * 40
