@@ -152,6 +152,8 @@ class Parsed:
     prompt_token_ids: list[int] | None = None  # a tokenized prompt, given instead of prompt
     # echo with max_tokens 0: the prompt alone (vLLM's: its one token generated is dropped)
     echo_only: bool = False
+    # Our fields by the names the record gave them (an OpenAI line's body keys): for its errors.
+    names: Mapping[str, str] = field(default_factory=dict)
 
     def to_request(self) -> Request:
         return Request(self.id, prompt=self.prompt, messages=self.messages, params=self.params, chat=self.chat,
@@ -475,6 +477,8 @@ def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
     unwritable.update(_clashing_keys(record))
     passthrough = {k: v for k, v in record.items() if k not in consumed and k not in unwritable}
     record_id = None
+    body = record.get("body") if openai else None
+    names = _openai_names(body) if isinstance(body, Mapping) else {}
     try:
         if id_key in unwritable:
             raise _Invalid(unwritable[id_key])
@@ -501,8 +505,9 @@ def _parse_mapping(record: Mapping, base: dict) -> Parsed | Rejected:
     except _Invalid as bad:
         if record_id is None and record.get(id_key) is not None and id_key not in unwritable:
             passthrough = {id_key: record[id_key], **passthrough}  # what the row can be traced by
-        return Rejected(record_id, str(bad), passthrough)
-    return Parsed(record_id, prompt, messages, params, passthrough, chat, echo, prompt_token_ids, echo_only)
+        return Rejected(record_id, named_as_given(str(bad), names), passthrough)
+    return Parsed(record_id, prompt, messages, params, passthrough, chat, echo, prompt_token_ids, echo_only,
+                  names)
 
 
 def _utf8(value: Any, where: str) -> Any:
@@ -783,6 +788,29 @@ def _openai_fields(record: Mapping) -> dict:
     return fields
 
 
+def _openai_names(body: Mapping) -> dict[str, str]:
+    """Our fields by the body keys an OpenAI line gave them as: what its errors name."""
+    names = {k: f"body.{k}" for k in body}
+    names["prompt_token_ids"] = "body.prompt"
+    for key in _OPENAI_FORMATS & body.keys():
+        names.update(dict.fromkeys(("json_schema", "regex", "choice"), f"body.{key}"))
+    if isinstance(body.get("structured_outputs"), Mapping):
+        names.update((ours, f"body.structured_outputs.{theirs}")
+                     for theirs, ours in _STRUCTURED_OUTPUTS_KINDS.items() if theirs in body["structured_outputs"])
+    if "max_completion_tokens" in body:
+        names["max_tokens"] = "body.max_completion_tokens"
+    if "messages" in body and "top_logprobs" in body:
+        names["logprobs"] = "body.top_logprobs"
+    return names
+
+
+def named_as_given(message: str, names: Mapping[str, str]) -> str:
+    """An error message that begins with one of our fields, naming it as the record gave it
+    (an OpenAI line's body key): a user looks for what they wrote."""
+    field = re.match(r"[a-z_]+(?=[: ])", message)
+    return names[field.group()] + message[field.end():] if field and field.group() in names else message
+
+
 def _asks_no_tokens(max_tokens: Any) -> bool:
     return not isinstance(max_tokens, bool) and _same(_whole(max_tokens), 0)
 
@@ -911,7 +939,8 @@ def completion_row(parsed: Parsed, completion: Completion) -> dict:
     if completion.error is not None or completion.finish_reason == "error":
         return _row(parsed.id, parsed.passthrough, chat=parsed.messages is not None,
                     prompt_tokens=completion.prompt_tokens,
-                    error=completion.error or "the engine failed without a message",
+                    error=named_as_given(completion.error, parsed.names) if completion.error
+                    else "the engine failed without a message",
                     error_type="record" if completion.invalid else "engine", timings=completion.timings)
     outputs = completion.outputs
     if parsed.echo_only:  # the token generated is shown nowhere; usage counts it, as vLLM's does

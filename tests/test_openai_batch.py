@@ -134,13 +134,37 @@ def test_logprobs_without_top_ones_and_no_logprobs():
     assert choice["logprobs"] is None
 
 
+@pytest.mark.parametrize("record, named", [
+    (chat_record(max_completion_tokens=0), "body.max_completion_tokens: must be >= 1"),
+    (text_record(max_tokens=0.5), "body.max_tokens: "),
+    (chat_record(structured_outputs={"regex": "("}), "body.structured_outputs.regex: must be a regular expression"),
+    (chat_record(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}),
+     "body.response_format: must be a schema"),
+    (text_record(guided_choice=[]), "body.guided_choice: "),
+])
+def test_a_line_s_error_names_the_body_key_it_gave_not_the_field_it_became(record, named):
+    assert parse_record(record).error.startswith(named)
+
+
+def test_an_error_the_engine_finds_names_the_body_key_too():
+    """Past the engine's max_logprobs, a token id past its vocabulary: found only at submit."""
+    for record, error, named in (
+            (chat_record(logprobs=True, top_logprobs=21), "logprobs: must be <= the engine's max_logprobs, 20",
+             "body.top_logprobs: must be <= "),
+            (text_record(prompt=[5, 99999]), "prompt_token_ids must be a list of integers in [0, 384)",
+             "body.prompt must be a list of integers"),
+            (chat_record(), "the engine failed while this request was in flight", "the engine failed")):
+        row = completion_row(parse_record(record), Completion.failed("r", error, TIMINGS))
+        assert row["error"].startswith(named), row["error"]
+
+
 def test_failed_records_have_openai_s_http_error_shape():
     rejected = parse_record(chat_record(temperature="hot"))
     line = response_line(error_row(rejected), model="m", created=0)
     assert line["custom_id"] == "q-1" and line["error"] is None
     assert line["response"]["status_code"] == 400
     error = line["response"]["body"]["error"]
-    assert error["type"] == "invalid_request_error" and error["message"].startswith("temperature:")
+    assert error["type"] == "invalid_request_error" and error["message"].startswith("body.temperature:")
     assert set(error) == {"message", "type", "param", "code"}
 
     refused = completion_row(parse_record(chat_record()),
