@@ -789,17 +789,19 @@ def _openai_fields(record: Mapping) -> dict:
 
 
 def _openai_names(body: Mapping) -> dict[str, str]:
-    """Our fields by the body keys an OpenAI line gave them as: what its errors name."""
-    names = {k: f"body.{k}" for k in body}
+    """Our fields by the body keys an OpenAI line gave them as (null ones are not given): what
+    its errors name."""
+    given = sorted(k for k, v in body.items() if isinstance(k, str) and not is_missing(v))
+    names = {k: f"body.{k}" for k in given}
     names["prompt_token_ids"] = "body.prompt"
-    for key in _OPENAI_FORMATS & body.keys():
+    for key in _OPENAI_FORMATS.intersection(given):  # more than one is an error of its own
         names.update(dict.fromkeys(("json_schema", "regex", "choice"), f"body.{key}"))
     if isinstance(body.get("structured_outputs"), Mapping):
-        names.update((ours, f"body.structured_outputs.{theirs}")
-                     for theirs, ours in _STRUCTURED_OUTPUTS_KINDS.items() if theirs in body["structured_outputs"])
-    if "max_completion_tokens" in body:
+        names.update((ours, f"body.structured_outputs.{theirs}") for theirs, ours in _STRUCTURED_OUTPUTS_KINDS.items()
+                     if not is_missing(body["structured_outputs"].get(theirs)))
+    if "max_completion_tokens" in given:
         names["max_tokens"] = "body.max_completion_tokens"
-    if "messages" in body and "top_logprobs" in body:
+    if "messages" in given and "top_logprobs" in given:
         names["logprobs"] = "body.top_logprobs"
     return names
 

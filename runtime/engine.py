@@ -78,6 +78,12 @@ def on_a_passing_thread(build, *args, **kwargs):
         return setup.submit(build, *args, **kwargs).result()
 
 
+# A sequence's state as Sequence.export_state makes it: field, type (checked at migrate_in).
+_SEQUENCE_STATE = {"sample_index": int, "token_ids": list, "num_prompt_tokens": int, "params": SamplingParams,
+                   "rng_state": dict, "logprobs": list, "top_logprobs": list, "prompt_logprobs": list,
+                   "prompt_ranks": list, "prompt_top_logprobs": list, "counters": dict, "forked": bool}
+
+
 def _device_of(device: str | torch.device) -> torch.device:
     try:
         return torch.device(device)
@@ -86,12 +92,13 @@ def _device_of(device: str | torch.device) -> torch.device:
 
 
 def _dtype_of(dtype: torch.dtype | str) -> torch.dtype:
-    """A floating-point torch dtype, or one named as DTYPES names them (a config's, a flag's)."""
+    """A dtype the model runs in: one of DTYPES, by value or by name (a config's, a flag's), or
+    float64 on CPU (a reference)."""
     if isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
-    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+    if dtype in (*DTYPES.values(), torch.float64):
         return dtype
-    raise ValueError(f"dtype={dtype!r}: give a floating-point torch dtype or one of {sorted(DTYPES)}")
+    raise ValueError(f"dtype={dtype!r}: give one of {sorted(DTYPES)} (or torch.float64)")
 
 
 class InvalidPrompt(ValueError):
@@ -1099,7 +1106,10 @@ class Engine:
         if migrated.get("format") != STATE_FORMAT:
             raise ValueError(f"migrate_in {request_id!r}: a state of another release (format "
                              f"{migrated.get('format')}; this engine reads {STATE_FORMAT})")
-        sequences, outputs = migrated.get("sequences") or [], migrated.get("outputs") or {}
+        shape = self._state_shape_error(migrated)
+        if shape:
+            raise ValueError(f"migrate_in {request_id!r}: not a migrate_out state ({shape})")
+        sequences, outputs = migrated["sequences"], migrated["outputs"]
         # Live sequences and finished outputs make up the n samples, or sample 0 alone stands
         # for all n before it forks them.
         unforked = len(sequences) == 1 and not outputs and not sequences[0].get("forked", True)
@@ -1130,6 +1140,28 @@ class Engine:
                 raise ValueError(f"migrate_in {request_id!r}: its KV is laid out {tuple(kv.shape)} "
                                  f"{kv.dtype}, this engine's blocks {layout} {dtype} (another "
                                  f"block size or model)")
+
+    def _state_shape_error(self, migrated: dict) -> str | None:
+        """What in a state is not as migrate_out makes it (a field missing, of another type, or
+        a token the model has no embedding for), or None: what later failed a step instead."""
+        if not isinstance(migrated.get("outputs"), dict):
+            return "outputs must be a dict"
+        prompt_tokens = migrated.get("prompt_tokens")
+        if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 1:
+            return "prompt_tokens must be a whole number >= 1"
+        sequences = migrated.get("sequences")
+        if not isinstance(sequences, list) or not sequences or not all(isinstance(s, dict) for s in sequences):
+            return "sequences must be a non-empty list of sequence states"
+        for state in sequences:
+            for name, kind in _SEQUENCE_STATE.items():
+                if not isinstance(state.get(name), kind) or kind is int and isinstance(state[name], bool):
+                    return f"a sequence's {name} must be a {kind.__name__}"
+            ids = state["token_ids"]
+            if not all(isinstance(t, int) and 0 <= t < self.spec.vocab_size for t in ids):
+                return f"a sequence's token_ids must be ints in [0, {self.spec.vocab_size})"
+            if not 1 <= state["num_prompt_tokens"] <= len(ids):
+                return "a sequence's num_prompt_tokens must be in [1, its tokens]"
+        return None
 
     def workload(self) -> list[RequestLoad]:
         """What each in-flight request still needs: where its sequences are and the tokens they

@@ -315,7 +315,8 @@ def test_size_arguments_that_are_not_whole_numbers_at_least_their_floor_are_refu
 @pytest.mark.parametrize("name, value, message", [
     ("admission", "bogus", "admission must be one of"), ("preemption", "drop", "preemption must be one of"),
     ("admission", ["fifo"], "admission must be one of"), ("device", "tpu9", "device='tpu9': not a torch device"),
-    ("dtype", "fp32", "dtype='fp32': give a floating-point torch dtype or one of"),
+    ("dtype", "fp32", "dtype='fp32': give one of ['bfloat16', 'float16', 'float32']"),
+    ("dtype", torch.float8_e4m3fn, "dtype=torch.float8_e4m3fn"),  # a float no kernel of ours takes
     ("dtype", "int8", "dtype='int8'"), ("dtype", torch.int32, "dtype=torch.int32"), ("dtype", None, "dtype=None"),
     ("device", None, "device=None")])
 def test_arguments_out_of_their_domain_are_refused_by_the_engine_and_at_pipeline_construction(

@@ -141,6 +141,8 @@ def test_logprobs_without_top_ones_and_no_logprobs():
     (chat_record(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}),
      "body.response_format: must be a schema"),
     (text_record(guided_choice=[]), "body.guided_choice: "),
+    (chat_record(max_tokens=-1, max_completion_tokens=None), "body.max_tokens: "),  # null: not given
+    (text_record(guided_choice=[""], guided_regex=None, response_format=None), "body.guided_choice: "),
 ])
 def test_a_line_s_error_names_the_body_key_it_gave_not_the_field_it_became(record, named):
     assert parse_record(record).error.startswith(named)

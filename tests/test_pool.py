@@ -64,7 +64,7 @@ def test_idle_seconds_within_a_window_and_its_tail():
     (dict(min_steal_tokens=-5), "min_steal_tokens must be a number >= 0, got -5"),
     (dict(kv_cache_bytes=1.5e6), "kv_cache_bytes must be a whole number >= 0, got 1500000.0"),
     (dict(preemption="drop"), "preemption must be one of ('suspend', 'evict'), got 'drop'"),
-    (dict(dtype="fp32"), "dtype='fp32': give a floating-point torch dtype"),
+    (dict(dtype="fp32"), "dtype='fp32': give one of"),
 ])
 def test_bad_pool_options_are_refused_before_any_engine_starts(tiny, option, message):
     before = set(multiprocessing.active_children())

@@ -285,10 +285,20 @@ def test_migrate_in_refuses_a_state_this_engine_could_never_finish(tiny):
     for not_a_state in (None, [state], {**state, "request_id": None}):
         with pytest.raises(ValueError, match="migrate_in: not a migrate_out state"):
             small.migrate_in(not_a_state)
+    [sequence] = state["sequences"]
+    for broken, why in (({"outputs": 5}, "outputs must be a dict"), ({"prompt_tokens": None}, "prompt_tokens"),
+                        ({"sequences": [None]}, "sequences must be"),
+                        ({"sequences": [{**sequence, "num_prompt_tokens": None}]}, "num_prompt_tokens must be a int"),
+                        ({"sequences": [{**sequence, "token_ids": [5, 10 ** 6]}]}, "token_ids must be ints"),
+                        ({"sequences": [{**sequence, "num_prompt_tokens": 10 ** 3}]}, "num_prompt_tokens must be in")):
+        with pytest.raises(ValueError, match=f"'big': not a migrate_out state \\(.*{why}"):
+            small.migrate_in({**state, **broken})
+    without = {k: v for k, v in state.items() if k != "outputs"}
+    with pytest.raises(ValueError, match="outputs must be a dict"):
+        small.migrate_in(without)
     earlier = {k: v for k, v in state.items() if k != "format"}  # exported by an earlier release
     with pytest.raises(ValueError, match="'big': a state of another release"):
         small.migrate_in(earlier)
-    [sequence] = state["sequences"]
     for samples, outputs in (([], {0: "finished"}),  # nothing left to run
                              ([{**sequence, "forked": True}], {})):  # a forked sample missing
         with pytest.raises(ValueError, match="'big': not a migrate_out state"):
