@@ -246,8 +246,8 @@ class Engine:
         """ValueError for an argument of those given that is out of its domain: a size that is
         not a whole number at least its floor (a NaN budget would compare false everywhere,
         i.e. no budget), an unknown admission order or preemption mode, a device torch cannot
-        name, a dtype that is no float. Beam glue and EnginePool call it before any engine
-        starts, so a bad value fails there rather than in an engine process."""
+        name, a dtype the engine does not run. Beam glue and EnginePool call it before any
+        engine starts, so a bad value fails there rather than in an engine process."""
         for name, floor in cls._SIZE_FLOORS.items():
             value = engine_args.get(name)
             if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__") or value < floor):
@@ -1155,7 +1155,7 @@ class Engine:
         for state in sequences:
             for name, kind in _SEQUENCE_STATE.items():
                 if not isinstance(state.get(name), kind) or kind is int and isinstance(state[name], bool):
-                    return f"a sequence's {name} must be a {kind.__name__}"
+                    return f"a sequence's {name} must be of type {kind.__name__}"
             ids = state["token_ids"]
             if not all(isinstance(t, int) and 0 <= t < self.spec.vocab_size for t in ids):
                 return f"a sequence's token_ids must be ints in [0, {self.spec.vocab_size})"

@@ -3,9 +3,9 @@
 Each step: running sequences first (decodes, then continuing prefill chunks), then suspended
 ones resume, then waiting ones are admitted in the configured order (one passed over for
 OVERDUE_AFTER_BATCHES batches of admissions first), each taking a prefill chunk of what budget
-is left (each once blocks for all its tokens are free). When KV blocks
-run out, the most recently admitted running sequence is preempted: suspended to the host tier
-if it has room (or if asked to), else evicted.
+is left (each once blocks for all its tokens are free). When KV blocks run out, the most
+recently admitted running sequence is preempted: suspended to the host tier if it has room (or
+if asked to), else evicted.
 """
 
 from collections import deque

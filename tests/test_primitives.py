@@ -288,7 +288,7 @@ def test_migrate_in_refuses_a_state_this_engine_could_never_finish(tiny):
     [sequence] = state["sequences"]
     for broken, why in (({"outputs": 5}, "outputs must be a dict"), ({"prompt_tokens": None}, "prompt_tokens"),
                         ({"sequences": [None]}, "sequences must be"),
-                        ({"sequences": [{**sequence, "num_prompt_tokens": None}]}, "num_prompt_tokens must be a int"),
+                        ({"sequences": [{**sequence, "num_prompt_tokens": None}]}, "num_prompt_tokens must be of type int"),
                         ({"sequences": [{**sequence, "token_ids": [5, 10 ** 6]}]}, "token_ids must be ints"),
                         ({"sequences": [{**sequence, "num_prompt_tokens": 10 ** 3}]}, "num_prompt_tokens must be in")):
         with pytest.raises(ValueError, match=f"'big': not a migrate_out state \\(.*{why}"):
