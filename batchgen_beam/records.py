@@ -69,7 +69,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
@@ -1109,19 +1109,10 @@ LOGPROB_FLOOR = -9999.0
 
 
 def row_to_json(row: dict) -> str:
-    """One JSONL line; passthrough stays a nested object (written as _json_safe says)."""
-    return _dumps({k: v if k == "passthrough" else _floored(v) for k, v in row.items()})
-
-
-def _floored(value: Any) -> Any:
-    """A row column with its non-finite floats (logprobs: the row's only ones) at LOGPROB_FLOOR."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else LOGPROB_FLOOR
-    if isinstance(value, dict):
-        return {k: _floored(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_floored(v) for v in value]
-    return value
+    """One JSONL line; passthrough stays a nested object. Non-finite floats: the passthrough's
+    as their text, the row's own (logprobs, its only ones) at LOGPROB_FLOOR."""
+    return json.dumps({k: _json_safe(v, str if k == "passthrough" else lambda _: LOGPROB_FLOOR)
+                       for k, v in row.items()}, ensure_ascii=False, allow_nan=False, default=str)
 
 
 def row_from_json(line: str | bytes) -> dict:
@@ -1132,17 +1123,18 @@ def _dumps(value: Any) -> str:
     return json.dumps(_json_safe(value), ensure_ascii=False, allow_nan=False, default=str)
 
 
-def _json_safe(value: Any) -> Any:
+def _json_safe(value: Any, non_finite: Callable[[float], Any] = str) -> Any:
     """value with what strict JSON cannot hold as its str(): NaN and infinities (Python's json
-    would write a bare NaN, which other readers refuse) and mapping keys other than str, int,
-    finite float, bool or None (which json.dumps refuses); bytes in base64 (their str() is a
-    Python repr no reader decodes). Other values are left to default=str."""
+    would write a bare NaN, which other readers refuse; or as `non_finite` says) and mapping
+    keys other than str, int, finite float, bool or None (which json.dumps refuses); bytes in
+    base64 (their str() is a Python repr no reader decodes). Other values are left to
+    default=str."""
     if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
+        return non_finite(value)
     if isinstance(value, Mapping):
-        return {_json_key(k): _json_safe(v) for k, v in value.items()}
+        return {_json_key(k): _json_safe(v, non_finite) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [_json_safe(v, non_finite) for v in value]
     if isinstance(value, (bytes, bytearray, memoryview)):
         return base64.b64encode(value).decode("ascii")
     return value

@@ -78,12 +78,6 @@ def on_a_passing_thread(build, *args, **kwargs):
         return setup.submit(build, *args, **kwargs).result()
 
 
-# A sequence's state as Sequence.export_state makes it: field, type (checked at migrate_in).
-_SEQUENCE_STATE = {"sample_index": int, "token_ids": list, "num_prompt_tokens": int, "params": SamplingParams,
-                   "rng_state": dict, "logprobs": list, "top_logprobs": list, "prompt_logprobs": list,
-                   "prompt_ranks": list, "prompt_top_logprobs": list, "counters": dict, "forked": bool}
-
-
 def _device_of(device: str | torch.device) -> torch.device:
     try:
         return torch.device(device)
@@ -1152,16 +1146,7 @@ class Engine:
         sequences = migrated.get("sequences")
         if not isinstance(sequences, list) or not sequences or not all(isinstance(s, dict) for s in sequences):
             return "sequences must be a non-empty list of sequence states"
-        for state in sequences:
-            for name, kind in _SEQUENCE_STATE.items():
-                if not isinstance(state.get(name), kind) or kind is int and isinstance(state[name], bool):
-                    return f"a sequence's {name} must be of type {kind.__name__}"
-            ids = state["token_ids"]
-            if not all(isinstance(t, int) and 0 <= t < self.spec.vocab_size for t in ids):
-                return f"a sequence's token_ids must be ints in [0, {self.spec.vocab_size})"
-            if not 1 <= state["num_prompt_tokens"] <= len(ids):
-                return "a sequence's num_prompt_tokens must be in [1, its tokens]"
-        return None
+        return next(filter(None, (Sequence.state_error(s, self.spec.vocab_size) for s in sequences)), None)
 
     def workload(self) -> list[RequestLoad]:
         """What each in-flight request still needs: where its sequences are and the tokens they

@@ -115,6 +115,9 @@ class EstimateOrder:
         self.taken = 0  # items taken from the head: the clock items age by
         self._sorted_for: int | None = None  # None: items joined (or left) since the last sort
         self._overdue = 0  # how many items at the head went there overdue
+        # The earliest join of the items behind those, or lower (None: not known): a step
+        # scans the queue only where one may be overdue.
+        self._earliest: int | None = None
 
     def joined(self) -> None:
         self._sorted_for = None
@@ -128,16 +131,19 @@ class EstimateOrder:
         sorted_for = self.estimator.version if self.reads_estimate else 0
         if self._sorted_for != sorted_for:
             items.sort(key=lambda item: key(item, self.estimator))
-            self._sorted_for, self._overdue = sorted_for, 0
+            self._sorted_for, self._overdue, self._earliest = sorted_for, 0, None
         if self.overdue_after is not None:
             self._put_overdue_first(items)
 
     def _put_overdue_first(self, items: list) -> None:
         due = self.taken - self.overdue_after
-        rest = items[self._overdue:]
-        overdue = [item for item in rest if self.joined_at(item) < due]
+        if self._earliest is not None and self._earliest >= due:
+            return
+        overdue, waiting = [], []
+        for item in items[self._overdue:]:
+            (overdue if self.joined_at(item) < due else waiting).append(item)
         if overdue:
             overdue.sort(key=self.joined_at)
-            moved = set(map(id, overdue))
-            items[self._overdue:] = overdue + [item for item in rest if id(item) not in moved]
+            items[self._overdue:] = overdue + waiting
             self._overdue += len(overdue)
+        self._earliest = min(map(self.joined_at, waiting), default=None)

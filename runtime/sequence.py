@@ -72,6 +72,12 @@ class StopRule:
     decoder: Tokenizer | None = None
 
 
+# The fields of export_state's state that from_state reads, and their types.
+_STATE_TYPES = {"sample_index": int, "token_ids": list, "num_prompt_tokens": int, "params": SamplingParams,
+                "rng_state": dict, "logprobs": list, "top_logprobs": list, "prompt_logprobs": list,
+                "prompt_ranks": list, "prompt_top_logprobs": list, "counters": dict, "forked": bool}
+
+
 class Sequence:
     def __init__(self, seq_id: str, request_id: str, sample_index: int, token_ids: list[int],
                  num_prompt_tokens: int, params: SamplingParams, generator: np.random.Generator,
@@ -328,6 +334,20 @@ class Sequence:
             resume = self._status_before_suspend if self.status is Status.SUSPENDED else self.status
             state.update(kv=kv, num_computed=self.num_computed, resume_status=resume.name)
         return state
+
+    @staticmethod
+    def state_error(state: dict, vocab_size: int) -> str | None:
+        """What in a sequence's state is not as export_state makes it (a field missing or of
+        another type, a token past the vocabulary), or None: what would fail a later step."""
+        for name, kind in _STATE_TYPES.items():
+            if not isinstance(state.get(name), kind) or kind is int and isinstance(state[name], bool):
+                return f"a sequence's {name} must be of type {kind.__name__}"
+        ids = state["token_ids"]
+        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+            return f"a sequence's token_ids must be ints in [0, {vocab_size})"
+        if not 1 <= state["num_prompt_tokens"] <= len(ids):
+            return "a sequence's num_prompt_tokens must be in [1, its tokens]"
+        return None
 
     @classmethod
     def from_state(cls, state: dict, stop_rule: StopRule) -> "Sequence":
