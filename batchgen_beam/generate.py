@@ -41,7 +41,8 @@ from apache_beam.transforms.userstate import BagStateSpec, TimerSpec, on_timer
 from apache_beam.utils.windowed_value import WindowedValue
 
 from batchgen_beam.engine_client import EngineClient, EngineConfig
-from batchgen_beam.records import Parsed, check_defaults, completion_row, error_row, parse_record
+from batchgen_beam.records import Parsed, check_defaults, parse_record
+from batchgen_beam.rows import completion_row, error_row
 
 METRICS_NAMESPACE = "batchgen"
 CONTINUATIONS = "continuations"  # the first stage's output of records handed to the second

@@ -17,8 +17,8 @@ from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
 from batchgen_beam.engine_client import EngineConfig, EngineLease
 from batchgen_beam.generate import EngineMetrics
-from batchgen_beam.records import (Parsed, check_defaults, completion_row, error_row, is_missing,
-                                   is_openai_line, parse_record)
+from batchgen_beam.records import Parsed, check_defaults, is_missing, is_openai_line, parse_record
+from batchgen_beam.rows import completion_row, error_row
 from runtime.default_model import DEFAULT_MODEL_NAME
 
 DEFAULT_MIN_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE = 32, 256

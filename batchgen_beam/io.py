@@ -73,8 +73,8 @@ import pyarrow.compute as pc
 from batchgen_beam.compressed import compression_of, decompressed
 from batchgen_beam.model_sources import check_local_folders, resolve_model
 from batchgen_beam.openai_batch import response_line
-from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, OUTPUT_SCHEMA, Rejected, RepeatedKey,
-                                   loads_record, row_to_arrow_dict, row_to_json)
+from batchgen_beam.records import CHAT_FIELDS, SAMPLING_FIELDS, Rejected, RepeatedKey, loads_record
+from batchgen_beam.rows import OUTPUT_SCHEMA, row_to_arrow_dict, row_to_json
 from runtime.default_model import DEFAULT_MODEL_NAME
 
 INPUT_FORMATS = ("jsonl", "parquet", "text", "csv", "tsv")

@@ -12,7 +12,7 @@ Pure Python: no Beam, no model math. A row becomes one line:
   a -inf logprob is written as -9999.0, as vLLM writes it, since JSON has no infinity. A
   completion's `top_logprobs` hold the chosen token too, as OpenAI's spec has them; chat's hold
   the top ones alone.
-- A line asked with `echo` shows the row's `echo` (records.echo_text) before each choice's
+- A line asked with `echo` shows the row's `echo` (rows.echo_text) before each choice's
   text; a completion's, with logprobs, the prompt's tokens before the choice's too (vLLM's
   shape: the first with no logprob and null top ones).
 - A record that failed has OpenAI's HTTP error shape: status 400 and an
@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from batchgen_beam.records import LOGPROB_FLOOR
+from batchgen_beam.rows import LOGPROB_FLOOR
 
 if TYPE_CHECKING:  # transformers: loaded only where a row needs token texts
     from runtime.tokenizer import TokenTexts

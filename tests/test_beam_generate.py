@@ -28,7 +28,8 @@ from apache_beam.utils.timestamp import Timestamp
 
 from batchgen_beam.engine_client import EngineClient, EngineConfig, EngineService
 from batchgen_beam.generate import EngineMetrics, Generate, _GenerateFn, _LiveJobs, _StreamingGenerateFn, stateful_stage
-from batchgen_beam.records import parse_record, row_to_json
+from batchgen_beam.records import parse_record
+from batchgen_beam.rows import row_to_json
 from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, MULTI_PROCESSING, bundled_prompts,
                           chat_model_dir, counter, distribution, gone, run_pipeline, worker_pythonpath)
 from runtime import Engine, Request, SamplingParams

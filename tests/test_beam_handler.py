@@ -16,7 +16,8 @@ from apache_beam.ml.inference.base import KeyedModelHandler, KeyModelMapping, Ru
 
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.handler import BatchGenModelHandler, as_record, content_id
-from batchgen_beam.records import Parsed, error_row, parse_record
+from batchgen_beam.records import Parsed, parse_record
+from batchgen_beam.rows import error_row
 from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, bundled_prompts, chat_model_dir, counter, gone,
                           run_pipeline)
 from runtime import Engine, Request, SamplingParams

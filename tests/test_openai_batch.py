@@ -9,8 +9,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from batchgen_beam.openai_batch import response_line
-from batchgen_beam.records import (arrow_to_rows, completion_row, error_row, parse_record, row_from_json,
-                                   row_to_json, rows_to_arrow)
+from batchgen_beam.records import parse_record
+from batchgen_beam.rows import (arrow_to_rows, completion_row, error_row, row_from_json, row_to_json,
+                                rows_to_arrow)
 from runtime.request import Completion, SampleOutput, Timings
 from runtime.tokenizer import TokenTexts
 from helpers import CallCounter
@@ -306,7 +307,7 @@ def test_token_texts_of_a_long_run_cost_a_bounded_number_of_decodes_each():
     run = [0, *[4] * 300, 5]
     texts = shown(TokenTexts(tokenizer), run)
     assert len(decodes) <= 2 * TokenTexts.MAX_RUN * len(run), len(decodes)
-    whole, breaks = "漢" * 301, len(run) // TokenTexts.MAX_RUN
+    breaks = len(run) // TokenTexts.MAX_RUN
     assert "".join(texts) == "漢" * (301 - breaks)  # one character lost at each break
     assert texts[TokenTexts.MAX_RUN - 1] == "漢" * (TokenTexts.MAX_RUN - 1)  # the first run, whole
 

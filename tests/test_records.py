@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen_beam.records import (LOGPROB_FLOOR, MAX_NESTING, OUTPUT_SCHEMA, Parsed, Rejected, arrow_to_rows, check_defaults,
-                                   completion_row, error_row, parse_record, row_from_json,
-                                   row_to_arrow_dict, row_to_json, rows_to_arrow)
+from batchgen_beam.records import MAX_NESTING, Parsed, Rejected, check_defaults, parse_record
+from batchgen_beam.rows import (LOGPROB_FLOOR, OUTPUT_SCHEMA, arrow_to_rows, completion_row, error_row,
+                                row_from_json, row_to_arrow_dict, row_to_json, rows_to_arrow)
 from batchgen_beam.io import parquet_records
 from runtime.request import ChatOptions, Completion, Request, SampleOutput, Timings
 from runtime.sampling import SamplingParams
