@@ -30,8 +30,8 @@ from runtime.lora import ADAPTER_WEIGHTS
 from runtime.moe import moe_blocks
 from runtime.request import ChatOptions, Completion, CompletionWaiter, Request, SampleOutput, Timings
 from runtime.runner import ModelRunner, ScoredPrompts
-from runtime.sampling import (DEFAULT_MAX_LOGPROBS, SampledToken, SampleRow, SamplingParams, over_max_logprobs,
-                              sample)
+from runtime.sampling import (DEFAULT_MAX_LOGPROBS, SampledToken, SampleRow, SamplingParams, logits_failure,
+                              over_max_logprobs, sample)
 from runtime.scheduler import Scheduler
 from runtime.speculate import DRAFT_BELOW_ROWS, DRAFT_ROWS, accepted
 from runtime.sequence import Event, Sequence, Status, StopRule
@@ -753,11 +753,12 @@ class Engine:
                          seq.logit_bias, seq.permitted, self._bad_word_ids(p.bad_words) if p.bad_words else ())
 
     def _greedy(self, hidden: torch.Tensor) -> list[SampledToken]:
-        ids, misses = self.model.greedy_tokens(hidden)
+        ids, chosen, misses = self.model.greedy_tokens(hidden)
         if self.model.logit_screen is not None:
             self.stats.screened_rows += len(ids)
             self.stats.screen_misses += misses
-        return [SampledToken(token) for token in ids.tolist()]
+        return [SampledToken(token) if (failure := logits_failure(logit)) is None else SampledToken(-1, error=failure)
+                for token, logit in zip(ids.tolist(), chosen.tolist())]
 
     def _fail_request(self, request_id: str, error: str, invalid: bool = False) -> None:
         """End a request that broke a step (`invalid`: by its own values): its sequences leave

@@ -45,9 +45,10 @@ class LogitScreen:
 
 
 def screened_argmax(hidden: torch.Tensor, weight: torch.Tensor, screen: LogitScreen,
-                    fp32_logits, finish) -> tuple[torch.Tensor, int]:
-    """argmax(finish(hidden @ weight^T)) per row (first index on ties) and how many rows needed
-    their full logits, which `fp32_logits(rows)` computes (the caller's fp32 linear, finished).
+                    fp32_logits, finish) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """argmax(finish(hidden @ weight^T)) per row (first index on ties), its fp32 logit there, and
+    how many rows needed their full logits, which `fp32_logits(rows)` computes (the caller's
+    fp32 linear, finished).
     `finish` (the model's scaling and soft cap) is monotone but may make fp32 logits equal; the
     bound is then checked after it, so a token outside the candidates cannot tie the winner."""
     vocab, size = weight.shape
@@ -73,8 +74,10 @@ def screened_argmax(hidden: torch.Tensor, weight: torch.Tensor, screen: LogitScr
     cleared = (best > bound) & best.isfinite() if k < vocab else ~exact.isnan().any(dim=1)
     missed = (~cleared).nonzero()[:, 0]
     if len(missed):
-        tokens[missed] = fp32_logits(hidden[missed]).argmax(dim=1)
-    return tokens, len(missed)
+        full = fp32_logits(hidden[missed])
+        tokens[missed] = full.argmax(dim=1)
+        best[missed] = full.gather(1, tokens[missed][:, None])[:, 0].float()
+    return tokens, best, len(missed)
 
 
 def _at_least_fp32(tensor: torch.Tensor) -> torch.dtype:

@@ -324,10 +324,13 @@ class CausalLM(nn.Module):
                              "logits' order, and the screen picks the largest of the lm_head's outputs")
         self.logit_screen = LogitScreen.of(self.lm_head.weight)
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Each row's greedy token (the argmax of its fp32 logits), and how many rows the
-        screen, if on, could not clear and gave their full logits."""
+    def greedy_tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Each row's greedy token (the argmax of its fp32 logits), its fp32 logit (NaN where the
+        row holds one), and how many rows the screen, if on, could not clear and gave their full
+        logits."""
         if self.logit_screen is None:
-            return argmax(self.compute_logits(hidden)), 0
+            logits = self.compute_logits(hidden)
+            tokens = argmax(logits)
+            return tokens, logits.gather(1, tokens[:, None])[:, 0].float(), 0
         return screened_argmax(hidden, self.lm_head.weight, self.logit_screen, self.compute_logits,
                                self.finish_logits)

@@ -254,13 +254,6 @@ class SampleRow:
     permitted: torch.Tensor | None = None  # its allowed_token_ids as a tensor, made once
     bad_words: Sequence[tuple[int, ...]] = ()  # its bad_words' token ids
 
-    @property
-    def excludes(self) -> bool:
-        """Whether its values exclude tokens (and so may leave none): a grammar, allowed tokens,
-        bad words, a min_tokens ban."""
-        return (self.allowed is not None or self.permitted is not None or bool(self.bad_words)
-                or self.banned is not None)
-
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     """One token per row of logits [rows, vocab] (fp32), each with its own params and RNG.
@@ -291,10 +284,12 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
                 except Exception as exc:  # noqa: BLE001 - the engine fails this row's request alone
                     failed[i] = SampledToken(-1, error=f"{type(exc).__name__}: {exc}")
                     continue
-                if row.excludes and chosen_from[i].max() == float("-inf"):  # greedy's argmax would take token 0
+                # Every token at -inf where the model gave one a chance: the request's own doing
+                # (greedy's argmax would take token 0).
+                if chosen_from[i].max() == float("-inf") and logits[i].max() > float("-inf"):
                     failed[i] = SampledToken(-1, invalid=True, error=(
                         "no token is left to choose: allowed_token_ids, bad_words, the output's "
-                        "grammar and min_tokens exclude them all"))
+                        "grammar, min_tokens, logit_bias and the penalties exclude them all"))
     greedy_ids = kernels.argmax(chosen_from).tolist()
     out = []
     for i, row in enumerate(rows):
@@ -303,9 +298,27 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
             continue
         try:
             out.append(_sample_row(i, row, chosen_from, greedy_ids, logprobs))
+        except LogitsFailure as exc:
+            out.append(SampledToken(-1, error=str(exc)))
         except Exception as exc:  # noqa: BLE001 - the engine fails this row's request alone
             out.append(SampledToken(-1, error=f"{type(exc).__name__}: {exc}"))
     return out
+
+
+class LogitsFailure(ValueError):
+    """A row's logits give no token (logits_failure says why)."""
+
+
+def logits_failure(chosen: float) -> str | None:
+    """Why a row of logits gives no token, judged by the logit a greedy row takes (argmax takes
+    a NaN first, and finds only -inf where every logit is) or by a row's largest: NaN or -inf
+    come from a failing model, whose every token would be noise. None where the row is fine
+    (+inf too: a penalty past fp32's range or an fp16 overflow, which argmax takes first)."""
+    if math.isnan(chosen):
+        return "the model's logits are NaN (its weights hold NaN, or its activations overflowed)"
+    if chosen == -math.inf:
+        return "the model gave every token a logit of -inf"
+    return None
 
 
 def logit_bias_tensors(logit_bias: tuple[tuple[int, float], ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -370,7 +383,12 @@ def _allows_only(logits: torch.Tensor, tokens: torch.Tensor) -> bool:
 def _sample_row(i: int, row: SampleRow, logits: torch.Tensor, greedy_ids: list[int],
                 logprobs: torch.Tensor | None) -> SampledToken:
     p = row.params
-    token = greedy_ids[i] if p.greedy else _sample_one(logits[i], p, row.generator)
+    if p.greedy:
+        token = greedy_ids[i]
+        if (failure := logits_failure(logits[i, token].item())) is not None:
+            raise LogitsFailure(failure)
+    else:
+        token = _sample_one(logits[i], p, row.generator)
     sampled = SampledToken(token)
     if p.logprobs is not None:
         sampled.logprob = logprobs[i, token].item()
@@ -396,7 +414,9 @@ def filtered_weights(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Ten
     A temperature past fp32's range divides as its largest value (-inf / inf would be NaN). A
     penalty past fp32's range (repetition_penalty 1e-44) may push logits to +inf: those tokens
     alone are drawn, alike, as greedy would take the first (inf - inf would be NaN)."""
-    top = logits.max()
+    top = logits.max()  # NaN where any logit is
+    if (failure := logits_failure(top.item())) is not None:
+        raise LogitsFailure(failure)
     if top == math.inf:
         scaled = torch.zeros_like(logits, dtype=torch.float32).masked_fill_(logits != top, float("-inf"))
     else:

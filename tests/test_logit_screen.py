@@ -34,9 +34,12 @@ def screen_and_reference(hidden, weight, finish=lambda logits: logits):
         calls.append(len(rows))
         return finish(F.linear(rows, weight))
 
-    tokens, misses = screened_argmax(hidden, weight, LogitScreen.of(weight), full, finish)
+    tokens, chosen, misses = screened_argmax(hidden, weight, LogitScreen.of(weight), full, finish)
     assert misses == sum(calls)
-    return tokens, misses, finish(F.linear(hidden, weight)).argmax(dim=1)
+    logits = finish(F.linear(hidden, weight))
+    # each row's logit at its token, as its fp32 logits have it (NaN where they hold one)
+    torch.testing.assert_close(chosen, logits.gather(1, tokens[:, None])[:, 0].float(), equal_nan=True)
+    return tokens, misses, logits.argmax(dim=1)
 
 
 @pytest.mark.parametrize("rows", [1, 5, cpu_kernels.BF16_PANEL_ROWS, cpu_kernels.BF16_PANEL_ROWS + 1, 40])

@@ -3,10 +3,12 @@ transformers applies them, stop conditions, ignore_eos, and validation of every 
 
 import math
 import random
+import shutil
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
@@ -255,8 +257,67 @@ def test_a_row_with_nothing_to_draw_fails_alone():
     logits[1] = float("nan")
     rows = [SampleRow(SamplingParams(temperature=1.0), np.random.default_rng(i)) for i in range(3)]
     first, broken, last = sample(logits, rows)
-    assert broken.token_id == -1 and "no token can be drawn" in broken.error
+    assert broken.token_id == -1 and "logits are NaN" in broken.error and not broken.invalid
     assert first.error is None and last.error is None
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(logprobs=2), SamplingParams(logit_bias={3: 1.0}),
+                                    SamplingParams(temperature=0.7, top_k=5)],
+                         ids=["greedy", "greedy-logprobs", "greedy-biased", "sampled"])
+def test_logits_holding_nan_or_only_minus_inf_fail_their_row_as_the_models_fault(params):
+    """A greedy row used to take the argmax of NaN logits (the NaN's token, or token 0 where every
+    logit is -inf) as a confident answer; every row of them fails instead, and not as the
+    request's own doing, and the rows beside them are untouched."""
+    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    logits[1, 7] = float("nan")
+    logits[2] = float("-inf")
+    rows = [SampleRow(params, np.random.default_rng(i)) for i in range(4)]
+    first, one_nan, all_minus_inf, last = sample(logits, rows)
+    assert one_nan.token_id == -1 and "logits are NaN" in one_nan.error and not one_nan.invalid
+    assert all_minus_inf.token_id == -1 and "-inf" in all_minus_inf.error and not all_minus_inf.invalid
+    assert first.error is None and last.error is None
+    if params.greedy:
+        assert (first.token_id, last.token_id) == tuple(logits[[0, 3]].argmax(dim=1).tolist())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_request_whose_own_penalties_leave_every_token_at_minus_inf_fails_as_its_own_doing(temperature):
+    """repetition_penalty 1e300 over negative logits overflows fp32 to -inf: with every token
+    seen, none is left, as when allowed_token_ids and bad_words exclude them all."""
+    logits = -torch.rand(2, 16, generator=torch.Generator().manual_seed(2)) - 1
+    params = SamplingParams(temperature=temperature, seed=1, repetition_penalty=1e300)
+    emptied, fine = sample(logits, [SampleRow(params, np.random.default_rng(0), prompt_ids=range(16)),
+                                    SampleRow(params, np.random.default_rng(0), prompt_ids=range(8))])
+    assert emptied.invalid and "no token is left to choose" in emptied.error
+    assert fine.error is None and fine.token_id >= 8
+
+
+@pytest.mark.parametrize("screen", [True, False])
+def test_a_nan_in_one_tokens_embedding_fails_the_requests_holding_it_and_no_other(tiny, tmp_path, screen):
+    """NaN weights (here one embedding row) make NaN logits: the requests that meet them end as
+    engine errors instead of text, greedy or sampled, and the others match their solo runs."""
+    directory = tmp_path / "poisoned"
+    shutil.copytree(tiny.dir("qwen2"), directory)
+    weights = directory / "model.safetensors"
+    tensors = load_file(weights)
+    poisoned_token = 9
+    tensors["model.embed_tokens.weight"][poisoned_token, 0] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    rng = random.Random(3)
+    prompts = [[t for t in random_prompt(12, rng) if t != poisoned_token] for _ in range(4)]
+    requests = [Request(f"clean{i}", prompt_token_ids=p, params=SamplingParams(max_tokens=8, **kind))
+                for i, (p, kind) in enumerate(zip(prompts, [{}, {"logprobs": 1}, {"temperature": 1.0, "seed": 4},
+                                                             {"logit_bias": {3: 1.0}}]))]
+    requests += [Request(f"poisoned{i}", prompt_token_ids=[*p, poisoned_token], params=r.params)
+                 for i, (p, r) in enumerate(zip(prompts, requests))]
+    engine = make_engine(directory, greedy_screen=screen)
+    done = {c.id: c for c in engine.generate(requests)}
+    for request in requests[len(prompts):]:
+        got = done[request.id]
+        assert got.finish_reason == "error" and "logits are NaN" in got.error and not got.invalid, got
+    for request in requests[:len(prompts)]:
+        alone = make_engine(directory, greedy_screen=screen).generate([request])[0]
+        assert done[request.id].error is None and done[request.id].token_ids == alone.token_ids
 
 
 class _Topmost:
