@@ -160,7 +160,8 @@ def main(argv=None) -> dict:
 
     out = {"workload": workload, "requests": len(items), "output_tokens": total,
            "scale": args.scale, "static_split": args.split, "engine_args": engine_args,
-           "machine": report.machine(threads=2), "speedup_vs_static": speedups,
+           "machine": report.machine(threads=2), "reference_threads": args.reference_threads,
+           "speedup_vs_static": speedups,
            "work_mismatches": mismatches}
     if not args.skip_step_costs:
         print("measuring one engine's step costs on one thread ...", flush=True)

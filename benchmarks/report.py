@@ -29,23 +29,25 @@ def progress(results: list[dict]) -> None:
 
 def compare(results: list[dict], items: list[WorkItem]) -> list[str]:
     """Fill in tokens/s, the ratio to ours (results[0]) and token agreement; return any mismatch
-    in the work done (a system that generated a different number of tokens for some request)."""
+    in the work done (a system that generated a different number of tokens for some request),
+    which its row carries too (`work_mismatch`), so its ratio is never read without it."""
     ours, mismatches = results[0], []
     for r in results:
         r["tokens_per_s"] = r["output_tokens"] / r["batch_completion_s"]
         r["ours_faster_by"] = r["batch_completion_s"] / ours["batch_completion_s"]
         wrong = [it.id for it in items if len(r["tokens"].get(it.id, ())) != it.max_tokens]
         if wrong:
-            mismatches.append(f"{r['system']}: {len(wrong)} request(s) with a different output "
-                              f"length, e.g. {wrong[:3]}")
+            r["work_mismatch"] = f"{len(wrong)} request(s) with a different output length, e.g. {wrong[:3]}"
+            mismatches.append(f"{r['system']}: {r['work_mismatch']}")
         if r is not ours:
             differing = [it.id for it in items if r["tokens"].get(it.id) != ours["tokens"][it.id]]
             r["requests_token_identical_to_ours"] = f"{len(items) - len(differing)}/{len(items)}"
             # where each one first differs: a late near-tie flip reads apart from a broken model
             r["first_differing_token"] = {rid: _first_difference(r["tokens"].get(rid) or [], ours["tokens"][rid])
                                           for rid in differing}
+        load = "in the clock" if r["load_s"] is None else f"{r['load_s']:.1f} s"
         print(f"{r['system']:<52} {r['batch_completion_s']:8.1f} s {r['tokens_per_s']:7.1f} tok/s  "
-              f"ours faster x{r['ours_faster_by']:.2f}  (load {r['load_s']:.1f} s)", flush=True)
+              f"ours faster x{r['ours_faster_by']:.2f}  (load {load})", flush=True)
     for line in mismatches:
         print(f"WORK MISMATCH {line}", flush=True)
     return mismatches
@@ -76,7 +78,8 @@ def write(name: str, report: dict, results: list[dict]) -> Path:
     bars = ax.barh(labels[::-1], times[::-1], color=["#4c72b0"] * (len(results) - 1) + ["#dd8452"])
     for bar, r in zip(bars, results[::-1]):
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
-                f" {r['batch_completion_s']:.0f} s (x{r['ours_faster_by']:.2f})", va="center")
+                f" {r['batch_completion_s']:.0f} s (x{r['ours_faster_by']:.2f})"
+                + (" WORK MISMATCH" if "work_mismatch" in r else ""), va="center")
     ax.set_xlabel("batch completion time, s (ratio to batchgen engine)")
     ax.set_title(f"{report['workload']}: {report['requests']} requests, {report['output_tokens']} output tokens")
     ax.set_xlim(0, max(times) * 1.3)

@@ -82,7 +82,7 @@ def _moe_counter(model) -> ExpertCallCounter | None:
 @torch.inference_mode()
 def hf_padded(model_dir: Path, items: list[WorkItem], batch_size: int) -> dict:
     """What a static-batch user gets: left-padded batches, each running until its longest request
-    is done (`min_new_tokens` = `max_new_tokens` = the batch's longest, so no request stops early)."""
+    is done (`max_new_tokens` the batch's longest, and `eos_token_id=-1`, so no request stops early)."""
     model, load = _load(model_dir)
     counter = _moe_counter(model)
     tokens, generated, elapsed = padded_generate(model, items, batch_size)

@@ -90,7 +90,8 @@ def main(argv=None) -> dict:
         "engine": lambda: _engine_with_decode_flops(model_dir, items),
         "engine_no_drafts": lambda: systems.engine(model_dir, items, label="batchgen engine, no n-gram drafts",
                                                    ngram_drafts=False, **ENGINE_ARGS),
-        "generate": lambda: beam_systems.generate(records, ENGINE_ARGS),
+        # its engine runs in a process of its own: it takes the run's threads from its arguments
+        "generate": lambda: beam_systems.generate(records, {**ENGINE_ARGS, "num_threads": args.threads}),
         "vllm": lambda: systems.vllm_cpu(model_dir, items, args.threads),
         "hf16": lambda: systems.hf_padded(model_dir, items, 16),
         "hf32": lambda: systems.hf_padded(model_dir, items, 32),

@@ -141,7 +141,7 @@ def run_model(name: str, items: list[WorkItem], threads: int, fraction: float, s
         gpu = f"  peak GPU {r['peak_device_bytes'] / 1e9:.2f} GB" if device == "cuda" else ""
         print(f"  {r['system']:<48} {r['batch_completion_s']:7.1f} s  peak RSS {r['peak_rss'] / 1e9:.2f} GB{gpu}  "
               f"{r['weight_bytes_per_token'] / 1e6:,.0f} MB read/token", flush=True)
-    report.compare(results, items)
+    mismatches = report.compare(results, items)
     for streamed in (r for r in results if "weight_bytes_held" in r):  # our streaming rows
         if device == "cpu":
             streamed["rss_bound"] = work["budget"] + work["kv_bytes"] + streamed["baseline_rss"]
@@ -151,7 +151,7 @@ def run_model(name: str, items: list[WorkItem], threads: int, fraction: float, s
                                                       - work["kv_bytes"])
     return {"model": name, "model_dir": str(model_dir), "weight_bytes": weights,
             "weight_budget_bytes": work["budget"], "kv_cache_bytes": work["kv_bytes"],
-            "peer_batch": PEER_BATCH, "results": results}
+            "peer_batch": PEER_BATCH, "work_mismatches": mismatches, "results": results}
 
 
 def main(argv=None) -> dict:

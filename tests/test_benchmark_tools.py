@@ -60,6 +60,8 @@ def test_same_work_check_names_the_system_that_did_different_work():
             "tokens": {"a": [4, 5], "b": [6, 9]}}
     mismatches = report.compare([ours, peer], items)
     assert len(mismatches) == 1 and mismatches[0].startswith("peer: 1 request")
+    # its row carries it too: a ratio is never read (or plotted) without it
+    assert peer["work_mismatch"].startswith("1 request") and "work_mismatch" not in ours
     assert peer["ours_faster_by"] == pytest.approx(2.0)
     assert peer["requests_token_identical_to_ours"] == "1/2"
     assert peer["first_differing_token"] == {"b": 1}
@@ -81,6 +83,31 @@ def test_rounds_alternate_the_order_and_keep_each_systems_best(monkeypatch):
     assert [r["batch_completion_s"] for r in results] == [2.0, 1.0]
     assert results[0]["rounds_batch_completion_s"] == [3.0, 2.0, 4.0]
     assert measured == [100e9, 150e9, 120e9]
+
+
+def test_w1_gives_generates_engine_process_the_runs_threads(monkeypatch, tmp_path):
+    """`Generate`'s engine runs in a process of its own, whose threads default to every core: on a
+    machine with more cores than --threads it would run on more than its peers."""
+    from benchmarks import beam_systems, systems, w1
+
+    def fake(name):
+        def run(*args, **kwargs):
+            seen[name] = (args, kwargs)
+            return {"system": name, "load_s": 0, "batch_completion_s": 1.0, "output_tokens": 0,
+                    "tokens": {it.id: [0] * it.max_tokens for it in items}, "decode_model_flops_per_s": 1.0}
+        return run
+
+    seen, real_w1 = {}, w1.w1
+    items = []
+    monkeypatch.setattr(w1, "w1", lambda *a, **k: items.extend(real_w1(*a, **k)) or items)
+    monkeypatch.setattr(w1, "_engine_with_decode_flops", fake("engine"))
+    monkeypatch.setattr(systems, "vllm_cpu", fake("vllm"))
+    monkeypatch.setattr(beam_systems, "generate", fake("generate"))
+    monkeypatch.setattr(mfu, "sgemm_flops_per_s", lambda: 1e9)
+    monkeypatch.setattr(report, "RESULTS_DIR", tmp_path)
+    w1.main(["--quick", "--threads", "3", "--systems", "engine", "generate", "vllm"])
+    assert seen["generate"][0][1]["num_threads"] == 3
+    assert seen["vllm"][0][2] == 3
 
 
 def test_sgemm_rate_is_the_best_of_the_matmuls_the_engine_runs(monkeypatch):

@@ -11,6 +11,30 @@ from benchmarks.workloads import WorkItem
 from helpers import kv_block_bytes
 
 
+def test_a_system_that_did_other_work_is_named_in_the_json(tmp_path, monkeypatch):
+    """W3's same-work check reached only the console, not the JSON a ratio is read from."""
+    items = [WorkItem(f"w3-{i}", [5, 6, 7], 4) for i in range(3)]
+
+    def child(system, work):
+        tokens = {it.id: [9] * it.max_tokens for it in items}
+        if system == "peer":
+            del tokens["w3-0"]
+        return {"system": system, "load_s": 0.1, "batch_completion_s": 1.0, "peak_rss": 1, "baseline_rss": 0,
+                "weight_bytes_per_token": 1.0, "weight_bytes_held": 1, "tokens": tokens,
+                "output_tokens": sum(map(len, tokens.values()))}
+
+    monkeypatch.setattr(w3, "run_child", child)
+    monkeypatch.setattr(w3, "build_model", lambda name: tmp_path)
+    monkeypatch.setattr(w3, "weight_bytes", lambda directory: 1000)
+    monkeypatch.setattr(w3, "kv_bytes", lambda directory, its: 10)
+    monkeypatch.setattr(w3, "work_items", lambda requests, tokens: items)
+    monkeypatch.setattr(report, "RESULTS_DIR", tmp_path / "results")
+    w3.main(["--smoke", "--models", "dense"])
+    [run] = json.loads((tmp_path / "results" / "W3-smoke-dense.json").read_text())["models"]
+    assert [line.split(":")[0] for line in run["work_mismatches"]] == ["peer"]
+    assert "work_mismatch" in run["results"][1]
+
+
 def test_kv_bytes_hold_every_request_whole(tiny):
     directory = tiny.dir("llama")
     items = [WorkItem("a", [5] * 20, 12), WorkItem("b", [5] * 3, 13)]  # 32 and 16 tokens
