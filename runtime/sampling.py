@@ -284,12 +284,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
                 except Exception as exc:  # noqa: BLE001 - the engine fails this row's request alone
                     failed[i] = SampledToken(-1, error=f"{type(exc).__name__}: {exc}")
                     continue
-                # Every token at -inf where the model gave one a chance: the request's own doing
-                # (greedy's argmax would take token 0).
-                if chosen_from[i].max() == float("-inf") and logits[i].max() > float("-inf"):
+                if chosen_from[i].max() == float("-inf"):  # (greedy's argmax would take token 0)
+                    # The request's own doing where the model gave some token a chance.
+                    model_top = logits[i].max().item()
                     failed[i] = SampledToken(-1, invalid=True, error=(
                         "no token is left to choose: allowed_token_ids, bad_words, the output's "
-                        "grammar, min_tokens, logit_bias and the penalties exclude them all"))
+                        "grammar, min_tokens, logit_bias and the penalties exclude them all")
+                    ) if model_top > float("-inf") else SampledToken(-1, error=logits_failure(model_top))
     greedy_ids = kernels.argmax(chosen_from).tolist()
     out = []
     for i, row in enumerate(rows):
