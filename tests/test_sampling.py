@@ -280,6 +280,17 @@ def test_logits_holding_nan_or_only_minus_inf_fail_their_row_as_the_models_fault
         assert (first.token_id, last.token_id) == tuple(logits[[0, 3]].argmax(dim=1).tolist())
 
 
+def test_a_row_whose_allowed_tokens_the_model_left_at_minus_inf_blames_the_models_nan():
+    """allowed_token_ids masks the NaN away: every token left is -inf, but by the model's doing."""
+    logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(3))
+    logits[:, 5] = float("-inf")
+    logits[0, 3] = float("nan")
+    params = SamplingParams(allowed_token_ids=[5])
+    broken, emptied = sample(logits, [SampleRow(params, permitted=torch.tensor([5]))] * 2)
+    assert "logits are NaN" in broken.error and not broken.invalid
+    assert "no token is left to choose" in emptied.error and emptied.invalid
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_request_whose_own_penalties_leave_every_token_at_minus_inf_fails_as_its_own_doing(temperature):
     """repetition_penalty 1e300 over negative logits overflows fp32 to -inf: with every token
