@@ -25,6 +25,7 @@ def over_max_logprobs(wanted: int | None, max_logprobs: int) -> bool:
     any number)."""
     return wanted is not None and max_logprobs != -1 and wanted > max_logprobs
 _FP32_MAX = torch.finfo(torch.float32).max
+_FP32_SMALLEST = 2.0 ** -149  # its smallest positive (subnormal) value
 
 
 def _tuple_of(name: str, value) -> tuple:
@@ -365,10 +366,12 @@ def adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
         tokens, biases = row.bias if row.bias is not None else logit_bias_tensors(p.logit_bias)
         logits[tokens.to(logits.device)] += biases.to(logits.device, logits.dtype)
     if p.repetition_penalty != 1:
+        # Held inside fp32's positive range: one that rounds to 0 or inf there would make a
+        # banned token's -inf * 0, a logit of 0 / 0 or an overflowed inf / inf NaN.
+        penalty = min(max(p.repetition_penalty, _FP32_SMALLEST), _FP32_MAX)
         seen = ids(sorted({*row.prompt_ids, *output_ids}))
         values = logits[seen]
-        logits[seen] = torch.where(values < 0, values * p.repetition_penalty,
-                                   values / p.repetition_penalty)
+        logits[seen] = torch.where(values < 0, values * penalty, values / penalty)
     if output_ids and (p.frequency_penalty or p.presence_penalty):
         tokens, counts = ids(output_ids).unique(return_counts=True)
         logits[tokens] -= counts.to(logits.dtype) * p.frequency_penalty + p.presence_penalty

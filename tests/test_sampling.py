@@ -291,6 +291,21 @@ def test_a_row_whose_allowed_tokens_the_model_left_at_minus_inf_blames_the_model
     assert "no token is left to choose" in emptied.error and emptied.invalid
 
 
+@pytest.mark.parametrize("penalty", [1e-50, 1e300])
+def test_a_penalty_past_fp32s_range_makes_no_nan(penalty):
+    """A penalty that rounds to 0 (or inf) in fp32 made a banned token's -inf * 0, a logit of
+    0 / 0 and an overflowed inf / inf NaN, which failed the request as the model's fault."""
+    logits = torch.randn(1, 16, generator=torch.Generator().manual_seed(4))
+    logits[0, 2], logits[0, 6] = 0.0, float("inf")
+    params = SamplingParams(repetition_penalty=penalty, allowed_token_ids=[2, 6, 9])
+    row = SampleRow(params, prompt_ids=range(8), permitted=torch.tensor([2, 6, 9]))
+    adjusted = logits[0].clone()
+    sampling.adjust_logits(adjusted, row)
+    assert not adjusted.isnan().any()
+    assert adjusted[2] == 0 and adjusted[6] == float("inf") and adjusted[0] == float("-inf")
+    assert sample(logits, [row])[0].token_id == 6
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_request_whose_own_penalties_leave_every_token_at_minus_inf_fails_as_its_own_doing(temperature):
     """repetition_penalty 1e300 over negative logits overflows fp32 to -inf: with every token
