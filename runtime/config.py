@@ -58,6 +58,9 @@ _ONE_TABLE = "rope"  # the RoPE table's name where every layer shares one
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Families whose default RoPE turns only partial_rotary_factor of each head's dims.
 _PARTIAL_ROTARY = ("phi3",)
+# Families whose transformers model reads rope_parameters per layer type ({"sliding_attention":
+# {...}, "full_attention": {...}}); the others read one set, and fail on such a config.
+_ROPE_PER_LAYER_TYPE = ("gemma3_text", "olmo3")
 # Image-text models whose language model we run on text alone (runtime/loader.py finds its
 # tensors under the checkpoint's language_model prefix).
 _IMAGE_TEXT = ("gemma3", "mistral3")
@@ -302,7 +305,13 @@ def _rope_parameter_sets(config: PretrainedConfig) -> list[dict]:
 def _rope_parameters_per_layer_type(config: PretrainedConfig) -> bool:
     params = getattr(config, "rope_parameters", None) or {}
     layer_types = getattr(config, "layer_types", None) or []
-    return bool(layer_types) and all(isinstance(params.get(kind), dict) for kind in set(layer_types))
+    per_layer_type = bool(layer_types) and all(isinstance(params.get(kind), dict) for kind in set(layer_types))
+    if per_layer_type and config.model_type not in _ROPE_PER_LAYER_TYPE:
+        raise NotImplementedError(
+            f"model_type {config.model_type!r} with rope_parameters per layer type "
+            f"({', '.join(sorted(set(layer_types)))}) is not supported: its transformers model reads one "
+            f"set for every layer (only {', '.join(_ROPE_PER_LAYER_TYPE)} read them per layer type)")
+    return per_layer_type
 
 
 def rope_cos_sin(config: PretrainedConfig, head_dim: int, max_positions: int

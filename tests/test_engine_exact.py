@@ -10,7 +10,7 @@ import torch
 from helpers import (EOS, BatchSpy, CallCounter, assert_idle_and_clean, assert_matches, collect,
                      greedy_requests, make_engine, random_prompts)
 from runtime import Request, SamplingParams
-from tiny_models import FAMILIES, hf_greedy, image_text_config, make_tiny_model, make_tiny_tokenizer
+from tiny_models import FAMILIES, hf_greedy, hf_model, image_text_config, make_tiny_model, make_tiny_tokenizer
 
 MAX_TOKENS = 24
 # Lengths straddle block boundaries (block_size 16) and Mistral's sliding window (24).
@@ -413,6 +413,48 @@ def test_a_rope_type_transformers_does_not_know_is_refused_by_name(tmp_path):
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(NotImplementedError, match="rope_type 'mrope' is not supported"):
         make_engine(directory)
+
+
+PER_LAYER_TYPE_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                      "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}
+
+
+@pytest.mark.parametrize("family", ["qwen2", "ministral", "gemma2", "smollm3"])
+def test_rope_parameters_per_layer_type_are_refused_where_transformers_reads_one_set(tmp_path, family):
+    """transformers' model of these families fails on such a config (KeyError 'rope_type'):
+    whatever we ran, nothing could check it. Gemma 3 and OLMo 3 read them per layer type."""
+    directory = make_tiny_model(family, tmp_path / "m", layer_types=["sliding_attention", "full_attention"],
+                                sliding_window=8)
+    config = json.loads((directory / "config.json").read_text())
+    config["rope_parameters"] = PER_LAYER_TYPE_ROPE
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match=f"model_type '{family}' with rope_parameters per layer type"):
+        make_engine(directory)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "olmo3"])
+def test_rope_parameters_per_layer_type_match_transformers_where_it_reads_them(tmp_path, family):
+    directory = make_tiny_model(family, tmp_path / "m")
+    config = json.loads((directory / "config.json").read_text())
+    config["rope_parameters"] = PER_LAYER_TYPE_ROPE
+    (directory / "config.json").write_text(json.dumps(config))
+    prompt = random_prompts([9], seed=4)[0]
+    expected = hf_greedy(hf_model(directory), prompt, 8)
+    assert_matches(make_engine(directory).generate(greedy_requests([prompt], max_tokens=8))[0], *expected)
+
+
+@pytest.mark.parametrize("bound", ["max_model_len", "kv_cache"])
+def test_rope_tables_cover_the_context_the_engine_runs_not_the_models_whole_range(tmp_path, bound):
+    """A 1M-position model (Qwen2.5-1M) would build gigabytes of tables no step reads."""
+    directory = make_tiny_model("llama", tmp_path / "m", max_position_embeddings=1 << 20)
+    engine = (make_engine(directory, max_model_len=40) if bound == "max_model_len"
+              else make_engine(directory, num_blocks=5, block_size=16))
+    assert engine.max_model_len == (40 if bound == "max_model_len" else 80)
+    tables = [buffer for name, buffer in engine.model.named_buffers() if name.startswith("rope_")]
+    assert tables and all(len(table) == engine.max_model_len for table in tables)
+    prompt = random_prompts([30], seed=5)[0]
+    expected = hf_greedy(hf_model(directory), prompt, engine.max_model_len - 30)
+    assert_matches(engine.generate(greedy_requests([prompt], max_tokens=100))[0], *expected)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
