@@ -22,6 +22,7 @@ import torch
 from jinja2 import TemplateError
 
 import kernels
+from runtime.config import load_hf_config, model_spec
 from runtime.default_model import default_model_dir
 from runtime.estimate import exact_length
 from runtime.kv_cache import BlockManager, HostKVPool, KVCache, block_hash
@@ -317,13 +318,24 @@ class Engine:
             max_num_seqs = batch["max_num_seqs"]
         if max_num_batched_tokens is None:
             max_num_batched_tokens = batch["max_num_batched_tokens"]
+        # The cache's size and the longest context come from the config, before any weight is read.
+        spec = model_spec(load_hf_config(self.model_dir))
+        block_bytes = KVCache.bytes_per_block(spec, block_size, dtype)
+        num_blocks = kv_cache_bytes // block_bytes
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds fewer than 2 blocks "
+                             f"of {block_bytes} bytes")
+        # A lone sequence must always fit in the cache, so the cache bounds the context too.
+        self.max_model_len = min(max_model_len or spec.max_position_embeddings,
+                                 spec.max_position_embeddings, num_blocks * block_size)
         if streaming:
             self.model = on_a_passing_thread(build_model, self.model_dir, self.device, dtype,
-                                             stream_layers=True)
+                                             stream_layers=True, max_positions=self.max_model_len)
             self.weights = WeightStreamer(self.model, self.model_dir, weight_budget_bytes,
                                           host_copy=weights_in_host_memory)
         else:
-            self.model = on_a_passing_thread(load_model, self.model_dir, self.device, dtype, lora)
+            self.model = on_a_passing_thread(load_model, self.model_dir, self.device, dtype, lora,
+                                             max_positions=self.max_model_len)
             self.weights = None
         weight_files = ([self.model_dir / "config.json", *safetensors_files(self.model_dir)]
                         + ([Path(lora) / "adapter_config.json", Path(lora) / ADAPTER_WEIGHTS]
@@ -342,11 +354,6 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self._chat_takes_parts = self.tokenizer is not None and takes_content_parts(self.tokenizer)
 
-        block_bytes = KVCache.bytes_per_block(self.spec, block_size, dtype)
-        num_blocks = kv_cache_bytes // block_bytes
-        if num_blocks < 2:
-            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds fewer than 2 blocks "
-                             f"of {block_bytes} bytes")
         self.kv = on_a_passing_thread(KVCache, self.spec, num_blocks, block_size, dtype, self.device)
         self.scheduler = Scheduler(
             BlockManager(num_blocks, block_size, enable_prefix_caching), self.kv,
@@ -354,9 +361,6 @@ class Engine:
             max_num_seqs, max_num_batched_tokens, admission, preemption)
         self.runner = ModelRunner(self.model, self.kv, self.device)
         self.ngram_drafts = ngram_drafts
-        # A lone sequence must always fit in the cache, so the cache bounds the context too.
-        self.max_model_len = min(max_model_len or self.spec.max_position_embeddings,
-                                 self.spec.max_position_embeddings, num_blocks * block_size)
         has_tokenizer = self.tokenizer is not None
         # Neither holds the engine (a cycle): a dropped engine frees its KV cache at once, not
         # at the collector's next pass. Bad words' token ids are cached for the requests that

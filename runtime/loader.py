@@ -192,16 +192,20 @@ def check_stored_shapes(where, name: str, sources: list[str], stored: list[tuple
 
 
 def build_model(model_dir: str | Path, device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32, stream_layers: bool = False) -> CausalLM:
+                dtype: torch.dtype = torch.float32, stream_layers: bool = False,
+                max_positions: int | None = None) -> CausalLM:
     """The model's structure with RoPE tables set and parameters allocated, not yet read.
     stream_layers: the decoder layers' parameters stay on the meta device, for
     runtime/weight_stream.py to bind to its slots; their norms are allocated (a few KB a layer,
-    resident, so Gemma's 1 + weight is added once, not on every read)."""
+    resident, so Gemma's 1 + weight is added once, not on every read). max_positions: the
+    longest context it will run (its RoPE tables cover no more), at most the model's."""
     config = load_hf_config(model_dir)
     spec = model_spec(config)
     if spec.tie_word_embeddings and _stores_its_own_head(Path(model_dir)):
         spec = dataclasses.replace(spec, tie_word_embeddings=False)
-    rope_tables = rope_cos_sin(config, spec.head_dim, spec.max_position_embeddings)
+    # Only the positions a context can reach: a 1M-position model's tables are gigabytes.
+    rope_tables = rope_cos_sin(config, spec.head_dim, min(spec.max_position_embeddings,
+                                                          max_positions or spec.max_position_embeddings))
     with torch.device("meta"):
         model = CausalLM(spec, rope_tables).to(dtype)
     for name, child in model.named_children():
@@ -251,10 +255,12 @@ def offset_norms(model: CausalLM, offset: float) -> None:
 
 
 def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32, lora: str | Path | None = None) -> CausalLM:
-    """The model, its weights read; with `lora` (a PEFT adapter directory) merged into them."""
+               dtype: torch.dtype = torch.float32, lora: str | Path | None = None,
+               max_positions: int | None = None) -> CausalLM:
+    """The model, its weights read; with `lora` (a PEFT adapter directory) merged into them.
+    max_positions: as build_model's."""
     model_dir = Path(model_dir)
-    model = build_model(model_dir, device, dtype)
+    model = build_model(model_dir, device, dtype, max_positions=max_positions)
     checkpoint = _Checkpoint(model_dir, model.spec.tie_word_embeddings)
 
     def read(name: str, sources: list[str], shape) -> torch.Tensor:
