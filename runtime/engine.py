@@ -770,6 +770,7 @@ class Engine:
         state = self._requests[request_id]
         for seq in state.seqs:
             self.scheduler.remove(seq)
+            seq.end("error")
         self.stats.failed_requests += 1
         state.timings.finished = time.perf_counter()
         self._complete(Completion.failed(request_id, error, state.timings, state.prompt_tokens,
@@ -932,7 +933,7 @@ class Engine:
                     continue
                 for seq in live:
                     self.scheduler.remove(seq)
-                    seq.send(Event.MIGRATED)
+                    seq.end("abort")
 
     def _step_or_stall(self, done) -> None:
         """A step for a caller without a background loop, who waits until `done()`; raises

@@ -43,7 +43,7 @@ class Event(Enum):
     RESUMED = auto()
     EVICTED = auto()
     MIGRATED = auto()
-    FINISHED = auto()  # payload: (finish_reason, error message or None)
+    FINISHED = auto()  # ended from outside (its request failed or was withdrawn); payload: finish_reason
 
 
 _LIVE = {Status.PREFILLING, Status.DECODING}
@@ -108,7 +108,6 @@ class Sequence:
         self.finish_reason: str | None = None
         # vLLM's stop_reason: the stop string or stop token id that ended it (None for EOS).
         self.stop_reason: int | str | None = None
-        self.error: str | None = None
         self.counters = dict.fromkeys(("preemptions", "suspends", "evictions", "migrations"), 0)
         self.queued_at = 0  # the scheduler's admissions when it last joined the waiting queue (aging)
         self.forked = sample_index > 0  # only sample 0 of an n > 1 request forks the others
@@ -166,6 +165,17 @@ class Sequence:
             self._coroutine = None
         return status
 
+    def end(self, reason: str) -> None:
+        """End it from outside (its request failed or was withdrawn) unless it has ended. Its
+        coroutine is closed either way: one that raised (the error that failed the request)
+        takes no more events."""
+        if self.status in (Status.FINISHED, Status.MIGRATED):
+            return
+        if self._coroutine.gi_frame is not None:
+            self.send(Event.FINISHED, reason)
+        else:
+            self.finish_reason, self.status, self._coroutine = reason, Status.FINISHED, None
+
     def _lifecycle(self):
         event, payload = yield self.status
         while True:
@@ -190,7 +200,7 @@ class Sequence:
                 self.status = Status.MIGRATED
                 self.counters["migrations"] += 1
             elif event is Event.FINISHED:
-                self.finish_reason, self.error = payload
+                self.finish_reason = payload
                 self.status = Status.FINISHED
             # PAGE_BOUNDARY changes nothing here: the scheduler decides at page boundaries.
             if self.status in (Status.FINISHED, Status.MIGRATED):

@@ -754,3 +754,29 @@ def test_divergent_forked_samples_are_each_consistent_with_the_model(tiny, famil
         expected = teacher_forced_logprobs(tiny.hf(family), prompt, output.token_ids)
         assert output.logprobs == pytest.approx(expected, abs=1e-4)
     assert_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("end", ["failed", "withdrawn"])
+def test_the_samples_of_a_request_that_fails_or_is_withdrawn_end_and_close_their_coroutines(tiny, end, monkeypatch):
+    """They left the scheduler but kept their coroutines open (a frame holding the sequence, and
+    its grammar matcher's native memory, until the next full collection), and a withdrawn one
+    was counted as migrated."""
+    engine = make_engine(tiny.dir("llama"))
+    engine.submit(Request("r", prompt_token_ids=PROMPTS[0],
+                          params=SamplingParams(max_tokens=8, n=3, temperature=1.0, seed=1)))
+    engine.step()
+    samples = live_sequences(engine, "r")
+    assert len(samples) == 3
+    if end == "failed":
+        from runtime import engine as engine_module
+        from runtime.sampling import SampledToken
+        monkeypatch.setattr(engine_module, "sample", lambda logits, rows: [SampledToken(-1, error="boom")] * len(rows))
+        engine.step()
+        [failed] = engine.finished()
+        assert failed.finish_reason == "error" and "boom" in failed.error
+    else:
+        engine._withdraw(["r"])
+    for seq in samples:
+        assert seq.status is Status.FINISHED and seq.finish_reason == ("error" if end == "failed" else "abort")
+        assert seq._coroutine is None and seq.counters["migrations"] == 0
+    assert_idle_and_clean(engine)
