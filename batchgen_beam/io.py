@@ -328,8 +328,8 @@ def _text_stream(binary_file, newline: str | None) -> io.TextIOWrapper:
 
 
 class _RawReader(io.RawIOBase):
-    """A file Beam opened (a CompressedFile has read but not the io interface TextIOWrapper
-    needs) as a raw stream, so it decodes as it reads."""
+    """Any binary file with read() (not all have peek: a BytesIO has not) as a raw stream, for the
+    BufferedReader over it that peeks at the byte-order mark and decodes as it reads."""
 
     def __init__(self, binary_file):
         self._file = binary_file

@@ -174,18 +174,6 @@ def row_to_arrow_dict(row: dict) -> dict:
     return {**row, "passthrough": _dumps(row["passthrough"])}
 
 
-def row_from_arrow_dict(record: dict) -> dict:
-    return {**record, "passthrough": json.loads(record["passthrough"])}
-
-
-def rows_to_arrow(rows: list[dict]) -> pa.Table:
-    return pa.Table.from_pylist([row_to_arrow_dict(r) for r in rows], schema=OUTPUT_SCHEMA)
-
-
-def arrow_to_rows(table: pa.Table) -> list[dict]:
-    return [row_from_arrow_dict(r) for r in table.to_pylist()]
-
-
 # What JSON writes for a logprob of -inf (a token a grammar or allowed_token_ids rules out) or
 # NaN: it has no infinities, and a string would make a float column two types. OpenAI's and
 # vLLM's floor.
@@ -197,10 +185,6 @@ def row_to_json(row: dict) -> str:
     as their text, the row's own (logprobs, its only ones) at LOGPROB_FLOOR."""
     return json.dumps({k: _json_safe(v, str if k == "passthrough" else lambda _: LOGPROB_FLOOR)
                        for k, v in row.items()}, ensure_ascii=False, allow_nan=False, default=str)
-
-
-def row_from_json(line: str | bytes) -> dict:
-    return json.loads(line)
 
 
 def _dumps(value: Any) -> str:

@@ -73,8 +73,9 @@ def bf16_matmul_is_fast(device: torch.device) -> bool:
 
 def prepare(device: str | torch.device) -> None:
     """Build (or load from the cache) the C++ kernels where `device` will run them, and measure
-    which fp32 linears the few-row kernel and which sgemm take, so no step pays for either. Raises
-    cpu_kernels.KernelBuildError where the build fails."""
+    which rows of fp32 linears the panel kernel, the few-row kernel and sgemm each take
+    (kernels/linear_rows.py), so no step pays for either. Raises cpu_kernels.KernelBuildError
+    where the build fails."""
     if uses_cpp(torch.device(device)):
         cpp.build()
         cpp.linear_plan()

@@ -165,11 +165,6 @@ def plan(kernel, panel, pack) -> Plan:
     return _plan
 
 
-def resolved() -> Plan | None:
-    """The plan this process has settled on, if it has yet."""
-    return _plan
-
-
 def described() -> dict | None:
     """The resolved plan's spans as the variables write them (for reports), if any."""
     return _plan and {"panel_rows": shown(_plan.panel_rows), "kernel_rows": shown(_plan.kernel_rows)}

@@ -10,11 +10,11 @@ from transformers import PreTrainedTokenizerFast
 
 from batchgen_beam.openai_batch import response_line
 from batchgen_beam.records import parse_record
-from batchgen_beam.rows import (arrow_to_rows, completion_row, error_row, row_from_json, row_to_json,
-                                rows_to_arrow)
+from batchgen_beam.rows import completion_row, error_row, row_to_json
 from runtime.request import Completion, SampleOutput, Timings
 from runtime.tokenizer import TokenTexts
 from helpers import CallCounter
+from output_rows import arrow_to_rows, row_from_json, rows_to_arrow
 from tiny_models import make_tiny_tokenizer
 
 TIMINGS = Timings(submitted=1.0, first_scheduled=1.5, first_token=2.0, finished=3.0)

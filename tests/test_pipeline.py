@@ -29,8 +29,9 @@ from apache_beam.testing.util import assert_that, equal_to
 from batchgen_beam.io import (MalformedRow, ReadRecords, WriteRows, _fixed_dir, delimited_rows,
                               file_records, infer_format, text_lines)
 from batchgen_beam.records import Rejected
-from batchgen_beam.rows import OUTPUT_SCHEMA, error_row, row_from_arrow_dict, row_from_json, rows_to_arrow
+from batchgen_beam.rows import OUTPUT_SCHEMA, error_row
 from beam_helpers import ENGINE_ARGS, IN_MEMORY, chat_model_dir
+from output_rows import row_from_arrow_dict, row_from_json, rows_to_arrow
 from pipelines import generate as cli
 from runtime import Engine, Request, SamplingParams
 from runtime.tokenizer import load_tokenizer

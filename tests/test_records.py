@@ -17,11 +17,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen_beam.records import MAX_NESTING, Parsed, Rejected, check_defaults, parse_record
-from batchgen_beam.rows import (LOGPROB_FLOOR, OUTPUT_SCHEMA, arrow_to_rows, completion_row, error_row,
-                                row_from_json, row_to_arrow_dict, row_to_json, rows_to_arrow)
+from batchgen_beam.rows import (LOGPROB_FLOOR, OUTPUT_SCHEMA, completion_row, error_row, row_to_arrow_dict,
+                                row_to_json)
 from batchgen_beam.io import parquet_records
 from runtime.request import ChatOptions, Completion, Request, SampleOutput, Timings
 from runtime.sampling import SamplingParams
+from output_rows import arrow_to_rows, row_from_json, rows_to_arrow
 
 ROW_KEYS = ["id", "text", "token_ids", "finish_reason", "stop_reason", "stop_token_id",
             "prompt_tokens", "completion_tokens", "error", "error_type", "samples", "logprobs", "top_logprobs",
