@@ -133,33 +133,27 @@ class Scheduler:
                 break
             if id(seq) not in scheduled and seq in self.running:
                 num = min(seq.num_uncomputed, budget)
-                if self._reserve(seq, num, scheduled):
-                    scheduled.add(id(seq))
-                    self._place(seq, num, batch)
+                if self._run(seq, num, scheduled, batch):
                     budget -= num
         # Sample 0 of n forks the others once prefilled: it takes room for all n (vLLM counts
         # each sample), unless nothing runs (n above the limit would never start).
         occupied = sum(_seats(s) for s in self.running)
         while self.suspended and budget:
             seq = self.suspended[0]
-            if self.running and occupied + _seats(seq) > self.max_num_seqs:
-                break
-            if not self._fits(self._blocks_for_all_tokens(seq)):
+            if not self._has_seat(seq, occupied) or not self._fits(self._blocks_for_all_tokens(seq)):
                 break
             self.suspended.popleft()
             self.swap_in(seq)
             occupied += _seats(seq)
             num = min(seq.num_uncomputed, budget)
-            if not self._reserve(seq, num, scheduled):
+            if not self._run(seq, num, scheduled, batch):
                 break
-            scheduled.add(id(seq))
-            self._place(seq, num, batch)
             budget -= num
         if self.waiting and budget and not self.suspended:
             self._waiting_order.sort(self.waiting, self.admission_key)
         while self.waiting and budget and not self.suspended:
             seq = self.waiting[0]
-            if self.running and occupied + _seats(seq) > self.max_num_seqs:
+            if not self._has_seat(seq, occupied):
                 break
             # A prompt being scored needs every token's hidden state: no cached prefix for it.
             cached, hashes = ([], []) if seq.scores_prompt else self.blocks.match_prefix(seq.token_ids)
@@ -175,11 +169,23 @@ class Scheduler:
                 seq.send(Event.PREFILLED, len(cached) * self.blocks.block_size)
             self.running.append(seq)
             occupied += _seats(seq)
-            self._reserve(seq, num, scheduled)
-            scheduled.add(id(seq))
-            self._place(seq, num, batch)
+            if not self._run(seq, num, scheduled, batch):  # (its blocks were free: never)
+                break
             budget -= num
         return batch
+
+    def _has_seat(self, seq: Sequence, occupied: int) -> bool:
+        """Whether max_num_seqs leaves room for it (a request alone always has)."""
+        return not self.running or occupied + _seats(seq) <= self.max_num_seqs
+
+    def _run(self, seq: Sequence, num: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
+        """Put `num` of its tokens in this step's batch, their blocks reserved; False where it
+        was itself preempted for them."""
+        if not self._reserve(seq, num, scheduled):
+            return False
+        scheduled.add(id(seq))
+        self._place(seq, num, batch)
+        return True
 
     def _blocks_for_all_tokens(self, seq: Sequence) -> int:
         """Blocks for all its tokens and the next it generates: what a sequence waits for before
@@ -218,9 +224,7 @@ class Scheduler:
             self.kv.copy_blocks([(shared, copy)])
             self.blocks.release([shared])
             seq.block_table[first_block] = copy
-        if need > 0:
-            seq.block_table.extend(self.blocks.allocate(need))
-            seq.send(Event.PAGE_BOUNDARY, len(seq.block_table))
+        self._grow(seq, need)
         return True
 
     def reserve_draft(self, seq: Sequence, num: int) -> int:
@@ -229,10 +233,13 @@ class Scheduler:
         slots = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size
         num = max(0, min(num, slots - seq.num_computed - 1))
         need = self.blocks.blocks_needed(seq.num_computed + 1 + num) - len(seq.block_table)
+        self._grow(seq, need)
+        return num
+
+    def _grow(self, seq: Sequence, need: int) -> None:
         if need > 0:
             seq.block_table.extend(self.blocks.allocate(need))
             seq.send(Event.PAGE_BOUNDARY, len(seq.block_table))
-        return num
 
     def release_unused(self, seq: Sequence) -> None:
         """Give back blocks past those its tokens need (the rejected guesses' after a drafted
