@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen_beam.records import Parsed, Rejected, json_key, named_as_given
-from runtime.request import Completion, Timings
+from runtime.request import Completion, Timings, content_text
 
 def completion_row(parsed: Parsed, completion: Completion) -> dict:
     """The output row of a record the engine answered (an engine error included)."""
@@ -62,8 +62,7 @@ def echo_text(parsed: Parsed) -> str | None:
     last = parsed.messages[-1]
     if parsed.chat.add_generation_prompt and last["role"] != "assistant":
         return ""
-    content = last.get("content") or ""
-    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
+    return content_text(last.get("content") or "")
 
 
 def _stop_columns(stop_reason: int | str | None) -> dict:

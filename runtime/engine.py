@@ -29,7 +29,8 @@ from runtime.kv_cache import BlockManager, HostKVPool, KVCache, block_hash
 from runtime.loader import build_model, load_model, safetensors_files, weights_digest
 from runtime.lora import ADAPTER_WEIGHTS
 from runtime.moe import moe_blocks
-from runtime.request import ChatOptions, Completion, CompletionWaiter, Request, SampleOutput, Timings
+from runtime.request import (ChatOptions, Completion, CompletionWaiter, Request, SampleOutput, Timings,
+                             content_text)
 from runtime.runner import ModelRunner, ScoredPrompts
 from runtime.sampling import (DEFAULT_MAX_LOGPROBS, SampledToken, SampleRow, SamplingParams, logits_failure,
                               over_max_logprobs, sample)
@@ -526,7 +527,7 @@ class Engine:
             for text in _content_texts(message["content"]):
                 _check_text(f"messages[{i}].content", text)
         if not self._chat_takes_parts:
-            messages = [{**m, "content": "\n".join(_content_texts(m["content"]))} for m in messages]
+            messages = [{**m, "content": content_text(m["content"])} for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=options.add_generation_prompt,

@@ -106,7 +106,7 @@ class _Worker:
         try:
             self.engine.submit(request)
         except (ValueError, TypeError) as bad:  # the pool answers it, like a bad prompt
-            self.outbox.put(("update", self.index, [Completion.failed(request.id, str(bad), invalid=True)], self.report()))
+            self.send("update", [Completion.failed(request.id, str(bad), invalid=True)])
 
 
 def run(index: int, model, engine_args: dict, threads: int, inboxes: list, outbox,

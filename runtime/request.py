@@ -44,6 +44,12 @@ class ChatOptions:
                              "a turn of the assistant's cannot be both continued and opened")
 
 
+def content_text(content: str | list[dict]) -> str:
+    """A message's content as one text: a string as it is, OpenAI's text parts joined by
+    newlines (vLLM's rule, for a template that takes strings only)."""
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
+
+
 @dataclass
 class Request:
     """One generation request. Give `prompt` (text), `messages` (chat, rendered with the
