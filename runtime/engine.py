@@ -786,9 +786,9 @@ class Engine:
             seq.block_hashes.append(digest)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
-        """n > 1: the other samples share the prompt's KV blocks (copy-on-write)."""
-        parent.forked = True
-        state = self._requests[parent.request_id]
+        """n > 1: the other samples share the prompt's KV blocks (copy-on-write). They are made
+        first and joined to the engine's state after, so an interrupt while they are made (an
+        engine stepped by a generate() call) leaves the parent unforked, to fork again."""
         children = []
         for index in range(1, parent.params.n):
             # A copy of the parent's matcher (microseconds), not a compile on the step thread.
@@ -798,10 +798,12 @@ class Engine:
             child.send(Event.ADMITTED)
             child.send(Event.PREFILLED, parent.num_computed)
             child.block_table, child.block_hashes = list(parent.block_table), list(parent.block_hashes)
-            self.scheduler.blocks.share(child.block_table)
-            self.scheduler.running.append(child)
-            state.seqs.append(child)
             children.append(child)
+        for child in children:
+            self.scheduler.blocks.share(child.block_table)
+        self.scheduler.running.extend(children)
+        self._requests[parent.request_id].seqs.extend(children)
+        parent.forked = True
         return children
 
     def _finish_sequence(self, seq: Sequence) -> None:

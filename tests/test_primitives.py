@@ -780,3 +780,27 @@ def test_the_samples_of_a_request_that_fails_or_is_withdrawn_end_and_close_their
         assert seq.status is Status.FINISHED and seq.finish_reason == ("error" if end == "failed" else "abort")
         assert seq._coroutine is None and seq.counters["migrations"] == 0
     assert_idle_and_clean(engine)
+
+
+def test_an_interrupt_while_samples_are_forked_leaves_the_request_to_fork_again(tiny):
+    """generate()'s caller interrupted while another request's samples were being made: that
+    request kept 2 of its 3 samples, marked forked, and the engine stalled on it."""
+    engine = make_engine(tiny.dir("llama"))
+    other = Request("o", prompt_token_ids=PROMPTS[0], params=SamplingParams(max_tokens=5, n=3, temperature=1.0, seed=1))
+    engine.submit(other)
+    made, real = [], engine._new_sequence
+
+    def interrupted_at_the_second_child(*args, **kwargs):
+        made.append(args[1])  # the sample index
+        if made.count(2) == 1 and args[0] == "o":
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    engine._new_sequence = interrupted_at_the_second_child
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([Request("g", prompt_token_ids=PROMPTS[1], params=SamplingParams(max_tokens=5))])
+    engine._new_sequence = real
+    [done] = engine.completions()
+    alone = make_engine(tiny.dir("llama")).generate([other])[0]
+    assert done.error is None and [o.token_ids for o in done.outputs] == [o.token_ids for o in alone.outputs]
+    assert_idle_and_clean(engine)
