@@ -14,7 +14,6 @@ import fcntl
 import functools
 import gc
 import hashlib
-import inspect
 import logging
 import multiprocessing
 import os
@@ -115,11 +114,6 @@ class EngineConfig:
         Local model and adapter folders are named absolute (model_sources.model_location)."""
         from runtime import Engine
 
-        known = [name for name, p in inspect.signature(Engine).parameters.items()
-                 if p.kind is inspect.Parameter.KEYWORD_ONLY]
-        unknown = sorted(set(engine_args) - set(known))
-        if unknown:
-            raise TypeError(f"engine_args: unknown {unknown}; runtime.Engine takes {', '.join(known)}")
         Engine.check_args(**engine_args)
         if engine_args.get("lora") is not None:
             engine_args["lora"] = model_location(engine_args["lora"])

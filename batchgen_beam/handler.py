@@ -58,6 +58,11 @@ def content_id(example: Any) -> str:
     return f"example-{digest.hexdigest()}"
 
 
+# What Beam's ModelHandler takes besides the batch sizes (its BatchElements' other knobs).
+_BEAM_BATCHING_ARGS = {"max_batch_duration_secs", "max_batch_weight", "element_size_fn", "batch_length_fn",
+                       "batch_bucket_boundaries"}
+
+
 class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineLease]):
     """Examples: prompt strings, record dicts (DESIGN.md §5) or chat message lists. Inferences:
     output rows (a bad record gives an error row, never an exception). Per-record sampling and
@@ -65,6 +70,16 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineLease]):
 
     def __init__(self, model: str | os.PathLike | None = None, *, min_batch_size: int | None = None,
                  max_batch_size: int | None = None, engine_args: dict | None = None, **kwargs):
+        unknown = sorted(kwargs.keys() - _BEAM_BATCHING_ARGS)
+        if unknown:  # Beam's ModelHandler would take them and do nothing with them
+            raise TypeError(f"BatchGenModelHandler: unknown {unknown}: sampling and chat fields go in "
+                            f"RunInference's inference_args, engine arguments in engine_args, and Beam's "
+                            f"batching takes {', '.join(sorted(_BEAM_BATCHING_ARGS))}")
+        for name, size in (("min_batch_size", min_batch_size), ("max_batch_size", max_batch_size)):
+            if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+                raise ValueError(f"{name} must be a whole number >= 1, got {size!r}")
+        if min_batch_size is not None and max_batch_size is not None and min_batch_size > max_batch_size:
+            raise ValueError(f"min_batch_size ({min_batch_size}) must not be above max_batch_size ({max_batch_size})")
         # BatchElements would start at 1 and grow slowly; generation wants big batches at once.
         # A bound given alone moves the other's default out of its way (max_batch_size=8: a
         # minimum of 32 would refuse it).

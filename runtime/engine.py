@@ -5,6 +5,7 @@ the sequence primitives (suspend, resume, evict, migrate; fork happens for n > 1
 import atexit
 import contextlib
 import functools
+import inspect
 import json
 import logging
 import operator
@@ -237,13 +238,30 @@ class Engine:
                     # A context of one token holds a prompt and nothing it could generate.
                     "max_model_len": 2, "num_threads": 1, "max_logprobs": -1}
 
+    _SWITCHES = ("enable_prefix_caching", "weights_in_host_memory", "ngram_drafts", "greedy_screen")
+
     @classmethod
     def check_args(cls, **engine_args) -> None:
-        """ValueError for an argument of those given that is out of its domain: a size that is
-        not a whole number at least its floor (a NaN budget would compare false everywhere,
-        i.e. no budget), an unknown admission order or preemption mode, a device torch cannot
-        name, a dtype the engine does not run. Beam glue and EnginePool call it before any
-        engine starts, so a bad value fails there rather than in an engine process."""
+        """TypeError for an argument the engine does not take; ValueError for one of those
+        given that is out of its domain: a size that is not a whole number at least its floor
+        (a NaN budget would compare false everywhere, i.e. no budget), a switch that is not a
+        bool ("no" would be true), an unknown admission order or preemption mode, a device torch
+        cannot name, a dtype the engine does not run, options that exclude each other. Beam glue
+        and EnginePool call it before any engine starts, so a bad value fails there rather than
+        in an engine process."""
+        known = [name for name, p in inspect.signature(cls).parameters.items() if p.kind is p.KEYWORD_ONLY]
+        unknown = sorted(set(engine_args) - set(known))
+        if unknown:
+            raise TypeError(f"engine_args: unknown {unknown}; runtime.Engine takes {', '.join(known)}")
+        for name in cls._SWITCHES:
+            value = engine_args.get(name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        streaming = engine_args.get("weight_budget_bytes") is not None
+        if engine_args.get("weights_in_host_memory") and not streaming:
+            raise ValueError("weights_in_host_memory streams weights: give weight_budget_bytes too")
+        if streaming and engine_args.get("lora") is not None:
+            raise NotImplementedError(f"a LoRA adapter with weight streaming {LORA_WITH_STREAMING}")
         for name, floor in cls._SIZE_FLOORS.items():
             value = engine_args.get(name)
             if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__") or value < floor):
@@ -292,7 +310,10 @@ class Engine:
                         weight_budget_bytes=weight_budget_bytes, block_size=block_size,
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         max_model_len=max_model_len, num_threads=num_threads, max_logprobs=max_logprobs,
-                        admission=admission, preemption=preemption, device=device, dtype=dtype)
+                        admission=admission, preemption=preemption, device=device, dtype=dtype,
+                        enable_prefix_caching=enable_prefix_caching, ngram_drafts=ngram_drafts,
+                        greedy_screen=greedy_screen, weights_in_host_memory=weights_in_host_memory,
+                        lora=lora)
         self.max_logprobs = max_logprobs
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -307,10 +328,6 @@ class Engine:
         if self.device.type == "cuda" and self.device.index is None:  # the one current now, for good
             self.device = torch.device("cuda", torch.cuda.current_device())
         streaming = weight_budget_bytes is not None
-        if weights_in_host_memory and not streaming:
-            raise ValueError("weights_in_host_memory streams weights: give weight_budget_bytes too")
-        if streaming and lora is not None:
-            raise NotImplementedError(f"a LoRA adapter with weight streaming {LORA_WITH_STREAMING}")
         if streaming and self.device.type not in ("cpu", "cuda"):
             raise NotImplementedError(f"weight streaming runs on CPU and CUDA, not {self.device.type}")
         kernels.prepare(self.device)  # the C++ kernel's build (once per machine) outside any step
@@ -762,8 +779,9 @@ class Engine:
         if self.model.logit_screen is not None:
             self.stats.screened_rows += len(ids)
             self.stats.screen_misses += misses
-        return [SampledToken(token) if (failure := logits_failure(logit)) is None else SampledToken(-1, error=failure)
-                for token, logit in zip(ids.tolist(), chosen.tolist())]
+        # A row's logits NaN (or -inf throughout) give no token: the model failed there.
+        return [SampledToken(token) if (failure := logits_failure(logit)) is None
+                else SampledToken(-1, error=failure) for token, logit in zip(ids.tolist(), chosen.tolist())]
 
     def _fail_request(self, request_id: str, error: str, invalid: bool = False) -> None:
         """End a request that broke a step (`invalid`: by its own values): its sequences leave

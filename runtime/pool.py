@@ -138,8 +138,9 @@ class EnginePool:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if policy not in QUEUE_ORDERS:
             raise ValueError(f"policy must be one of {sorted(QUEUE_ORDERS)}, got {policy!r}")
-        if num_engines < 1 or threads_per_engine < 1:
-            raise ValueError("num_engines and threads_per_engine must be >= 1")
+        for name, count in (("num_engines", num_engines), ("threads_per_engine", threads_per_engine)):
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {count!r}")
         if not isinstance(reallocate, bool):
             raise ValueError(f"reallocate must be True or False, got {reallocate!r}")
         for name, value, floor in (("report_interval", report_interval, 1e-3),

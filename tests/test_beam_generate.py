@@ -313,10 +313,16 @@ def test_passthrough_fields_come_back(rows_by_key):
     (dict(clock=0.0), "clock must be a function returning seconds, got 0.0"),
     (dict(temperature=-1), "defaults: temperature: must be >= 0, got -1"),
     (dict(engine_args={"max_num_seq": 8}), r"engine_args: unknown \['max_num_seq'\]"),
+    # "no" is true: the feature would silently stay on
+    (dict(engine_args={"ngram_drafts": "no"}), "ngram_drafts must be True or False, got 'no'"),
+    (dict(engine_args={"enable_prefix_caching": 0}), "enable_prefix_caching must be True or False, got 0"),
+    # refused by the engine only once it started on a worker
+    (dict(engine_args={"weights_in_host_memory": True}), "give weight_budget_bytes too"),
+    (dict(engine_args={"weight_budget_bytes": 1 << 30, "lora": "adapter"}), "a LoRA adapter with weight streaming"),
 ])
 def test_caller_mistakes_raise_at_construction(options, problem):
     """Before any worker runs: a mistake here would fail every record."""
-    with pytest.raises((ValueError, TypeError), match=problem):
+    with pytest.raises((ValueError, TypeError, NotImplementedError), match=problem):
         Generate("unused-model-dir", **options)
 
 

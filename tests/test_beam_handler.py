@@ -241,6 +241,25 @@ def test_with_exception_handling_bad_records_are_rows_not_failures(outputs, prom
     assert outputs["failed"] == []
 
 
+@pytest.mark.parametrize("arguments, problem", [
+    # Beam's ModelHandler took them and did nothing with them
+    (dict(temperature=0.5), r"unknown \['temperature'\]: sampling and chat fields go in RunInference's inference_args"),
+    (dict(max_num_seqs=4), r"unknown \['max_num_seqs'\].*engine arguments in engine_args"),
+    (dict(min_batch_size=0), "min_batch_size must be a whole number >= 1, got 0"),
+    (dict(max_batch_size="8"), "max_batch_size must be a whole number >= 1, got '8'"),
+    (dict(min_batch_size=64, max_batch_size=8), r"min_batch_size \(64\) must not be above max_batch_size \(8\)"),
+    (dict(engine_args={"greedy_screen": "off"}), "greedy_screen must be True or False, got 'off'"),
+])
+def test_handler_mistakes_raise_at_construction_naming_the_argument(arguments, problem):
+    with pytest.raises((TypeError, ValueError), match=problem):
+        BatchGenModelHandler("unused-model-dir", **arguments)
+
+
+def test_beams_own_batching_arguments_pass_through():
+    handler = BatchGenModelHandler("unused-model-dir", max_batch_duration_secs=5)
+    assert handler.batch_elements_kwargs()["max_batch_duration_secs"] == 5
+
+
 @pytest.mark.parametrize("inference_args, message", [
     ({"temperature": "hot"}, "temperature: must be a finite number"),
     ({"top_p": 2.0}, "top_p: must be in"),

@@ -65,10 +65,15 @@ def test_idle_seconds_within_a_window_and_its_tail():
     (dict(kv_cache_bytes=1.5e6), "kv_cache_bytes must be a whole number >= 0, got 1500000.0"),
     (dict(preemption="drop"), "preemption must be one of ('suspend', 'evict'), got 'drop'"),
     (dict(dtype="fp32"), "dtype='fp32': give one of"),
+    (dict(num_engines="2"), "num_engines must be a whole number >= 1, got '2'"),
+    (dict(threads_per_engine=2.5), "threads_per_engine must be a whole number >= 1, got 2.5"),
+    # a typo, and a switch whose "no" would be true: refused here, not in each engine process
+    (dict(max_num_seq=4), "engine_args: unknown ['max_num_seq']"),
+    (dict(ngram_drafts="no"), "ngram_drafts must be True or False, got 'no'"),
 ])
 def test_bad_pool_options_are_refused_before_any_engine_starts(tiny, option, message):
     before = set(multiprocessing.active_children())
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises((ValueError, TypeError), match=re.escape(message)):
         EnginePool(tiny.dir(FAMILY), **option)
     assert set(multiprocessing.active_children()) <= before
 
