@@ -34,6 +34,7 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions, PortableOptions, StandardOptions
+from apache_beam.runners.runner import create_runner
 
 import batchgen_beam
 from batchgen_beam.engine_client import EngineClient, EngineConfig, EngineStartError
@@ -515,6 +516,11 @@ def prepare(argv: list[str] | None = None) -> Job:
     chat = bundled if args.chat is None else args.chat
     options = PipelineOptions(beam_args)
     runner = options.view_as(StandardOptions).runner
+    if runner is not None:  # a name Beam does not know, before the paths are judged by it
+        try:
+            create_runner(runner)
+        except ValueError as unknown:
+            raise ValueError(f"--runner: {unknown}") from None
 
     model, engine_args, defaults = model_of(args), engine_args_of(args), sampling_defaults_of(args)
     config = EngineConfig.of(model, **engine_args)
