@@ -18,14 +18,14 @@ SAMPLING_EPS = 1e-5
 # The most logprobs and prompt_logprobs a request may ask for, unless the engine says otherwise
 # (vLLM's default max_logprobs).
 DEFAULT_MAX_LOGPROBS = 20
+_FP32_MAX = torch.finfo(torch.float32).max
+_FP32_SMALLEST = 2.0 ** -149  # its smallest positive (subnormal) value
 
 
 def over_max_logprobs(wanted: int | None, max_logprobs: int) -> bool:
     """Whether `wanted` logprobs (or prompt_logprobs) are more than `max_logprobs` allows (-1:
     any number)."""
     return wanted is not None and max_logprobs != -1 and wanted > max_logprobs
-_FP32_MAX = torch.finfo(torch.float32).max
-_FP32_SMALLEST = 2.0 ** -149  # its smallest positive (subnormal) value
 
 
 def _tuple_of(name: str, value) -> tuple:
