@@ -5,6 +5,7 @@ oracle on the same weights (each greedy continuation computed once per session).
 given (`pytest -m slow`, `pytest -m "slow or not slow"`), as README.md describes."""
 
 import os
+import signal
 
 # Triton runs the kernels of tests/test_triton_kernels.py on CPU tensors only in its interpreter,
 # chosen when triton is first imported, and transformers imports it (through torch._dynamo) below.
@@ -105,3 +106,14 @@ class TinyChatModels:
 @pytest.fixture(scope="session")
 def tiny_chat(tmp_path_factory) -> TinyChatModels:
     return TinyChatModels(tmp_path_factory)
+
+
+@pytest.fixture
+def interruptible():
+    """SIGINT raising KeyboardInterrupt, as an interactive session has it, for tests that stand
+    in for the stop button with _thread.interrupt_main: a process started in the background (a
+    CI job from a non-interactive shell) inherits SIGINT ignored, and a handler wrapping that
+    (Beam's job server installs one) swallows the interrupt."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

@@ -1032,7 +1032,7 @@ class SlowToAnswer:
 
 
 @pytest.mark.parametrize("method", ["poll", "migrate_out"])
-def test_a_call_the_main_thread_is_interrupted_in_still_completes(monkeypatch, method):
+def test_a_call_the_main_thread_is_interrupted_in_still_completes(monkeypatch, method, interruptible):
     """A notebook's stop button (KeyboardInterrupt, which reaches only the main thread) while a
     call to the engine is under way: the call completes anyway and the client takes in what
     its reply carried. Its completions are then taken, and acknowledged, as usual; requests it

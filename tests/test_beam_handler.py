@@ -443,7 +443,7 @@ def test_a_failed_batch_leaves_nothing_behind(model_dir, monkeypatch):
     lease.release()
 
 
-def test_a_call_interrupted_while_it_waits_leaves_the_client_working(model_dir):
+def test_a_call_interrupted_while_it_waits_leaves_the_client_working(model_dir, interruptible):
     """A notebook's stop button (KeyboardInterrupt) during a poll: its reply is still due on
     the thread's connection to the engine, which the next call must not read as its own (it
     failed as if the engine had died, then hung rejoining over the same connection)."""
