@@ -20,6 +20,7 @@ import pyarrow as pa
 from batchgen_beam.records import Parsed, Rejected, json_key, named_as_given
 from runtime.request import Completion, Timings, content_text
 
+
 def completion_row(parsed: Parsed, completion: Completion) -> dict:
     """The output row of a record the engine answered (an engine error included)."""
     if completion.error is not None or completion.finish_reason == "error":

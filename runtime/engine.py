@@ -779,9 +779,12 @@ class Engine:
         if self.model.logit_screen is not None:
             self.stats.screened_rows += len(ids)
             self.stats.screen_misses += misses
-        # A row's logits NaN (or -inf throughout) give no token: the model failed there.
-        return [SampledToken(token) if (failure := logits_failure(logit)) is None
-                else SampledToken(-1, error=failure) for token, logit in zip(ids.tolist(), chosen.tolist())]
+        tokens = [SampledToken(token) for token in ids.tolist()]
+        # A row whose logits are NaN (or -inf throughout) gives no token: the model failed there.
+        # One check over the batch: the rows it flags, rare, are the only ones looked at again.
+        for row in (chosen.isnan() | (chosen == float("-inf"))).nonzero()[:, 0].tolist():
+            tokens[row] = SampledToken(-1, error=logits_failure(chosen[row].item()))
+        return tokens
 
     def _fail_request(self, request_id: str, error: str, invalid: bool = False) -> None:
         """End a request that broke a step (`invalid`: by its own values): its sequences leave
