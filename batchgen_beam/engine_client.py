@@ -153,6 +153,7 @@ class EngineStartError(RuntimeError):
     process's whole traceback."""
 
     def __init__(self, config: EngineConfig, error: str):
+        self.error = error
         super().__init__(f"the engine for {config.model or 'the default model'} could not start: {error}")
 
     @classmethod

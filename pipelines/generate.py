@@ -285,6 +285,17 @@ def engine_args_of(args: argparse.Namespace) -> dict:
     return {k: v for k, v in given.items() if v is not None}
 
 
+# The engine's sizes in bytes that the flags give in MiB.
+_MIB_FLAGS = {"kv_cache_bytes": "--kv_cache_mb", "host_kv_bytes": "--host_kv_mb",
+              "weight_budget_bytes": "--weight_budget_mb"}
+
+
+def _flags_named_in(engine_error: str) -> str:
+    """Which flags set the engine arguments an error names, where the names differ."""
+    named = [f"{arg} is {flag} MiB" for arg, flag in _MIB_FLAGS.items() if arg in engine_error]
+    return f" ({'; '.join(named)})" if named else ""
+
+
 def sampling_defaults_of(args: argparse.Namespace) -> dict:
     """The sampling and chat flags given (each named after its record field)."""
     given = {name: getattr(args, name, None) for name in (*SAMPLING_FIELDS, *CHAT_FIELDS)}
@@ -557,7 +568,10 @@ def prepare(argv: list[str] | None = None) -> Job:
         # crash of the process that would hold the engine.
         check_local_folders(model, engine_args.get("lora"))
         load_started = time.perf_counter()
-        client = EngineClient.shared(config).connect()  # starts (or finds) this machine's engine
+        try:
+            client = EngineClient.shared(config).connect()  # starts (or finds) this machine's engine
+        except EngineStartError as failed:
+            raise EngineStartError(config, f"{failed.error}{_flags_named_in(failed.error)}") from None
         engine_start_s = time.perf_counter() - load_started
         try:  # values no record could run with (logprobs past the vocabulary, say)
             client.check_params(default_sampling_params(check_defaults(defaults)))

@@ -9,6 +9,7 @@ import inspect
 import json
 import logging
 import operator
+import os
 import queue
 import secrets
 import threading
@@ -86,6 +87,21 @@ def _device_of(device: str | torch.device) -> torch.device:
         return torch.device(device)
     except (RuntimeError, TypeError) as bad:
         raise ValueError(f"device={device!r}: not a torch device ({bad})") from None
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_fits(device: torch.device, kv_bytes: int) -> None:
+    """ValueError for a KV cache larger than the device's whole memory, before any weight is
+    read (torch would fail on it after the load, with a message about storage sizes)."""
+    memory = _memory_bytes(device)
+    if kv_bytes > memory:
+        raise ValueError(f"kv_cache_bytes: a KV cache of {kv_bytes / 2**30:.1f} GiB does not fit in "
+                         f"this {device.type} device's {memory / 2**30:.1f} GiB of memory")
 
 
 def _dtype_of(dtype: torch.dtype | str) -> torch.dtype:
@@ -317,6 +333,9 @@ class Engine:
         self.max_logprobs = max_logprobs
         if num_threads:
             torch.set_num_threads(num_threads)
+        if isinstance(model, str) and "://" in model:  # Path() would fold "gs://b/m" into "gs:/b/m"
+            raise ValueError(f"{model}: a URI; runtime.Engine reads a local model directory "
+                             f"(batchgen_beam.model_sources.resolve_model fetches gs:// ones)")
         self.model_dir = Path(model) if model is not None else default_model_dir()
         self.device, dtype = _device_of(device), _dtype_of(dtype)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -343,9 +362,13 @@ class Engine:
         if num_blocks < 2:
             raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds fewer than 2 blocks "
                              f"of {block_bytes} bytes")
+        _check_fits(self.device, num_blocks * block_bytes)
         # A lone sequence must always fit in the cache, so the cache bounds the context too.
         self.max_model_len = min(max_model_len or spec.max_position_embeddings,
                                  spec.max_position_embeddings, num_blocks * block_size)
+        # Before the weights: a broken tokenizer file fails the start in seconds, not after a load.
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self._chat_takes_parts = self.tokenizer is not None and takes_content_parts(self.tokenizer)
         if streaming:
             self.model = on_a_passing_thread(build_model, self.model_dir, self.device, dtype,
                                              stream_layers=True, max_positions=self.max_model_len)
@@ -369,8 +392,6 @@ class Engine:
             on_a_passing_thread(self.model.screen_logits)  # its bf16 copies are parallel ops
         self.spec = self.model.spec
         self._moe_blocks = moe_blocks(self.model)
-        self.tokenizer = load_tokenizer(self.model_dir)
-        self._chat_takes_parts = self.tokenizer is not None and takes_content_parts(self.tokenizer)
 
         self.kv = on_a_passing_thread(KVCache, self.spec, num_blocks, block_size, dtype, self.device)
         self.scheduler = Scheduler(

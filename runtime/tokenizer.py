@@ -19,7 +19,12 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
     model_dir = Path(model_dir)
     if not any((model_dir / name).exists() for name in _TOKENIZER_FILES):
         return None
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:  # a corrupt file: transformers' error names neither it nor the folder
+        present = [name for name in _TOKENIZER_FILES if (model_dir / name).exists()]
+        raise ValueError(f"{model_dir}: its tokenizer does not load from {', '.join(present)}: "
+                         f"{type(exc).__name__}: {exc}") from exc
     if len(tokenizer) <= len(tokenizer.all_special_ids):
         # transformers builds one of nothing but the special tokens from a tokenizer_config.json
         # whose vocabulary file is missing: every text would then encode to nothing.

@@ -296,6 +296,43 @@ def test_a_tokenizer_whose_vocabulary_file_is_missing_is_refused_at_load(tmp_pat
         make_engine(tmp_path)
 
 
+def _refuse_loading_weights(monkeypatch):
+    import runtime.engine
+
+    def load(*args, **kwargs):
+        raise AssertionError("the weights were read before the refusal")
+    monkeypatch.setattr(runtime.engine, "load_model", load)
+
+
+def test_a_corrupt_tokenizer_file_is_named_before_any_weight_is_read(tiny_chat, tmp_path, monkeypatch):
+    import shutil
+
+    model = tmp_path / "corrupt-tokenizer"
+    shutil.copytree(tiny_chat.dir("llama"), model)
+    (model / "tokenizer.json").write_text("{not json")
+    _refuse_loading_weights(monkeypatch)
+    with pytest.raises(ValueError, match=f"{model}: its tokenizer does not load from tokenizer.json.*JSONDecodeError"):
+        make_engine(model)
+
+
+def test_a_kv_cache_larger_than_the_machine_is_refused_before_any_weight_is_read(tiny, monkeypatch):
+    """torch failed on it after the load, with "Storage size calculation overflowed"."""
+    from runtime import Engine
+
+    _refuse_loading_weights(monkeypatch)
+    with pytest.raises(ValueError, match=r"kv_cache_bytes: a KV cache of [\d.]+ GiB does not fit in this cpu "
+                                         r"device's [\d.]+ GiB of memory"):
+        Engine(tiny.dir("llama"), kv_cache_bytes=10**20, num_threads=1)
+
+
+def test_a_uri_is_refused_by_the_engine_whole():
+    """Path() made gs://bucket/model "gs:/bucket/model", a folder the error then named."""
+    from runtime import Engine
+
+    with pytest.raises(ValueError, match="gs://bucket/model: a URI; runtime.Engine reads a local model directory"):
+        Engine("gs://bucket/model", num_threads=1)
+
+
 @pytest.mark.parametrize("size, value", [
     ("weight_budget_bytes", float("nan")), ("weight_budget_bytes", "300"), ("weight_budget_bytes", 1.5e8),
     ("kv_cache_bytes", 1e6), ("host_kv_bytes", -1), ("host_kv_bytes", float("nan")),

@@ -880,7 +880,8 @@ def test_argument_handling(capsys):
     (["--model", "/no/such/model"], "model directory /no/such/model does not exist"),
     (["--lora", "/no/such/adapter"], "LoRA adapter directory /no/such/adapter does not exist"),
     (["--lora", str(Path(__file__).parent)], "has no adapter_config.json"),  # a folder of something else
-    (["--kv_cache_mb", "0"], "could not start: ValueError: kv_cache_bytes=0 holds fewer than 2 blocks"),
+    (["--kv_cache_mb", "0"], "could not start: ValueError: kv_cache_bytes=0 holds fewer than 2 blocks "),
+    (["--kv_cache_mb", "0"], "(kv_cache_bytes is --kv_cache_mb MiB)"),
     (["--runner", "NoSuchRunner"], "--runner: Unexpected pipeline runner: NoSuchRunner")])
 def test_the_command_refuses_a_job_it_cannot_run_with_a_line_not_a_traceback(flags, why, monkeypatch, capsys):
     """As argparse refuses a bad flag: status 2 and the reason (a missing adapter came from the
