@@ -20,7 +20,6 @@ others, and each record still gets exactly one row: from the first stage or from
 """
 
 import dataclasses
-import math
 import threading
 import time
 import uuid
@@ -43,6 +42,7 @@ from apache_beam.utils.windowed_value import WindowedValue
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.records import Parsed, check_defaults, parse_record
 from batchgen_beam.rows import completion_row, error_row
+from runtime.numbers import check_number, check_whole
 
 METRICS_NAMESPACE = "batchgen"
 CONTINUATIONS = "continuations"  # the first stage's output of records handed to the second
@@ -370,15 +370,11 @@ class Generate(beam.PTransform):
         self._config = EngineConfig.of(model, **(engine_args or {}))
         self._defaults = sampling_defaults
         check_defaults(sampling_defaults)  # a bad default fails here, not on a worker
-        for name, value in (("num_shards", num_shards), ("max_in_flight", max_in_flight)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if straggler_timeout_s is not None and not (
-                isinstance(straggler_timeout_s, (int, float)) and 0 <= straggler_timeout_s < math.inf):
-            raise ValueError(f"straggler_timeout_s must be a number >= 0, got {straggler_timeout_s!r}")
-        if isinstance(poll_interval_s, bool) or not isinstance(poll_interval_s, (int, float)) \
-                or not poll_interval_s > 0:
-            raise ValueError(f"poll_interval_s must be a number > 0, got {poll_interval_s!r}")
+        check_whole("num_shards", num_shards, 1)
+        check_whole("max_in_flight", max_in_flight, 1)
+        if straggler_timeout_s is not None:
+            check_number("straggler_timeout_s", straggler_timeout_s, 0)
+        check_number("poll_interval_s", poll_interval_s, 0, above=True)
         if not callable(clock):
             raise ValueError(f"clock must be a function returning seconds, got {clock!r}")
         self._num_shards, self._max_in_flight = num_shards, max_in_flight

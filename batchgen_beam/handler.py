@@ -20,6 +20,7 @@ from batchgen_beam.generate import EngineMetrics
 from batchgen_beam.records import Parsed, check_defaults, is_missing, is_openai_line, parse_record
 from batchgen_beam.rows import completion_row, error_row
 from runtime.default_model import DEFAULT_MODEL_NAME
+from runtime.numbers import check_whole
 
 DEFAULT_MIN_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE = 32, 256
 
@@ -76,8 +77,8 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineLease]):
                             f"RunInference's inference_args, engine arguments in engine_args, and Beam's "
                             f"batching takes {', '.join(sorted(_BEAM_BATCHING_ARGS))}")
         for name, size in (("min_batch_size", min_batch_size), ("max_batch_size", max_batch_size)):
-            if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-                raise ValueError(f"{name} must be a whole number >= 1, got {size!r}")
+            if size is not None:
+                check_whole(name, size, 1)
         if min_batch_size is not None and max_batch_size is not None and min_batch_size > max_batch_size:
             raise ValueError(f"min_batch_size ({min_batch_size}) must not be above max_batch_size ({max_batch_size})")
         # BatchElements would start at 1 and grow slowly; generation wants big batches at once.

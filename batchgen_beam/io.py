@@ -76,6 +76,7 @@ from batchgen_beam.openai_batch import response_line
 from batchgen_beam.records import CHAT_FIELDS, SAMPLING_FIELDS, Rejected, RepeatedKey, loads_record
 from batchgen_beam.rows import OUTPUT_SCHEMA, row_to_arrow_dict, row_to_json
 from runtime.default_model import DEFAULT_MODEL_NAME
+from runtime.numbers import check_whole
 
 INPUT_FORMATS = ("jsonl", "parquet", "text", "csv", "tsv")
 OUTPUT_FORMATS = ("parquet", "jsonl", "openai")
@@ -490,8 +491,7 @@ class WriteRows(beam.PTransform):
         _check_no_glob(prefix)
         self.prefix = absolute_path(prefix)
         self.format = _check_format(format, OUTPUT_FORMATS)
-        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 0:
-            raise ValueError(f"num_shards must be an integer >= 0 (0: the runner decides), got {num_shards!r}")
+        check_whole("num_shards (0: the runner decides)", num_shards, 0)
         self.num_shards = num_shards
         self.model = model
 

@@ -8,6 +8,8 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from runtime.numbers import is_whole
+
 # model_type -> the biases of its attention's q|k|v and o projections: fixed, or the config key
 # that sets them. Each family reads only the config keys its transformers model reads: a key
 # from another family (Granite's multipliers on a Qwen, a q|k|v bias flag on a Llama) changes
@@ -271,7 +273,7 @@ def _sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
     # Switched off, Qwen2-MoE's config makes the window 0 (the others' None): no window.
     if config.model_type in _USE_SLIDING_WINDOW and not getattr(config, "use_sliding_window", True):
         window = None
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+    if window is not None and not is_whole(window, 1):
         raise ValueError(f"sliding_window must be a whole number of tokens >= 1 (or null for "
                          f"none), got {window!r}")
     layer_types = _family_key(config, "layer_types", _LAYER_TYPES)

@@ -31,6 +31,7 @@ from runtime.kv_cache import BlockManager, HostKVPool, KVCache, block_hash
 from runtime.loader import build_model, load_model, safetensors_files, weights_digest
 from runtime.lora import ADAPTER_WEIGHTS
 from runtime.moe import moe_blocks
+from runtime.numbers import check_whole, is_whole
 from runtime.request import (ChatOptions, Completion, CompletionWaiter, Request, SampleOutput, Timings,
                              content_text)
 from runtime.runner import ModelRunner, ScoredPrompts
@@ -280,8 +281,8 @@ class Engine:
             raise NotImplementedError(f"a LoRA adapter with weight streaming {LORA_WITH_STREAMING}")
         for name, floor in cls._SIZE_FLOORS.items():
             value = engine_args.get(name)
-            if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__") or value < floor):
-                raise ValueError(f"{name} must be a whole number >= {floor}, got {value!r}")
+            if value is not None:
+                check_whole(name, value, floor)
         if "device" in engine_args:
             _device_of(engine_args["device"])
         if "dtype" in engine_args:
@@ -1192,7 +1193,7 @@ class Engine:
         if not isinstance(migrated.get("outputs"), dict):
             return "outputs must be a dict"
         prompt_tokens = migrated.get("prompt_tokens")
-        if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 1:
+        if not is_whole(prompt_tokens, 1):
             return "prompt_tokens must be a whole number >= 1"
         sequences = migrated.get("sequences")
         if not isinstance(sequences, list) or not sequences or not all(isinstance(s, dict) for s in sequences):

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from runtime.loader import canonical_name, packed_part
+from runtime.numbers import is_number, is_whole
 
 _PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -64,9 +65,9 @@ def read_adapter_config(adapter_dir: str | Path) -> dict:
         if config.get(key, neutral) not in (neutral, None, [], {}):
             raise NotImplementedError(f"LoRA adapter option {key}={config[key]!r} is not supported")
     r, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+    if not is_whole(r, 1):
         raise ValueError(f"{path}: r must be a positive integer, got r={r!r}")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+    if not is_number(alpha, -math.inf):
         raise ValueError(f"{path}: lora_alpha must be a number, got lora_alpha={alpha!r}")
     return config
 

@@ -23,7 +23,6 @@ queue, running set, counters and migrations, and `idle(start, end)` the time it 
 
 import contextlib
 import multiprocessing
-import operator
 import pickle
 import queue
 import threading
@@ -36,6 +35,7 @@ from pathlib import Path
 from runtime import pool_worker
 from runtime.engine import Engine
 from runtime.estimate import EstimateOrder, LengthEstimator, exact_length
+from runtime.numbers import check_number, check_whole, is_whole
 from runtime.rebalance import QUEUE_ORDERS
 from runtime.request import Completion, CompletionWaiter, Request
 from runtime.sampling import SamplingParams
@@ -49,12 +49,7 @@ HISTORY = 100_000  # samples kept per engine for timeline() and idle()
 
 def _is_index(value, size: int) -> bool:
     """Whether `value` is an integer (numpy's too; not a bool) in [0, size)."""
-    if isinstance(value, bool):
-        return False
-    try:
-        return 0 <= operator.index(value) < size
-    except TypeError:
-        return False
+    return is_whole(value, 0) and value < size
 
 
 def _unsendable(requests: list[Request]) -> dict[str, str]:
@@ -138,16 +133,14 @@ class EnginePool:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if policy not in QUEUE_ORDERS:
             raise ValueError(f"policy must be one of {sorted(QUEUE_ORDERS)}, got {policy!r}")
-        for name, count in (("num_engines", num_engines), ("threads_per_engine", threads_per_engine)):
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-                raise ValueError(f"{name} must be a whole number >= 1, got {count!r}")
+        check_whole("num_engines", num_engines, 1)
+        check_whole("threads_per_engine", threads_per_engine, 1)
         if not isinstance(reallocate, bool):
             raise ValueError(f"reallocate must be True or False, got {reallocate!r}")
         for name, value, floor in (("report_interval", report_interval, 1e-3),
                                    ("start_timeout", start_timeout, 1e-3),
                                    ("min_steal_tokens", min_steal_tokens, 0)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= floor:
-                raise ValueError(f"{name} must be a number >= {floor}, got {value!r}")
+            check_number(name, value, floor)
         Engine.check_args(**engine_args)  # here, not in each engine process
         self.split, self.reallocate, self.policy = split, reallocate, policy
         self.min_steal_tokens = min_steal_tokens

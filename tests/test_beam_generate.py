@@ -305,8 +305,8 @@ def test_passthrough_fields_come_back(rows_by_key):
 
 
 @pytest.mark.parametrize("options,problem", [
-    (dict(num_shards=0), "num_shards must be an integer >= 1, got 0"),
-    (dict(max_in_flight=2.5), "max_in_flight must be an integer >= 1, got 2.5"),
+    (dict(num_shards=0), "num_shards must be a whole number >= 1, got 0"),
+    (dict(max_in_flight=2.5), "max_in_flight must be a whole number >= 1, got 2.5"),
     (dict(straggler_timeout_s=-1), "straggler_timeout_s must be a number >= 0"),
     (dict(straggler_timeout_s=float("nan")), "straggler_timeout_s must be a number >= 0, got nan"),
     (dict(poll_interval_s=0), "poll_interval_s must be a number > 0, got 0"),

@@ -605,7 +605,7 @@ def test_formats_from_extensions():
         ReadRecords("x.jsonl", format="xlsx")
     with pytest.raises(ValueError, match="format must be one of"):
         WriteRows("out/x", format="text")
-    with pytest.raises(ValueError, match="num_shards must be an integer >= 0"):  # --output_shards -1
+    with pytest.raises(ValueError, match=r"num_shards \(0: the runner decides\) must be a whole number >= 0"):  # --output_shards -1
         WriteRows("out/x", num_shards=-1)
     assert _fixed_dir("gs://b/d/*/p.txt") == "gs://b/d/" and _fixed_dir("d/p.txt") == "d/"
     assert _fixed_dir("p.txt") == "" and _fixed_dir("/a/b[0-9].txt") == "/a/"
