@@ -17,7 +17,8 @@ from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
 from batchgen_beam.engine_client import EngineConfig, EngineLease
 from batchgen_beam.generate import EngineMetrics
-from batchgen_beam.records import Parsed, check_defaults, is_missing, is_openai_line, parse_record
+from batchgen_beam.records import (MAX_NESTING, Parsed, check_defaults, is_missing, is_openai_line, nests_deeper,
+                                   parse_record, plain)
 from batchgen_beam.rows import completion_row, error_row
 from runtime.default_model import DEFAULT_MODEL_NAME
 from runtime.numbers import check_whole
@@ -28,11 +29,12 @@ DEFAULT_MIN_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE = 32, 256
 def as_record(example: Any) -> Any:
     """A prompt string, a record (a mapping, namedtuple or beam.Row) or a chat (a list of messages)
     → what parse_record takes; a record without an id (or with a null or NaN one) gets its
-    content_id, as an OpenAI Batch line's `custom_id` where it is one. A string is a prompt,
-    never a JSON line (json.loads those first)."""
-    if hasattr(example, "_asdict"):  # before the tuple case: a namedtuple is a record, not a chat
-        example = example._asdict()
-    if isinstance(example, str):
+    content_id, as an OpenAI Batch line's `custom_id` where it is one. A string (or its UTF-8
+    bytes) is a prompt, never a JSON line (json.loads those first). numpy values count as the
+    Python values they hold, in the id too."""
+    if not nests_deeper(example, MAX_NESTING):  # parse_record rejects the others, plain() would overflow
+        example = plain(example)  # namedtuples and beam.Rows as dicts too: records, not chats
+    if isinstance(example, (str, bytes)):
         return {"id": content_id(example), "prompt": example}
     if isinstance(example, (list, tuple)):
         return {"id": content_id(example), "messages": list(example)}

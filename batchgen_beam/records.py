@@ -189,12 +189,12 @@ def parse_record(raw: Any, defaults: Mapping[str, Any] | None = None,
     except _Invalid as bad:
         return Rejected(_id_of_unread(raw), str(bad), {"raw": _preview(raw)})
     try:
-        if _nests_deeper(record, MAX_NESTING):
+        if nests_deeper(record, MAX_NESTING):
             # Checking it (or writing its row: json, pyarrow, repr) would recurse past Python's
             # stack limit.
             return Rejected(_id_of_rejected(record), f"record: nested deeper than {MAX_NESTING} levels",
                             {"raw": _preview(raw)})
-        return _parse_mapping(_plain(record), base)
+        return _parse_mapping(plain(record), base)
     except Exception as exc:  # noqa: BLE001 - one odd record must not stop the pipeline
         return Rejected(_id_of_rejected(record), _writable(f"record: could not be validated "
                                                            f"({type(exc).__name__}: {exc})"), {"raw": _preview(raw)})
@@ -203,7 +203,7 @@ def parse_record(raw: Any, defaults: Mapping[str, Any] | None = None,
 def check_defaults(defaults: Mapping[str, Any] | None) -> dict:
     """The sampling and chat fields `defaults` sets (None = not set), checked. Raises ValueError:
     a bad default is the caller's mistake. Transforms call this at construction to fail early."""
-    defaults = _plain(dict(defaults or {}))  # numpy values, as a record's own are taken
+    defaults = plain(dict(defaults or {}))  # numpy values, as a record's own are taken
     unknown = sorted(set(defaults) - set(SAMPLING_FIELDS) - set(CHAT_FIELDS))
     if unknown:
         raise ValueError(f"defaults: unknown fields {unknown}; "
@@ -311,7 +311,7 @@ def _readable_id(value: Any, key: str) -> str | None:
     return None
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """value with numpy numbers, bools, text and arrays of them as the Python values they hold,
     and beam.Rows and namedtuples as dicts, in nested mappings and lists too. Other numpy values
     (datetimes) stay: their item() would lose the type."""
@@ -320,11 +320,12 @@ def _plain(value: Any) -> Any:
     if isinstance(value, np.generic) and value.dtype.kind in "biufcUS":
         return value.item()
     if isinstance(value, np.ndarray) and value.dtype.kind in "biufcUSO":
-        return [_plain(item) for item in value.tolist()]
+        # A 0-d array (np.asarray(4), a 0-d tensor's .numpy()) holds one value, not a list.
+        return plain(value.item()) if value.ndim == 0 else [plain(item) for item in value.tolist()]
     if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
+        return {plain(k): plain(v) for k, v in value.items()}
     if isinstance(value, list) or type(value) is tuple:
-        return type(value)(_plain(item) for item in value)
+        return type(value)(plain(item) for item in value)
     return value
 
 
@@ -345,7 +346,7 @@ def _is_container(value: Any) -> bool:
     return isinstance(value, _CONTAINERS) or _is_record(value)
 
 
-def _nests_deeper(value: Any, limit: int) -> bool:
+def nests_deeper(value: Any, limit: int) -> bool:
     """Whether mappings, lists and arrays nest deeper than `limit` in value, found without
     recursion."""
     pending = [(value, 0)]
@@ -421,8 +422,8 @@ def _unwritable(value: Any, where: str) -> str | None:
 def json_key(key: Any) -> Any:
     """`key` as a mapping key json.dumps takes: str, int, finite float, bool and None as they are
     (it writes them as text itself), any other as its str()."""
-    plain = key is None or isinstance(key, (str, int)) or isinstance(key, float) and math.isfinite(key)
-    return key if plain else str(key)
+    as_is = key is None or isinstance(key, (str, int)) or isinstance(key, float) and math.isfinite(key)
+    return key if as_is else str(key)
 
 
 def _clashing_keys(mapping: Mapping, where: str | None = None) -> dict[Any, str]:

@@ -16,7 +16,7 @@ from apache_beam.ml.inference.base import KeyedModelHandler, KeyModelMapping, Ru
 
 from batchgen_beam.engine_client import EngineClient, EngineConfig
 from batchgen_beam.handler import BatchGenModelHandler, as_record, content_id
-from batchgen_beam.records import Parsed, parse_record
+from batchgen_beam.records import Parsed, Rejected, parse_record, plain
 from batchgen_beam.rows import error_row
 from beam_helpers import (CONTEXT, ENGINE_ARGS, IN_MEMORY, bundled_prompts, chat_model_dir, counter, gone,
                           run_pipeline)
@@ -77,6 +77,24 @@ class Prompted(NamedTuple):
     max_tokens: int
 
 
+def test_numpy_values_get_the_ids_of_the_python_values_they_hold():
+    """The id seeds a job's sample: np.str_("Hello") drew another than "Hello", and numpy 2's
+    reprs (np.int64(4) where 1.x wrote 4) moved ids with a numpy upgrade."""
+    assert as_record(np.str_("Hello")) == as_record("Hello")
+    assert as_record({"prompt": np.str_("Hi"), "max_tokens": np.int64(4), "temperature": np.array(0.5)}) \
+        == as_record({"prompt": "Hi", "max_tokens": 4, "temperature": 0.5})
+    assert as_record([{"role": np.str_("user"), "content": "Hi"}]) == as_record([{"role": "user", "content": "Hi"}])
+
+
+def test_bytes_are_a_prompt_as_a_string_is():
+    """They were read as a JSON line: b"Hello there" was "record: invalid JSON"."""
+    record = as_record(b"Hello there")
+    assert record["id"].startswith("example-") and parse_record(record).prompt == "Hello there"
+    assert parse_record(as_record(b'{"prompt": "Hi"}')).prompt == '{"prompt": "Hi"}'
+    rejected = parse_record(as_record(b"\xff\xfe"))
+    assert isinstance(rejected, Rejected) and "UTF-8" in rejected.error
+
+
 def test_examples_as_records():
     chat = [{"role": "user", "content": "Hi"}]
     assert as_record("Hi") == {"id": content_id("Hi"), "prompt": "Hi"}
@@ -90,7 +108,7 @@ def test_examples_as_records():
     # A null id (a Parquet or BigQuery column with gaps) is no id: the content id fills it.
     for gap in (None, float("nan"), np.float64("nan")):  # NaN: pandas' missing value
         record = {"id": gap, "prompt": "Hi"}
-        assert as_record(record) == {"id": content_id(record), "prompt": "Hi"}
+        assert as_record(record) == {"id": content_id(plain(record)), "prompt": "Hi"}
     assert as_record(beam.Row(id=None, prompt="Hi"))["id"].startswith("example-")
     assert as_record({"custom_id": None, "id": None, "prompt": "Hi"})["id"].startswith("example-")
     # An OpenAI Batch line's id is its custom_id (an "id" would make it a record of ours, one

@@ -429,6 +429,16 @@ def test_a_record_rejected_for_its_id_keeps_the_id_it_gave():
         assert got.passthrough[key] == raw[key], raw
 
 
+def test_a_0_d_numpy_array_counts_as_the_value_it_holds():
+    """np.asarray(4), a 0-d tensor's .numpy(): its tolist() is the value, which was then iterated
+    ("'int' object is not iterable" failed the record) or split (np.array("abc") → ['a', 'b', 'c'])."""
+    got = parse_record({"id": "a", "prompt": np.array("Hi"), "max_tokens": np.array(4),
+                        "temperature": np.array(0.25), "note": np.array("abc"), "stop": np.array(["x"])})
+    assert isinstance(got, Parsed), got
+    assert got.prompt == "Hi" and got.params.max_tokens == 4 and got.params.temperature == 0.25
+    assert got.passthrough["note"] == "abc" and got.params.stop == ("x",)
+
+
 def test_numpy_values_count_as_the_python_values_they_hold():
     # What a pandas or DataFrame source hands over.
     got = parse_record({"id": np.int64(7), "prompt": np.str_("Hi"), "max_tokens": np.int64(5),
