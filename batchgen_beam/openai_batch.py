@@ -7,7 +7,7 @@ Pure Python: no Beam, no model math. A row becomes one line:
   one: the endpoints OpenAI Batch lines name (`/v1/chat/completions` needs messages,
   `/v1/completions` a prompt), so a line's answer has the shape its request asked for.
 - `choices` holds the n samples; each carries vLLM's `stop_reason` (the stop string or stop
-  token id that ended it, null for EOS) beside `finish_reason`.
+  token id that ended it, null for the tokenizer's EOS token) beside `finish_reason`.
 - Logprobs take each endpoint's shape, with each token's text (runtime.tokenizer.TokenTexts);
   a -inf logprob is written as -9999.0, as vLLM writes it, since JSON has no infinity. A
   completion's `top_logprobs` hold the chosen token too, as OpenAI's spec has them; chat's hold

@@ -407,10 +407,12 @@ class Engine:
         # use the same words (a job-wide list), while per-record lists come and go.
         self._bad_word_ids = functools.lru_cache(maxsize=1024)(
             functools.partial(_bad_word_token_ids, self.tokenizer, self.spec.vocab_size))
-        self.stop_rule = StopRule(frozenset(self._eos_token_ids()), self.max_model_len,
+        tokenizer_eos = self._tokenizer_eos_token_id()
+        eos_ids = {*self._configured_eos_token_ids(), *([tokenizer_eos] if tokenizer_eos is not None else [])}
+        self.stop_rule = StopRule(frozenset(eos_ids), self.max_model_len,
                                   functools.partial(_decode, self.tokenizer) if has_tokenizer else None,
                                   Grammars(self.tokenizer, self.spec.vocab_size) if has_tokenizer else None,
-                                  getattr(self.tokenizer, "backend_tokenizer", None))
+                                  getattr(self.tokenizer, "backend_tokenizer", None), tokenizer_eos)
         self.stats = EngineStats()
 
         self._lock = StepLock()  # engine state: scheduler, sequences; held for a step
@@ -424,13 +426,12 @@ class Engine:
         self._wake = threading.Event()
         self._failure: BaseException | None = None
 
-    def _eos_token_ids(self) -> list[int]:
-        """generation_config.json's ids (else config.json's) and the tokenizer's eos_token, as
-        vLLM stops at: a chat fine-tune's tokenizer may name <|im_end|> where its configs
-        still name the base model's <|endoftext|>."""
-        tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
-        tokenizer_eos = [tokenizer_eos] if isinstance(tokenizer_eos, int) and tokenizer_eos < self.spec.vocab_size else []
-        return self._configured_eos_token_ids() + tokenizer_eos
+    def _tokenizer_eos_token_id(self) -> int | None:
+        """The tokenizer's eos_token, which vLLM stops at beside the configs' ids: a chat
+        fine-tune's tokenizer may name <|im_end|> where its configs still name the base model's
+        <|endoftext|>."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return eos if isinstance(eos, int) and eos < self.spec.vocab_size else None
 
     def _configured_eos_token_ids(self) -> list[int]:
         gen_config = self.model_dir / "generation_config.json"

@@ -70,6 +70,9 @@ class StopRule:
     # The tokenizers library's tokenizer, for decoding text as tokens arrive (TextStream);
     # None: `detokenize` decodes the whole completion each token.
     decoder: Tokenizer | None = None
+    # The tokenizer's EOS: a completion it ends has no stop_reason. The model's other EOS ids
+    # (generation_config's) are stop tokens to vLLM, which reports them as the stop_reason.
+    tokenizer_eos: int | None = None
 
 
 # The fields of export_state's state that from_state reads, and their types.
@@ -234,7 +237,7 @@ class Sequence:
             if p.include_stop_str_in_output and p.stop and self.num_generated > p.min_tokens \
                     and self._hit_stop_string():
                 return "stop"
-            self.stop_reason = None if eos else token
+            self.stop_reason = None if eos and token == rule.tokenizer_eos else token
             if rule.detokenize is not None and not p.include_stop_str_in_output:
                 self.text = self.completion_text(self.generated_ids[:-1])
             return "stop"

@@ -128,6 +128,23 @@ def test_the_tokenizers_eos_token_ends_a_completion_too(tmp_path, generation_con
     assert im_end not in banned.token_ids[:3] and banned.token_ids[3] == im_end
 
 
+def test_only_the_tokenizers_eos_ends_a_completion_without_a_stop_reason(tmp_path):
+    """vLLM folds the configs' EOS ids other than the tokenizer's into stop_token_ids and
+    reports the one that ended a completion (Llama 3's <|eom_id|> beside <|eot_id|>); we gave
+    None for all of them."""
+    tokenizer = make_tiny_tokenizer(tmp_path)
+    endoftext, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    make_tiny_model("llama", tmp_path, vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=endoftext)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [endoftext, im_end]}))
+    engine = make_engine(tmp_path)
+    ended = {}
+    for eos in (endoftext, im_end):
+        [completion] = engine.generate([Request("r", prompt="Hi", params=SamplingParams(max_tokens=8, logit_bias={eos: 100.0}))])
+        assert completion.token_ids == [eos] and completion.outputs[0].finish_reason == "stop"
+        ended[eos] = completion.outputs[0].stop_reason
+    assert ended == {endoftext: endoftext, im_end: None}
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_top_logprobs_are_the_models_distribution(tiny, family):
     prompt = PROMPTS[4]

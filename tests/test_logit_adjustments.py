@@ -207,10 +207,11 @@ def test_min_tokens_matches_transformers_min_new_tokens(tiny):
 
 
 def letter_sequence(tokens, max_tokens=10, **params) -> Sequence:
-    """A sequence over a 10-letter vocabulary (token t is the t-th letter; 9 is EOS), fed
-    `tokens` until it finishes."""
-    rule = StopRule(eos_token_ids=frozenset({9}), max_model_len=100,
-                    detokenize=lambda ids, skip_special_tokens: "".join("abcdefghij"[t] for t in ids))
+    """A sequence over a 10-letter vocabulary (token t is the t-th letter; 9 is the tokenizer's
+    EOS, 8 another the model's config names), fed `tokens` until it finishes."""
+    rule = StopRule(eos_token_ids=frozenset({8, 9}), max_model_len=100,
+                    detokenize=lambda ids, skip_special_tokens: "".join("abcdefghij"[t] for t in ids),
+                    tokenizer_eos=9)
     seq = Sequence("s", "r", 0, [0], 1, SamplingParams(max_tokens=max_tokens, **params), None, rule)
     seq.send(Event.ADMITTED)
     for token in tokens:
@@ -251,8 +252,8 @@ def test_min_tokens_holds_back_stop_strings_and_stop_ids():
 
 
 def test_stop_reason_names_the_stop_string_or_stop_token_that_ended_it():
-    """vLLM's stop_reason: the stop string or stop_token_ids entry; None for EOS, length and a
-    grammar's end."""
+    """vLLM's stop_reason: the stop string or stop_token_ids entry (or an EOS id of the model's
+    other than its tokenizer's); None for the tokenizer's EOS, length and a grammar's end."""
     def stop_reason(tokens, **params):
         seq = letter_sequence(tokens, max_tokens=4, **params)
         assert seq.is_finished
@@ -264,7 +265,8 @@ def test_stop_reason_names_the_stop_string_or_stop_token_that_ended_it():
     assert stop_reason([1, 9], stop_token_ids=[9]) == ("stop", None)  # EOS, though also listed
     assert stop_reason([1, 9], stop_token_ids=[9], ignore_eos=True) == ("stop", 9)
     assert stop_reason([1, 9]) == ("stop", None)
-    assert stop_reason([1, 2, 3, 4], stop=["z"], stop_token_ids=[8]) == ("length", None)
+    assert stop_reason([1, 8]) == ("stop", 8)  # the config's EOS: a stop token to vLLM
+    assert stop_reason([1, 2, 3, 4], stop=["z"], stop_token_ids=[7]) == ("length", None)
 
 
 def test_a_stop_string_completed_by_a_kept_stop_token_wins_as_in_vllm():
@@ -417,7 +419,7 @@ class OneWordMatcher:
 def test_the_eos_that_completes_a_grammar_is_left_out_of_the_text(min_tokens):
     rule = StopRule(eos_token_ids=frozenset({9}), max_model_len=100,
                     detokenize=lambda ids, skip: "".join("abcdefghi<"[t] for t in ids if not (skip and t == 9)),
-                    grammars=OneWordGrammars())
+                    grammars=OneWordGrammars(), tokenizer_eos=9)
     params = SamplingParams(max_tokens=10, regex="a+", skip_special_tokens=False, min_tokens=min_tokens)
     seq = Sequence("s", "r", 0, [0], 1, params, None, rule)
     seq.send(Event.ADMITTED)
