@@ -90,6 +90,30 @@ def _device_of(device: str | torch.device) -> torch.device:
         raise ValueError(f"device={device!r}: not a torch device ({bad})") from None
 
 
+def _usable_device(device: str | torch.device, dtype: torch.dtype) -> torch.device:
+    """The torch device to run on, a CUDA one numbered (the one current now, for good); a
+    ValueError where this torch sees no GPU, or the Triton kernels take no such dtype."""
+    usable = _device_of(device)
+    if usable.type != "cuda":
+        return usable
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: this torch ({torch.__version__}) sees no CUDA device "
+                         f"(a CPU build, or no GPU or driver)")
+    if dtype not in kernels.TRITON_DTYPES:
+        raise ValueError(f"dtype={dtype}: CUDA runs the Triton kernels, which take "
+                         f"{', '.join(map(str, kernels.TRITON_DTYPES))}")
+    return usable if usable.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _kv_cache_blocks(device: torch.device, kv_cache_bytes: int, block_bytes: int) -> int:
+    """How many KV blocks kv_cache_bytes holds: at least 2, in the device's memory."""
+    num_blocks = kv_cache_bytes // block_bytes
+    if num_blocks < 2:
+        raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds fewer than 2 blocks of {block_bytes} bytes")
+    _check_fits(device, num_blocks * block_bytes)
+    return num_blocks
+
+
 def _memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
@@ -338,15 +362,8 @@ class Engine:
             raise ValueError(f"{model}: a URI; runtime.Engine reads a local model directory "
                              f"(batchgen_beam.model_sources.resolve_model fetches gs:// ones)")
         self.model_dir = Path(model) if model is not None else default_model_dir()
-        self.device, dtype = _device_of(device), _dtype_of(dtype)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r}: this torch ({torch.__version__}) sees no CUDA device "
-                             f"(a CPU build, or no GPU or driver)")
-        if self.device.type == "cuda" and dtype not in kernels.TRITON_DTYPES:
-            raise ValueError(f"dtype={dtype}: CUDA runs the Triton kernels, which take "
-                             f"{', '.join(map(str, kernels.TRITON_DTYPES))}")
-        if self.device.type == "cuda" and self.device.index is None:  # the one current now, for good
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        dtype = _dtype_of(dtype)
+        self.device = _usable_device(device, dtype)
         streaming = weight_budget_bytes is not None
         if streaming and self.device.type not in ("cpu", "cuda"):
             raise NotImplementedError(f"weight streaming runs on CPU and CUDA, not {self.device.type}")
@@ -359,30 +376,14 @@ class Engine:
         # The cache's size and the longest context come from the config, before any weight is read.
         spec = model_spec(load_hf_config(self.model_dir))
         block_bytes = KVCache.bytes_per_block(spec, block_size, dtype)
-        num_blocks = kv_cache_bytes // block_bytes
-        if num_blocks < 2:
-            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds fewer than 2 blocks "
-                             f"of {block_bytes} bytes")
-        _check_fits(self.device, num_blocks * block_bytes)
+        num_blocks = _kv_cache_blocks(self.device, kv_cache_bytes, block_bytes)
         # A lone sequence must always fit in the cache, so the cache bounds the context too.
         self.max_model_len = min(max_model_len or spec.max_position_embeddings,
                                  spec.max_position_embeddings, num_blocks * block_size)
         # Before the weights: a broken tokenizer file fails the start in seconds, not after a load.
         self.tokenizer = load_tokenizer(self.model_dir)
         self._chat_takes_parts = self.tokenizer is not None and takes_content_parts(self.tokenizer)
-        if streaming:
-            self.model = on_a_passing_thread(build_model, self.model_dir, self.device, dtype,
-                                             stream_layers=True, max_positions=self.max_model_len)
-            self.weights = WeightStreamer(self.model, self.model_dir, weight_budget_bytes,
-                                          host_copy=weights_in_host_memory)
-        else:
-            self.model = on_a_passing_thread(load_model, self.model_dir, self.device, dtype, lora,
-                                             max_positions=self.max_model_len)
-            self.weights = None
-        weight_files = ([self.model_dir / "config.json", *safetensors_files(self.model_dir)]
-                        + ([Path(lora) / "adapter_config.json", Path(lora) / ADAPTER_WEIGHTS]
-                           if lora is not None else []))
-        self._loaded_files = {path: _stamp(path) for path in weight_files}
+        self._load_weights(dtype, lora, weight_budget_bytes, weights_in_host_memory)
         self._dtype = dtype
         if greedy_screen is None:
             greedy_screen = (not streaming and dtype == torch.float32 and self.model.logits_grow_with_head
@@ -401,18 +402,12 @@ class Engine:
             max_num_seqs, max_num_batched_tokens, admission, preemption)
         self.runner = ModelRunner(self.model, self.kv, self.device)
         self.ngram_drafts = ngram_drafts
-        has_tokenizer = self.tokenizer is not None
         # Neither holds the engine (a cycle): a dropped engine frees its KV cache at once, not
         # at the collector's next pass. Bad words' token ids are cached for the requests that
         # use the same words (a job-wide list), while per-record lists come and go.
         self._bad_word_ids = functools.lru_cache(maxsize=1024)(
             functools.partial(_bad_word_token_ids, self.tokenizer, self.spec.vocab_size))
-        tokenizer_eos = self._tokenizer_eos_token_id()
-        eos_ids = {*self._configured_eos_token_ids(), *([tokenizer_eos] if tokenizer_eos is not None else [])}
-        self.stop_rule = StopRule(frozenset(eos_ids), self.max_model_len,
-                                  functools.partial(_decode, self.tokenizer) if has_tokenizer else None,
-                                  Grammars(self.tokenizer, self.spec.vocab_size) if has_tokenizer else None,
-                                  getattr(self.tokenizer, "backend_tokenizer", None), tokenizer_eos)
+        self.stop_rule = self._make_stop_rule()
         self.stats = EngineStats()
 
         self._lock = StepLock()  # engine state: scheduler, sequences; held for a step
@@ -425,6 +420,33 @@ class Engine:
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self._failure: BaseException | None = None
+
+    def _load_weights(self, dtype: torch.dtype, lora, weight_budget_bytes: int | None,
+                      weights_in_host_memory: bool) -> None:
+        """The model, with its weights in memory or (weight_budget_bytes) streamed by
+        self.weights; the stamps of the files read, by which migrations know the weights."""
+        if weight_budget_bytes is not None:
+            self.model = on_a_passing_thread(build_model, self.model_dir, self.device, dtype,
+                                             stream_layers=True, max_positions=self.max_model_len)
+            self.weights = WeightStreamer(self.model, self.model_dir, weight_budget_bytes,
+                                          host_copy=weights_in_host_memory)
+        else:
+            self.model = on_a_passing_thread(load_model, self.model_dir, self.device, dtype, lora,
+                                             max_positions=self.max_model_len)
+            self.weights = None
+        weight_files = ([self.model_dir / "config.json", *safetensors_files(self.model_dir)]
+                        + ([Path(lora) / "adapter_config.json", Path(lora) / ADAPTER_WEIGHTS]
+                           if lora is not None else []))
+        self._loaded_files = {path: _stamp(path) for path in weight_files}
+
+    def _make_stop_rule(self) -> StopRule:
+        tokenizer, tokenizer_eos = self.tokenizer, self._tokenizer_eos_token_id()
+        eos_ids = {*self._configured_eos_token_ids(), *([tokenizer_eos] if tokenizer_eos is not None else [])}
+        if tokenizer is None:
+            return StopRule(frozenset(eos_ids), self.max_model_len, None)
+        return StopRule(frozenset(eos_ids), self.max_model_len, functools.partial(_decode, tokenizer),
+                        Grammars(tokenizer, self.spec.vocab_size), getattr(tokenizer, "backend_tokenizer", None),
+                        tokenizer_eos)
 
     def _tokenizer_eos_token_id(self) -> int | None:
         """The tokenizer's eos_token, which vLLM stops at beside the configs' ids: a chat
