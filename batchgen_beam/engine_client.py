@@ -116,7 +116,7 @@ class EngineConfig:
 
         Engine.check_args(**engine_args)
         if engine_args.get("lora") is not None:
-            engine_args["lora"] = model_location(engine_args["lora"])
+            engine_args["lora"] = model_location(engine_args["lora"], "LoRA adapter")
         return cls(model_location(model), tuple(sorted(engine_args.items()))).current()
 
     def current(self) -> "EngineConfig":

@@ -71,7 +71,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchgen_beam.compressed import compression_of, decompressed
-from batchgen_beam.model_sources import check_local_folders, resolve_model
+from batchgen_beam.model_sources import check_local_folders, check_text_path, resolve_model
 from batchgen_beam.openai_batch import response_line
 from batchgen_beam.records import CHAT_FIELDS, SAMPLING_FIELDS, Rejected, RepeatedKey, loads_record
 from batchgen_beam.rows import OUTPUT_SCHEMA, row_to_arrow_dict, row_to_json
@@ -193,6 +193,7 @@ class ReadRecords(beam.PTransform):
 
     def __init__(self, pattern: str, format: str | None = None):
         super().__init__()
+        check_text_path("input pattern", pattern)
         self.pattern = absolute_path(pattern)
         self.format = _check_format(format, INPUT_FORMATS) if format else infer_format(pattern)
 
@@ -488,6 +489,7 @@ class WriteRows(beam.PTransform):
     def __init__(self, prefix: str, format: str = "parquet", num_shards: int = 0, *,
                  model: str | None = None):
         super().__init__()
+        check_text_path("output prefix", prefix)
         _check_no_glob(prefix)
         self.prefix = absolute_path(prefix)
         self.format = _check_format(format, OUTPUT_FORMATS)

@@ -22,13 +22,25 @@ class ModelDownloadError(OSError):
     """A downloaded file does not match the object it was downloaded from."""
 
 
-def model_location(location: str | os.PathLike | None) -> str | None:
+def check_text_path(what: str, path: str) -> None:
+    """ValueError for a path that is not text: a file name in another encoding than the
+    locale's reaches Python with its bytes as lone surrogates ("lat\\udce9in1"), which Beam's
+    coders and safetensors, taking UTF-8, fail on deep in their own code."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError as bad:
+        raise ValueError(f"{what} {path!r}: the path is not UTF-8 text (a byte of another encoding at "
+                         f"index {bad.start}); rename it") from None
+
+
+def model_location(location: str | os.PathLike | None, what: str = "model") -> str | None:
     """A model's or adapter's location as engines are configured with it: a URI as given, a
     local folder absolute ("~" expanded, no trailing slash), so every spelling of one folder
     (a Path, "./m", "m/") names one engine."""
     if location is None:
         return None
     location = os.fspath(location)
+    check_text_path(what, location)
     return location if "://" in location else os.path.abspath(os.path.expanduser(location))
 
 

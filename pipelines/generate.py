@@ -41,7 +41,7 @@ from batchgen_beam.engine_client import EngineClient, EngineConfig, EngineStartE
 from batchgen_beam.generate import METRICS_NAMESPACE, Generate
 from batchgen_beam.io import (INPUT_FORMATS, OUTPUT_FORMATS, ReadRecords, WriteRows, absolute_path,
                               check_input, check_output, file_records, infer_format, open_input)
-from batchgen_beam.model_sources import check_local_folders, model_location
+from batchgen_beam.model_sources import check_local_folders, check_text_path, model_location
 from batchgen_beam.records import (CHAT_FIELDS, SAMPLING_FIELDS, RepeatedKey, check_defaults,
                                    default_sampling_params, is_missing, is_openai_line, loads_record)
 from runtime.default_model import DEFAULT_MODEL_NAME
@@ -517,6 +517,9 @@ def prepare(argv: list[str] | None = None) -> Job:
     this machine cannot start with them (EngineStartError)."""
     started = time.perf_counter()
     args, beam_args = parse_args(argv)
+    for flag in ("input", "output", "model", "lora"):
+        if (path := getattr(args, flag)) is not None:
+            check_text_path(f"--{flag}", path)
     bundled = args.input is None
     input_pattern = str(BUNDLED_PROMPTS) if bundled else args.input
     try:

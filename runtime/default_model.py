@@ -43,9 +43,14 @@ def default_model_dir() -> pathlib.Path:
     target = root / "models" / DEFAULT_MODEL_NAME
     if (target / _COMPLETE_MARKER).is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(root / f"{DEFAULT_MODEL_NAME}.lock", "w")
+    except OSError as exc:
+        raise DefaultModelUnavailable(f"the default model is converted into {target.parent}, which cannot be "
+                                      f"written ({exc}); set BATCHGEN_CACHE_DIR to a writable folder") from None
     # Several workers may start at once: one converts, the others wait and then reuse its result.
-    with open(root / f"{DEFAULT_MODEL_NAME}.lock", "w") as lock:
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / _COMPLETE_MARKER).is_file():
             remove_killed_work(target)

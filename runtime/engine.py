@@ -361,7 +361,7 @@ class Engine:
         if isinstance(model, str) and "://" in model:  # Path() would fold "gs://b/m" into "gs:/b/m"
             raise ValueError(f"{model}: a URI; runtime.Engine reads a local model directory "
                              f"(batchgen_beam.model_sources.resolve_model fetches gs:// ones)")
-        self.model_dir = Path(model) if model is not None else default_model_dir()
+        self.model_dir = Path(model).expanduser() if model is not None else default_model_dir()
         dtype = _dtype_of(dtype)
         self.device = _usable_device(device, dtype)
         streaming = weight_budget_bytes is not None

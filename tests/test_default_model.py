@@ -173,3 +173,13 @@ def test_real_conversion_gives_loadable_chat_model(cache):
     output = model.generate(**inputs, max_new_tokens=20, do_sample=False)
     answer = tokenizer.decode(output[0, inputs.input_ids.shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+def test_a_cache_folder_that_cannot_be_written_is_named_with_its_variable(tmp_path, monkeypatch):
+    """A bare NotADirectoryError (or PermissionError) named neither the cache nor its variable."""
+    not_a_folder = tmp_path / "a-file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(not_a_folder))
+    with pytest.raises(DefaultModelUnavailable, match=rf"{not_a_folder}/models, which cannot be written "
+                                                      r"\(.*\); set BATCHGEN_CACHE_DIR to a writable folder"):
+        default_model_dir()

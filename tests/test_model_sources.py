@@ -63,6 +63,29 @@ def test_local_dir_errors(tmp_path):
         resolve_model(tmp_path / "model")
 
 
+def test_paths_that_are_not_utf8_text_are_named_where_the_pipeline_is_built(tmp_path):
+    """A file name in Latin-1 under a UTF-8 locale: a raw UnicodeEncodeError from Beam's coders
+    or a digest of the folder, naming nothing."""
+    from batchgen_beam import Generate
+    from batchgen_beam.io import ReadRecords, WriteRows
+
+    bad = str(tmp_path / "lat\udce9in1")
+    for build, what in ((lambda: Generate(bad), "model"),
+                        (lambda: Generate(None, engine_args={"lora": bad}), "LoRA adapter"),
+                        (lambda: ReadRecords(bad + "/*.jsonl"), "input pattern"),
+                        (lambda: WriteRows(bad + "/out"), "output prefix")):
+        with pytest.raises(ValueError, match=rf"^{what} '.*lat\\udce9in1.*': the path is not UTF-8 text "
+                                             rf"\(a byte of another encoding at index \d+\); rename it$"):
+            build()
+
+
+def test_an_engine_expands_a_home_folder(tiny, monkeypatch):
+    from runtime import Engine
+
+    monkeypatch.setenv("HOME", str(tiny.dir("llama").parent))
+    assert Engine(f"~/{tiny.dir('llama').name}", num_threads=1).model_dir == tiny.dir("llama")
+
+
 def test_none_is_the_default_model(monkeypatch, tmp_path):
     import runtime.default_model
     monkeypatch.setattr(runtime.default_model, "default_model_dir", lambda: tmp_path)

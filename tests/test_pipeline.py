@@ -882,7 +882,10 @@ def test_argument_handling(capsys):
     (["--lora", str(Path(__file__).parent)], "has no adapter_config.json"),  # a folder of something else
     (["--kv_cache_mb", "0"], "could not start: ValueError: kv_cache_bytes=0 holds fewer than 2 blocks "),
     (["--kv_cache_mb", "0"], "(kv_cache_bytes is --kv_cache_mb MiB)"),
-    (["--runner", "NoSuchRunner"], "--runner: Unexpected pipeline runner: NoSuchRunner")])
+    (["--runner", "NoSuchRunner"], "--runner: Unexpected pipeline runner: NoSuchRunner"),
+    # A Latin-1 byte in a file name under a UTF-8 locale: Beam's coders failed on it, unnamed.
+    *((["--" + flag, "/tmp/lat\udce9in1/x.jsonl"], f"--{flag} '/tmp/lat\\udce9in1/x.jsonl': the path is not UTF-8 text")
+      for flag in ("input", "output", "model", "lora"))])
 def test_the_command_refuses_a_job_it_cannot_run_with_a_line_not_a_traceback(flags, why, monkeypatch, capsys):
     """As argparse refuses a bad flag: status 2 and the reason (a missing adapter came from the
     crash of the process that would have held the engine; an engine that cannot start names its
