@@ -378,12 +378,10 @@ class EngineService:
         return self._last_info
 
     def _info(self) -> dict:
-        scheduler = self.engine.scheduler
         return {"pid": os.getpid(), "steps": self.engine.stats.steps,
                 "decode_tokens": self.engine.stats.decode_tokens,
                 "prefill_tokens": self.engine.stats.prefill_tokens,
-                "waiting": len(scheduler.waiting), "running": len(scheduler.running),
-                "suspended": len(scheduler.suspended), "finished": self._finished,
+                **self.engine.sequence_counts(), "finished": self._finished,
                 "generated_tokens": self._generated_tokens, "migrated_out": self._migrated_out,
                 "engine_failures": self.engine_failures,
                 "screened_rows": self.engine.stats.screened_rows,

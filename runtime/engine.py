@@ -1223,6 +1223,12 @@ class Engine:
             return "sequences must be a non-empty list of sequence states"
         return next(filter(None, (Sequence.state_error(s, self.spec.vocab_size) for s in sequences)), None)
 
+    def sequence_counts(self) -> dict[str, int]:
+        """How many sequences wait, run and are suspended: a reading for progress reports, taken
+        without the step lock (a step may be moving one between queues)."""
+        sched = self.scheduler
+        return {"waiting": len(sched.waiting), "running": len(sched.running), "suspended": len(sched.suspended)}
+
     def workload(self) -> list[RequestLoad]:
         """What each in-flight request still needs: where its sequences are and the tokens they
         are expected to generate (runtime/estimate.py; an unforked n > 1 request counts n)."""

@@ -84,6 +84,7 @@ def assert_idle_and_clean(engine: Engine) -> None:
     sched = engine.scheduler
     assert not engine.has_unfinished()
     assert not (sched.waiting or sched.running or sched.suspended or sched.held)
+    assert engine.sequence_counts() == {"waiting": 0, "running": 0, "suspended": 0}
     assert sched.blocks.num_free == engine.kv.num_blocks
     assert all(count == 0 for count in sched.blocks.ref_counts)
     assert sched.host.used_blocks == 0

@@ -59,6 +59,7 @@ def test_suspend_holds_a_request_while_others_run_then_resume_is_exact(tiny, fam
     assert seq.seq_id in engine.scheduler.host
     assert engine.scheduler.host.used_blocks == 3  # 40 + 5 computed tokens
     assert engine.suspend("r2") == 0  # already held
+    assert engine.sequence_counts() == {"waiting": 0, "running": 3, "suspended": 0}  # held apart
     generated = seq.num_generated
 
     spy = BatchSpy(engine)
