@@ -300,28 +300,26 @@ def stateful_stage(logic: type[_GenerateFn], names: str) -> type[_GenerateFn]:
     never come out (two Generate transforms reading one PCollection lost rows)."""
     pending_spec = BagStateSpec(f"pending_{names}", PickleCoder())
     flush_spec = TimerSpec(f"flush_{names}", TimeDomain.WATERMARK)
-    if not issubclass(logic, _StreamingGenerateFn):
-        class Stage(logic):
-            def process(self, element, window=beam.DoFn.WindowParam, timestamp=beam.DoFn.TimestampParam,
-                        pending=beam.DoFn.StateParam(pending_spec),
-                        flush=beam.DoFn.TimerParam(flush_spec)):
-                return self._process(element, window, timestamp, pending, flush)
 
-            @on_timer(flush_spec)
-            def flush(self, pending=beam.DoFn.StateParam(pending_spec), window=beam.DoFn.WindowParam):
-                return self._flush(pending, window)
-        return Stage
-    poll_spec = TimerSpec(f"poll_{names}", TimeDomain.REAL_TIME)
-
-    class StreamingStage(logic):
+    class Stage(logic):
         def process(self, element, window=beam.DoFn.WindowParam, timestamp=beam.DoFn.TimestampParam,
                     pending=beam.DoFn.StateParam(pending_spec),
-                    flush=beam.DoFn.TimerParam(flush_spec), poll=beam.DoFn.TimerParam(poll_spec)):
-            return self._process(element, window, timestamp, pending, flush, poll)
+                    flush=beam.DoFn.TimerParam(flush_spec)):
+            return self._process(element, window, timestamp, pending, flush)
 
         @on_timer(flush_spec)
         def flush(self, pending=beam.DoFn.StateParam(pending_spec), window=beam.DoFn.WindowParam):
             return self._flush(pending, window)
+
+    if not issubclass(logic, _StreamingGenerateFn):
+        return Stage
+    poll_spec = TimerSpec(f"poll_{names}", TimeDomain.REAL_TIME)
+
+    class StreamingStage(Stage):  # its flush timer too, and a poll timer for rows done meanwhile
+        def process(self, element, window=beam.DoFn.WindowParam, timestamp=beam.DoFn.TimestampParam,
+                    pending=beam.DoFn.StateParam(pending_spec),
+                    flush=beam.DoFn.TimerParam(flush_spec), poll=beam.DoFn.TimerParam(poll_spec)):
+            return self._process(element, window, timestamp, pending, flush, poll)
 
         @on_timer(poll_spec)
         def poll(self, pending=beam.DoFn.StateParam(pending_spec), poll=beam.DoFn.TimerParam(poll_spec),
