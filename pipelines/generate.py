@@ -76,7 +76,8 @@ SAMPLING_FLAGS = (
 DEFAULT_OUTPUT = "./output/generations"
 PIPELINE_NAMESPACE = "batchgen_pipeline"  # this pipeline's own metrics
 # Runners whose workers run on this machine, so they share an engine started here.
-LOCAL_RUNNERS = {"directrunner", "switchingdirectrunner", "fnapirunner", "prismrunner"}
+# (BundleBasedDirectRunner: Generate refuses it, with its reason.)
+LOCAL_RUNNERS = {"directrunner", "switchingdirectrunner", "bundlebaseddirectrunner", "fnapirunner", "prismrunner"}
 # Input larger than this is not counted up front (the bar then shows no total); Parquet row
 # counts come from the footers and are always cheap.
 COUNT_LIMIT_BYTES = 256 << 20
@@ -530,11 +531,11 @@ def prepare(argv: list[str] | None = None) -> Job:
     chat = bundled if args.chat is None else args.chat
     options = PipelineOptions(beam_args)
     runner = options.view_as(StandardOptions).runner
-    if runner is not None:  # a name Beam does not know, before the paths are judged by it
-        try:
-            create_runner(runner)
-        except ValueError as unknown:
-            raise ValueError(f"--runner: {unknown}") from None
+    try:  # a name Beam does not know, before the paths are judged by it
+        # The checks go by the class Beam makes of the name ("direct": the DirectRunner).
+        runner_class = type(create_runner(runner)).__name__
+    except ValueError as unknown:
+        raise ValueError(f"--runner: {unknown}") from None
 
     model, engine_args, defaults = model_of(args), engine_args_of(args), sampling_defaults_of(args)
     config = EngineConfig.of(model, **engine_args)
@@ -545,11 +546,11 @@ def prepare(argv: list[str] | None = None) -> Job:
     write = WriteRows(args.output, args.format, num_shards=args.output_shards, model=model)
     # After the flags: their mistakes are named first.
     paths = {"--input": args.input, "--output": args.output, "--model": args.model, "--lora": args.lora}
-    check_paths_for_workers({flag: path for flag, path in paths.items() if path is not None}, runner, options)
+    check_paths_for_workers({flag: path for flag, path in paths.items() if path is not None}, runner_class, options)
     check_input(input_pattern, input_format)
     check_output(args.output)
     # The bundled prompts travel in the pipeline to workers elsewhere.
-    ship_prompts = bundled and not _workers_see_this_disk(runner, options)
+    ship_prompts = bundled and not _workers_see_this_disk(runner_class, options)
     earlier = write.existing_shards()  # the write replaces them
 
     pipeline = beam.Pipeline(options=options)
@@ -566,7 +567,7 @@ def prepare(argv: list[str] | None = None) -> Job:
      | "NoteFiles" >> beam.ParDo(_NoteFiles()))
 
     client = engine_start_s = None
-    if _is_local(runner):
+    if _is_local(runner_class):
         # The engine's folders are this machine's: a missing one is named here, not in the
         # crash of the process that would hold the engine.
         check_local_folders(model, engine_args.get("lora"))

@@ -920,6 +920,14 @@ def test_local_paths_are_refused_where_the_workers_run_elsewhere(tmp_path, runne
             cli.main(["--model", "my-model", "--output", "gs://b/out", "--no_progress", *runner_flags])
 
 
+@pytest.mark.parametrize("name", ["direct", "SwitchingDirect"])
+def test_beams_short_names_of_the_direct_runner_run_here(chat_model, jsonl_input, tmp_path, name):
+    """Beam makes its DirectRunner of these; the job refused them as remote runners whose
+    workers could not read the local --input."""
+    summary = run(chat_model, "--input", str(jsonl_input), "--output", str(tmp_path / "gen"), f"--runner={name}")
+    assert summary["records"] > 0 and summary["state"] == "DONE"
+
+
 def test_the_bundled_prompts_travel_in_the_pipeline_to_workers_elsewhere(chat_model, tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "_workers_see_this_disk", lambda runner, options: False)
     monkeypatch.setattr(cli, "check_paths_for_workers", lambda paths, runner, options: None)
