@@ -344,6 +344,7 @@ def _check_runner(records) -> None:
                          "run it without --streaming")
 
 
+@beam.typehints.with_output_types(dict)
 class Generate(beam.PTransform):
     """Records (dicts, OpenAI Batch lines, JSON text lines) → output rows, one per input record.
 
@@ -402,13 +403,16 @@ class Generate(beam.PTransform):
                 *first_stage_args, poll_interval_s=self._poll_interval_s, clock=self._clock)
         else:
             first_stage = stateful_stage(_GenerateFn, names)(*first_stage_args, job=job)
+        # Rows are dicts (declared: a pipeline that requires every step's output type builds).
         if self._straggler_timeout_s is None:
-            return validated | "Generate" >> beam.ParDo(first_stage)
-        first = validated | "Generate" >> beam.ParDo(first_stage).with_outputs(CONTINUATIONS, main="rows")
+            return validated | "Generate" >> beam.ParDo(first_stage).with_output_types(dict)
+        first = validated | "Generate" >> beam.ParDo(first_stage).with_output_types(dict).with_outputs(
+            CONTINUATIONS, main="rows").with_output_types(dict)
         continued = (first[CONTINUATIONS]
                      # Other shards than the first stage's: the stragglers of one key spread out.
                      | "Rekey" >> beam.Map(lambda c: (shard_of(c.parsed.id + CONTINUED, shards), c)
                                            ).with_output_types(KV[int, Any])
                      | "Continue" >> beam.ParDo(stateful_stage(_GenerateFn, names + "_continued")(
-                         config, shards, self._max_in_flight, namespace, None, CONTINUED, job)))
-        return (first.rows, continued) | "Rows" >> beam.Flatten()
+                         config, shards, self._max_in_flight, namespace, None, CONTINUED, job)
+                                                 ).with_output_types(dict))
+        return (first.rows, continued) | "Rows" >> beam.Flatten().with_output_types(dict)

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 import types
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -342,6 +343,16 @@ def test_a_bounded_input_in_streaming_mode_on_the_direct_runner_is_refused():
     pipeline = beam.Pipeline(options=PipelineOptions(["--runner=DirectRunner", "--streaming"]))
     with pytest.raises(ValueError, match="bounded input .* streaming mode on the DirectRunner"):
         pipeline | beam.Create([{"id": "a", "prompt": "Hi"}]) | Generate("unused-model-dir")
+
+
+@pytest.mark.parametrize("straggler_timeout_s", [None, 5])
+def test_a_pipeline_that_requires_every_steps_output_type_builds(straggler_timeout_s):
+    """--type_check_strictness=ALL_REQUIRED: Generate and its inner steps declare that rows are
+    dicts (the pipeline stopped at "no output type-hint was found for ... Generate")."""
+    pipeline = beam.Pipeline(options=PipelineOptions(["--type_check_strictness=ALL_REQUIRED"]))
+    rows = (pipeline | beam.Create([{"id": "a", "prompt": "Hi"}]).with_output_types(dict)
+            | Generate("unused-model-dir", straggler_timeout_s=straggler_timeout_s))
+    assert rows.element_type == beam.typehints.Dict[typing.Any, typing.Any]
 
 
 def test_metrics_count_rows_tokens_and_errors(in_memory):
