@@ -139,7 +139,10 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
         raise ValueError(f"{path}: not a model config (a JSON object): {exc}") from None
     if model_type not in _IMAGE_TEXT:  # checked before transformers, whose error names no file
         _check_supported(model_type, f"{path}: ")
-    config = AutoConfig.from_pretrained(str(model_dir))
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir))
+    except (KeyError, TypeError, ValueError) as exc:  # transformers' validation names no file
+        raise ValueError(f"{path}: transformers cannot read this config ({type(exc).__name__}: {exc})") from exc
     if config.model_type not in _IMAGE_TEXT:
         return config
     text = config.text_config

@@ -399,6 +399,19 @@ def test_other_block_sizes_with_chunks_prefix_sharing_and_preemption(tiny, block
     assert_idle_and_clean(engine)
 
 
+def test_a_config_transformers_cannot_read_names_its_file(tmp_path):
+    """Phi-3-mini-128k's first revision ("su" rope scaling without the original context among
+    its parameters): transformers' bare KeyError named no file."""
+    from runtime.config import load_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "phi3", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 131072,
+        "rope_scaling": {"type": "su", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8}}))
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/config.json: transformers cannot read this config \(KeyError: "):
+        load_hf_config(tmp_path)
+
+
 @pytest.mark.parametrize("overrides,problem", [
     (dict(model_type="gpt2"), "model_type 'gpt2' is not supported yet"),
     (dict(hidden_act="relu2"), "hidden_act 'relu2' is not supported yet"),
