@@ -111,10 +111,11 @@ class EngineConfig:
     @classmethod
     def of(cls, model: str | os.PathLike | None = None, **engine_args) -> "EngineConfig":
         """Unknown engine arguments raise here, at pipeline construction, not on a worker.
-        Local model and adapter folders are named absolute (model_sources.model_location)."""
+        Arguments at their defaults are left out and local model and adapter folders named
+        absolute (model_sources.model_location), so every spelling of a configuration is one."""
         from runtime import Engine
 
-        Engine.check_args(**engine_args)
+        engine_args = Engine.canonical_args(**engine_args)
         if engine_args.get("lora") is not None:
             engine_args["lora"] = model_location(engine_args["lora"], "LoRA adapter")
         return cls(model_location(model), tuple(sorted(engine_args.items()))).current()

@@ -313,6 +313,20 @@ class Engine:
             _dtype_of(engine_args["dtype"])
         Scheduler.check_modes(engine_args.get("admission", "fifo"), engine_args.get("preemption", "suspend"))
 
+    @classmethod
+    def canonical_args(cls, **engine_args) -> dict:
+        """engine_args checked (check_args), without those given at their default, a dtype as
+        its torch.dtype and a device as torch names it: every spelling of one configuration is
+        one (the Beam glue starts one engine a configuration)."""
+        cls.check_args(**engine_args)
+        if "dtype" in engine_args:
+            engine_args["dtype"] = _dtype_of(engine_args["dtype"])
+        if "device" in engine_args:
+            engine_args["device"] = str(_device_of(engine_args["device"]))
+        defaults = {name: p.default for name, p in inspect.signature(cls).parameters.items()
+                    if p.kind is p.KEYWORD_ONLY}
+        return {name: value for name, value in engine_args.items() if value != defaults[name]}
+
     def __init__(self, model: str | Path | None = None, *, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  kv_cache_bytes: int = 2 << 30, host_kv_bytes: int = 2 << 30,

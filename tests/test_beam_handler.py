@@ -511,6 +511,20 @@ def test_every_spelling_of_a_model_folder_names_one_engine(model_dir, monkeypatc
     assert result.model_id == str(model_dir)
 
 
+def test_every_spelling_of_one_engine_configuration_names_one_engine(model_dir):
+    """Defaults given or left out, a dtype by name or by value: one engine, not one a spelling
+    (each with its own weights and KV cache)."""
+    import torch
+
+    def engine_of(**engine_args):
+        return EngineConfig.of(str(model_dir), **ENGINE_ARGS, **engine_args)
+
+    assert engine_of() == engine_of(dtype="float32") == engine_of(max_num_seqs=None) \
+        == engine_of(enable_prefix_caching=True, device="cpu", lora=None)
+    assert engine_of(dtype="bfloat16") == engine_of(dtype=torch.bfloat16) != engine_of()
+    assert engine_of(max_num_seqs=3) != engine_of()
+
+
 def test_rows_and_errors_are_counted_under_run_inference(model_dir, prompts, tmp_path):
     """The batchgen counters Generate reports (README, Metrics), under RunInference too."""
     examples = [prompts[0], {"id": "bad", "prompt": ""}, {"id": "r", "prompt": prompts[1], "max_tokens": 3},
