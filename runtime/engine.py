@@ -315,10 +315,13 @@ class Engine:
 
     @classmethod
     def canonical_args(cls, **engine_args) -> dict:
-        """engine_args checked (check_args), without those given at their default, a dtype as
-        its torch.dtype and a device as torch names it: every spelling of one configuration is
-        one (the Beam glue starts one engine a configuration)."""
+        """engine_args checked (check_args), without those given at their default, a size as a
+        Python int, a dtype as its torch.dtype and a device as torch names it: every spelling of
+        one configuration is one (the Beam glue starts one engine a configuration)."""
         cls.check_args(**engine_args)
+        for name in cls._SIZE_FLOORS.keys() & engine_args.keys():
+            if engine_args[name] is not None:
+                engine_args[name] = operator.index(engine_args[name])  # np.int64(8) is 8
         if "dtype" in engine_args:
             engine_args["dtype"] = _dtype_of(engine_args["dtype"])
         if "device" in engine_args:

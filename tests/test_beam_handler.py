@@ -523,6 +523,7 @@ def test_every_spelling_of_one_engine_configuration_names_one_engine(model_dir):
         == engine_of(enable_prefix_caching=True, device="cpu", lora=None)
     assert engine_of(dtype="bfloat16") == engine_of(dtype=torch.bfloat16) != engine_of()
     assert engine_of(max_num_seqs=3) != engine_of()
+    assert engine_of(max_num_seqs=np.int64(3)) == engine_of(max_num_seqs=3)
 
 
 def test_rows_and_errors_are_counted_under_run_inference(model_dir, prompts, tmp_path):
