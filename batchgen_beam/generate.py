@@ -403,16 +403,17 @@ class Generate(beam.PTransform):
                 *first_stage_args, poll_interval_s=self._poll_interval_s, clock=self._clock)
         else:
             first_stage = stateful_stage(_GenerateFn, names)(*first_stage_args, job=job)
-        # Rows are dicts (declared: a pipeline that requires every step's output type builds).
+        # Rows are dicts, declared on every step: a pipeline that requires each step's output
+        # type (--type_check_strictness=ALL_REQUIRED) builds. The tagged form needs its own.
+        generate = beam.ParDo(first_stage).with_output_types(dict)
         if self._straggler_timeout_s is None:
-            return validated | "Generate" >> beam.ParDo(first_stage).with_output_types(dict)
-        first = validated | "Generate" >> beam.ParDo(first_stage).with_output_types(dict).with_outputs(
-            CONTINUATIONS, main="rows").with_output_types(dict)
+            return validated | "Generate" >> generate
+        first = validated | "Generate" >> generate.with_outputs(CONTINUATIONS, main="rows").with_output_types(dict)
+        second_stage = stateful_stage(_GenerateFn, names + "_continued")(
+            config, shards, self._max_in_flight, namespace, None, CONTINUED, job)
         continued = (first[CONTINUATIONS]
                      # Other shards than the first stage's: the stragglers of one key spread out.
                      | "Rekey" >> beam.Map(lambda c: (shard_of(c.parsed.id + CONTINUED, shards), c)
                                            ).with_output_types(KV[int, Any])
-                     | "Continue" >> beam.ParDo(stateful_stage(_GenerateFn, names + "_continued")(
-                         config, shards, self._max_in_flight, namespace, None, CONTINUED, job)
-                                                 ).with_output_types(dict))
+                     | "Continue" >> beam.ParDo(second_stage).with_output_types(dict))
         return (first.rows, continued) | "Rows" >> beam.Flatten().with_output_types(dict)
