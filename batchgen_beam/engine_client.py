@@ -160,10 +160,15 @@ class EngineStartError(RuntimeError):
     @classmethod
     def from_report(cls, config: EngineConfig, report: str) -> "EngineStartError":
         lines = report.rstrip().splitlines()
-        # The exception ("ValueError: kv_cache_bytes=0 holds ...", maybe several lines) follows
-        # the traceback's last indented line; a report without one is all message.
-        indented = [i for i, line in enumerate(lines) if line.startswith(" ")]
-        return cls(config, "\n".join(lines[indented[-1] + 1:] if indented else lines))
+        # The exception ("ValueError: kv_cache_bytes=0 holds ...", maybe several lines, the
+        # later ones indented) is the first line flush left after the traceback's last frame
+        # (its '  File "..."' line, then its indented source and carets); a report without a
+        # frame is all message.
+        frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
+        if not frames:
+            return cls(config, "\n".join(lines))
+        start = next((i for i in range(frames[-1] + 1, len(lines)) if not lines[i].startswith(" ")), len(lines))
+        return cls(config, "\n".join(lines[start:]))
 
 
 class EngineService:

@@ -141,7 +141,7 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
         _check_supported(model_type, f"{path}: ")
     try:
         config = AutoConfig.from_pretrained(str(model_dir))
-    except (KeyError, TypeError, ValueError) as exc:  # transformers' validation names no file
+    except Exception as exc:  # transformers' checks (KeyError, huggingface_hub's strict dataclasses) name no file
         raise ValueError(f"{path}: transformers cannot read this config ({type(exc).__name__}: {exc})") from exc
     if config.model_type not in _IMAGE_TEXT:
         return config

@@ -324,8 +324,9 @@ class Engine:
                 engine_args[name] = operator.index(engine_args[name])  # np.int64(8) is 8
         if "dtype" in engine_args:
             engine_args["dtype"] = _dtype_of(engine_args["dtype"])
-        if "device" in engine_args:
-            engine_args["device"] = str(_device_of(engine_args["device"]))
+        if "device" in engine_args:  # "cuda" runs on cuda:0 in a new process; "cpu:0" is "cpu"
+            device = _device_of(engine_args["device"])
+            engine_args["device"] = "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
         defaults = {name: p.default for name, p in inspect.signature(cls).parameters.items()
                     if p.kind is p.KEYWORD_ONLY}
         return {name: value for name, value in engine_args.items() if value != defaults[name]}

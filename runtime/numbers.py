@@ -3,18 +3,13 @@ engine, the pool, the Beam glue, a config): one rule, one wording."""
 
 import math
 import numbers
-import operator
 
 
 def is_whole(value, floor: int) -> bool:
     """value is an integer, Python's or numpy's, at least floor. Never a bool (True is 1 to
-    Python, not a count) nor a float (2.0 may be a rounded 2.4)."""
-    if isinstance(value, bool):
-        return False
-    try:
-        return operator.index(value) >= floor
-    except TypeError:
-        return False
+    Python, not a count), a float (2.0 may be a rounded 2.4), nor an array or tensor of one
+    element (torch.set_num_threads takes no np.array(1))."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= floor
 
 
 def is_number(value, floor: float, *, above: bool = False) -> bool:

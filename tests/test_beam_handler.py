@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from apache_beam.ml.inference.base import KeyedModelHandler, KeyModelMapping, RunInference
 
-from batchgen_beam.engine_client import EngineClient, EngineConfig
+from batchgen_beam.engine_client import EngineClient, EngineConfig, EngineStartError
 from batchgen_beam.handler import BatchGenModelHandler, as_record, content_id
 from batchgen_beam.records import Parsed, Rejected, parse_record, plain
 from batchgen_beam.rows import error_row
@@ -524,6 +524,19 @@ def test_every_spelling_of_one_engine_configuration_names_one_engine(model_dir):
     assert engine_of(dtype="bfloat16") == engine_of(dtype=torch.bfloat16) != engine_of()
     assert engine_of(max_num_seqs=3) != engine_of()
     assert engine_of(max_num_seqs=np.int64(3)) == engine_of(max_num_seqs=3)
+    assert engine_of(device="cpu:0") == engine_of()
+    assert engine_of(device="cuda") == engine_of(device="cuda:0") != engine_of(device="cuda:1")
+
+
+def test_an_engine_start_error_keeps_a_message_of_several_lines():
+    """huggingface_hub's config errors indent their second line: the reason came out empty."""
+    report = ('Traceback (most recent call last):\n  File "/x/engine.py", line 9, in start\n    load()\n'
+              '    ^^^^^^\nValueError: /m/config.json: transformers cannot read this config (Strict: bad field\n'
+              '    TypeError: Field num_attention_heads expected int, got str)\n')
+    error = EngineStartError.from_report(EngineConfig("/m"), report)
+    assert error.error == ("ValueError: /m/config.json: transformers cannot read this config (Strict: bad field\n"
+                           "    TypeError: Field num_attention_heads expected int, got str)")
+    assert EngineStartError.from_report(EngineConfig("/m"), "no traceback\n  at all").error == "no traceback\n  at all"
 
 
 def test_rows_and_errors_are_counted_under_run_inference(model_dir, prompts, tmp_path):

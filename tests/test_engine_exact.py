@@ -410,6 +410,10 @@ def test_a_config_transformers_cannot_read_names_its_file(tmp_path):
         "rope_scaling": {"type": "su", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8}}))
     with pytest.raises(ValueError, match=rf"^{tmp_path}/config.json: transformers cannot read this config \(KeyError: "):
         load_hf_config(tmp_path)
+    # huggingface_hub's strict dataclass checks raise none of KeyError, TypeError, ValueError.
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_attention_heads": "four"}))
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/config.json: transformers cannot read this config"):
+        load_hf_config(tmp_path)
 
 
 @pytest.mark.parametrize("overrides,problem", [

@@ -2,13 +2,15 @@
 
 import numpy as np
 import pytest
+import torch
 
 from runtime.numbers import check_number, check_whole, is_number, is_whole
 
 
 @pytest.mark.parametrize("value, whole", [
     (3, True), (np.int64(3), True), (np.uint8(3), True), (0, False), (True, False), (np.True_, False),
-    (3.0, False), (np.float64(3), False), ("3", False), (None, False), (10**40, True)])
+    (3.0, False), (np.float64(3), False), ("3", False), (None, False), (10**40, True),
+    (np.array(3), False), (torch.tensor(3), False)])  # torch.set_num_threads takes neither
 def test_a_whole_number_is_an_integer_of_any_kind_but_a_bool(value, whole):
     assert is_whole(value, 1) is whole
 
