@@ -404,11 +404,12 @@ class Generate(beam.PTransform):
         else:
             first_stage = stateful_stage(_GenerateFn, names)(*first_stage_args, job=job)
         # Rows are dicts, declared on every step: a pipeline that requires each step's output
-        # type (--type_check_strictness=ALL_REQUIRED) builds. The tagged form needs its own.
-        generate = beam.ParDo(first_stage).with_output_types(dict)
+        # type (--type_check_strictness=ALL_REQUIRED) builds. With stragglers the first stage
+        # emits their continuations too, which a runtime type check holds to the ParDo's hint.
         if self._straggler_timeout_s is None:
-            return validated | "Generate" >> generate
-        first = validated | "Generate" >> generate.with_outputs(CONTINUATIONS, main="rows").with_output_types(dict)
+            return validated | "Generate" >> beam.ParDo(first_stage).with_output_types(dict)
+        first = validated | "Generate" >> beam.ParDo(first_stage).with_output_types(Any).with_outputs(
+            CONTINUATIONS, main="rows").with_output_types(dict)
         second_stage = stateful_stage(_GenerateFn, names + "_continued")(
             config, shards, self._max_in_flight, namespace, None, CONTINUED, job)
         continued = (first[CONTINUATIONS]

@@ -17,8 +17,7 @@ from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
 from batchgen_beam.engine_client import EngineConfig, EngineLease
 from batchgen_beam.generate import EngineMetrics
-from batchgen_beam.records import (MAX_NESTING, Parsed, check_defaults, is_missing, is_openai_line, nests_deeper,
-                                   parse_record, plain)
+from batchgen_beam.records import Parsed, check_defaults, is_missing, is_openai_line, parse_record, plain
 from batchgen_beam.rows import completion_row, error_row
 from runtime.default_model import DEFAULT_MODEL_NAME
 from runtime.numbers import check_whole
@@ -32,8 +31,10 @@ def as_record(example: Any) -> Any:
     content_id, as an OpenAI Batch line's `custom_id` where it is one. A string (or its UTF-8
     bytes) is a prompt, never a JSON line (json.loads those first). numpy values count as the
     Python values they hold, in the id too."""
-    if not nests_deeper(example, MAX_NESTING):  # parse_record rejects the others, plain() would overflow
+    try:
         example = plain(example)  # namedtuples and beam.Rows as dicts too: records, not chats
+    except Exception:  # noqa: BLE001 - nesting past the stack, a key plain() makes unhashable:
+        pass  # parse_record gives the example as it is its error row
     if isinstance(example, (str, bytes)):
         return {"id": content_id(example), "prompt": example}
     if isinstance(example, (list, tuple)):

@@ -186,9 +186,11 @@ def check_rows(rows, result, good, bare_engine):
     assert {rid: by_id[rid]["token_ids"] for rid in (r["id"] for r in good)} == bare_tokens(bare_engine, good)
 
 
-def test_pipeline_continues_stragglers_in_memory(model_dir, config, good, bare_engine, tmp_path):
+@pytest.mark.parametrize("type_check", [[], ["--performance_runtime_type_check"]], ids=["plain", "type-checked"])
+def test_pipeline_continues_stragglers_in_memory(model_dir, config, good, bare_engine, tmp_path, type_check):
+    """Type-checked: the first stage's continuations failed the rows' dict hint."""
     records = good + [raw for raw, _, _ in BAD_RECORDS.values()]
-    rows, result = gated_rows(records, model_dir, config, tmp_path, IN_MEMORY)
+    rows, result = gated_rows(records, model_dir, config, tmp_path, IN_MEMORY + type_check)
     check_rows(rows, result, good, bare_engine)
 
 

@@ -86,6 +86,19 @@ def test_numpy_values_get_the_ids_of_the_python_values_they_hold():
     assert as_record([{"role": np.str_("user"), "content": "Hi"}]) == as_record([{"role": "user", "content": "Hi"}])
 
 
+def test_an_example_plain_values_cannot_be_made_of_still_gets_a_row():
+    """A namedtuple as a mapping key (a dict once plain, which no key can be), or a list subclass
+    that list(iterable) cannot build: as_record raised, and the job failed."""
+    class Pair(list):
+        def __init__(self, first, second):
+            super().__init__([first, second])
+
+    for example in ({"prompt": "Hi", Prompted("a", 1): 1}, {"prompt": "Hi", "pair": Pair(1, 2)}):
+        assert isinstance(parse_record(as_record(example)), Rejected)
+    chat = Pair({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"})
+    assert parse_record(as_record(chat)).messages[0]["content"] == "Hi"
+
+
 def test_bytes_are_a_prompt_as_a_string_is():
     """They were read as a JSON line: b"Hello there" was "record: invalid JSON"."""
     record = as_record(b"Hello there")
