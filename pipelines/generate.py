@@ -470,6 +470,13 @@ def _metrics(result) -> tuple[dict, dict]:
     return counters, sets
 
 
+def _runner_kind(runner_class: type) -> str:
+    """The runner a class Beam makes of a --runner name is, for the checks: the DirectRunner
+    for "direct" or TestDirectRunner, Dataflow's for TestDataflowRunner; else its own name."""
+    known = (*LOCAL_RUNNERS, "dataflowrunner")
+    return next((c.__name__ for c in runner_class.__mro__ if c.__name__.lower() in known), runner_class.__name__)
+
+
 def _is_local(runner: str | None) -> bool:
     return str(runner).rsplit(".", 1)[-1].lower() in LOCAL_RUNNERS
 
@@ -532,8 +539,7 @@ def prepare(argv: list[str] | None = None) -> Job:
     options = PipelineOptions(beam_args)
     runner = options.view_as(StandardOptions).runner
     try:  # a name Beam does not know, before the paths are judged by it
-        # The checks go by the class Beam makes of the name ("direct": the DirectRunner).
-        runner_class = type(create_runner(runner)).__name__
+        runner_class = _runner_kind(type(create_runner(runner)))
     except ValueError as unknown:
         raise ValueError(f"--runner: {unknown}") from None
 

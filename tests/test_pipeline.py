@@ -838,6 +838,8 @@ def test_argument_handling(capsys):
         cli.parse_args(["--lora", "/a/adapter", "--weight_budget_mb", "300"])
     assert "--lora with --weight_budget_mb" in capsys.readouterr().err
     assert cli._is_local("DirectRunner") and not cli._is_local("DataflowRunner")
+    from apache_beam.runners.runner import create_runner
+    assert cli._runner_kind(type(create_runner("TestDataflowRunner"))) == "DataflowRunner"
     for mistyped in (["--temprature", "0.9"], ["--n=2"],  # Beam would drop them with a warning
                      ["prompts.jsonl"], ["-temperature", "0.9"], ["--temperature", "0.9", "1.0"],
                      # a word after a Beam flag that takes no value is no value of it
@@ -920,7 +922,7 @@ def test_local_paths_are_refused_where_the_workers_run_elsewhere(tmp_path, runne
             cli.main(["--model", "my-model", "--output", "gs://b/out", "--no_progress", *runner_flags])
 
 
-@pytest.mark.parametrize("name", ["direct", "SwitchingDirect"])
+@pytest.mark.parametrize("name", ["direct", "SwitchingDirect", "TestDirectRunner"])
 def test_beams_short_names_of_the_direct_runner_run_here(chat_model, jsonl_input, tmp_path, name):
     """Beam makes its DirectRunner of these; the job refused them as remote runners whose
     workers could not read the local --input."""
