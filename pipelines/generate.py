@@ -471,8 +471,9 @@ def _metrics(result) -> tuple[dict, dict]:
 
 
 def _runner_kind(runner_class: type) -> str:
-    """The runner a class Beam makes of a --runner name is, for the checks: the DirectRunner
-    for "direct" or TestDirectRunner, Dataflow's for TestDataflowRunner; else its own name."""
+    """What the checks take a runner for: the first runner they know that the class Beam makes
+    of --runner is or extends ("direct" and TestDirectRunner: the DirectRunner; TestDataflowRunner:
+    Dataflow's), else the class's own name."""
     known = (*LOCAL_RUNNERS, "dataflowrunner")
     return next((c.__name__ for c in runner_class.__mro__ if c.__name__.lower() in known), runner_class.__name__)
 
@@ -539,7 +540,7 @@ def prepare(argv: list[str] | None = None) -> Job:
     options = PipelineOptions(beam_args)
     runner = options.view_as(StandardOptions).runner
     try:  # a name Beam does not know, before the paths are judged by it
-        runner_class = _runner_kind(type(create_runner(runner)))
+        runner_kind = _runner_kind(type(create_runner(runner)))
     except ValueError as unknown:
         raise ValueError(f"--runner: {unknown}") from None
 
@@ -552,11 +553,11 @@ def prepare(argv: list[str] | None = None) -> Job:
     write = WriteRows(args.output, args.format, num_shards=args.output_shards, model=model)
     # After the flags: their mistakes are named first.
     paths = {"--input": args.input, "--output": args.output, "--model": args.model, "--lora": args.lora}
-    check_paths_for_workers({flag: path for flag, path in paths.items() if path is not None}, runner_class, options)
+    check_paths_for_workers({flag: path for flag, path in paths.items() if path is not None}, runner_kind, options)
     check_input(input_pattern, input_format)
     check_output(args.output)
     # The bundled prompts travel in the pipeline to workers elsewhere.
-    ship_prompts = bundled and not _workers_see_this_disk(runner_class, options)
+    ship_prompts = bundled and not _workers_see_this_disk(runner_kind, options)
     earlier = write.existing_shards()  # the write replaces them
 
     pipeline = beam.Pipeline(options=options)
@@ -573,7 +574,7 @@ def prepare(argv: list[str] | None = None) -> Job:
      | "NoteFiles" >> beam.ParDo(_NoteFiles()))
 
     client = engine_start_s = None
-    if _is_local(runner_class):
+    if _is_local(runner_kind):
         # The engine's folders are this machine's: a missing one is named here, not in the
         # crash of the process that would hold the engine.
         check_local_folders(model, engine_args.get("lora"))

@@ -139,7 +139,8 @@ def test_only_the_tokenizers_eos_ends_a_completion_without_a_stop_reason(tmp_pat
     engine = make_engine(tmp_path)
     ended = {}
     for eos in (endoftext, im_end):
-        [completion] = engine.generate([Request("r", prompt="Hi", params=SamplingParams(max_tokens=8, logit_bias={eos: 100.0}))])
+        params = SamplingParams(max_tokens=8, logit_bias={eos: 100.0})
+        [completion] = engine.generate([Request("r", prompt="Hi", params=params)])
         assert completion.token_ids == [eos] and completion.outputs[0].finish_reason == "stop"
         ended[eos] = completion.outputs[0].stop_reason
     assert ended == {endoftext: endoftext, im_end: None}
