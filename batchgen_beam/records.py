@@ -189,7 +189,7 @@ def parse_record(raw: Any, defaults: Mapping[str, Any] | None = None,
     except _Invalid as bad:
         return Rejected(_id_of_unread(raw), str(bad), {"raw": _preview(raw)})
     try:
-        if nests_deeper(record, MAX_NESTING):
+        if _nests_deeper(record, MAX_NESTING):
             # Checking it (or writing its row: json, pyarrow, repr) would recurse past Python's
             # stack limit.
             return Rejected(_id_of_rejected(record), f"record: nested deeper than {MAX_NESTING} levels",
@@ -346,7 +346,7 @@ def _is_container(value: Any) -> bool:
     return isinstance(value, _CONTAINERS) or _is_record(value)
 
 
-def nests_deeper(value: Any, limit: int) -> bool:
+def _nests_deeper(value: Any, limit: int) -> bool:
     """Whether mappings, lists and arrays nest deeper than `limit` in value, found without
     recursion."""
     pending = [(value, 0)]

@@ -106,11 +106,16 @@ def _usable_device(device: str | torch.device, dtype: torch.dtype) -> torch.devi
 
 
 def _kv_cache_blocks(device: torch.device, kv_cache_bytes: int, block_bytes: int) -> int:
-    """How many KV blocks kv_cache_bytes holds: at least 2, in the device's memory."""
+    """How many KV blocks kv_cache_bytes holds: at least 2, within the device's whole memory
+    (checked before any weight is read: torch failed on it after the load, with a message
+    about storage sizes)."""
     num_blocks = kv_cache_bytes // block_bytes
     if num_blocks < 2:
         raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds fewer than 2 blocks of {block_bytes} bytes")
-    _check_fits(device, num_blocks * block_bytes)
+    kv_bytes, memory = num_blocks * block_bytes, _memory_bytes(device)
+    if kv_bytes > memory:
+        raise ValueError(f"kv_cache_bytes: a KV cache of {kv_bytes / 2**30:.1f} GiB does not fit in "
+                         f"this {device.type} device's {memory / 2**30:.1f} GiB of memory")
     return num_blocks
 
 
@@ -118,15 +123,6 @@ def _memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _check_fits(device: torch.device, kv_bytes: int) -> None:
-    """ValueError for a KV cache larger than the device's whole memory, before any weight is
-    read (torch would fail on it after the load, with a message about storage sizes)."""
-    memory = _memory_bytes(device)
-    if kv_bytes > memory:
-        raise ValueError(f"kv_cache_bytes: a KV cache of {kv_bytes / 2**30:.1f} GiB does not fit in "
-                         f"this {device.type} device's {memory / 2**30:.1f} GiB of memory")
 
 
 def _dtype_of(dtype: torch.dtype | str) -> torch.dtype:
@@ -282,6 +278,12 @@ class Engine:
     _SWITCHES = ("enable_prefix_caching", "weights_in_host_memory", "ngram_drafts", "greedy_screen")
 
     @classmethod
+    @functools.cache
+    def _keyword_defaults(cls) -> dict:
+        """The engine's keyword arguments and their defaults, from its signature."""
+        return {name: p.default for name, p in inspect.signature(cls).parameters.items() if p.kind is p.KEYWORD_ONLY}
+
+    @classmethod
     def check_args(cls, **engine_args) -> None:
         """TypeError for an argument the engine does not take; ValueError for one of those
         given that is out of its domain: a size that is not a whole number at least its floor
@@ -290,8 +292,8 @@ class Engine:
         cannot name, a dtype the engine does not run, options that exclude each other. Beam glue
         and EnginePool call it before any engine starts, so a bad value fails there rather than
         in an engine process."""
-        known = [name for name, p in inspect.signature(cls).parameters.items() if p.kind is p.KEYWORD_ONLY]
-        unknown = sorted(set(engine_args) - set(known))
+        known = cls._keyword_defaults()
+        unknown = sorted(engine_args.keys() - known.keys())
         if unknown:
             raise TypeError(f"engine_args: unknown {unknown}; runtime.Engine takes {', '.join(known)}")
         for name in cls._SWITCHES:
@@ -327,8 +329,7 @@ class Engine:
         if "device" in engine_args:  # "cuda" runs on cuda:0 in a new process; "cpu:0" is "cpu"
             device = _device_of(engine_args["device"])
             engine_args["device"] = "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
-        defaults = {name: p.default for name, p in inspect.signature(cls).parameters.items()
-                    if p.kind is p.KEYWORD_ONLY}
+        defaults = cls._keyword_defaults()
         return {name: value for name, value in engine_args.items() if value != defaults[name]}
 
     def __init__(self, model: str | Path | None = None, *, max_num_seqs: int | None = None,
