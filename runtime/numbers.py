@@ -24,6 +24,20 @@ def is_number(value, floor: float, *, above: bool = False) -> bool:
     return finite and bool(value > floor if above else value >= floor)  # numpy's compare to np.bool_
 
 
+def python_number(value):
+    """A number of numpy's (or of any other numbers.Real type) as the Python int or float it
+    holds, so that what keeps it hashes, pickles and prints as plain numbers do; anything else,
+    bools included, as it is, for a check to judge."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    try:
+        return float(value)
+    except OverflowError:  # a Fraction past float's range: a check refuses it as it is
+        return value
+
+
 def check_whole(name: str, value, floor: int) -> None:
     if not is_whole(value, floor):
         raise ValueError(f"{name} must be a whole number >= {floor}, got {value!r}")

@@ -2,12 +2,13 @@
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
 
 import kernels
+from runtime.numbers import python_number
 from runtime.structured import canonical_json_schema, check_regex, choice_regex, grammar_of, keep_allowed
 
 
@@ -78,9 +79,15 @@ class SamplingParams:
     choice: tuple[str, ...] = ()
 
     def __post_init__(self):
+        # numpy's numbers (a column's values) as Python's, which the checks below take.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            object.__setattr__(self, f.name, bool(value) if isinstance(value, np.bool_) and f.type is bool
+                               else python_number(value))
         # Normalise list inputs so params stay hashable and picklable; None is none (vLLM's).
         for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
-            object.__setattr__(self, name, _tuple_of(name, getattr(self, name)))
+            items = _tuple_of(name, getattr(self, name))
+            object.__setattr__(self, name, tuple(map(python_number, items)))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.json_schema is not None:
             object.__setattr__(self, "json_schema", canonical_json_schema(self.json_schema))
@@ -199,7 +206,7 @@ def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     for item in items:
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
-        token, value = item
+        token, value = map(python_number, item)
         _check_int("logit_bias", token, minimum=0)
         _check_number("logit_bias", value)
         if not -100 <= value <= 100:  # OpenAI's range

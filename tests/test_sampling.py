@@ -502,6 +502,29 @@ def test_valid_edge_values_are_accepted_and_normalised():
     assert none == SamplingParams()  # None is none, as in vLLM (and JSON's null)
 
 
+def test_numpy_numbers_are_taken_as_the_python_numbers_they_hold():
+    """A temperature read from a numpy column (np.float32) was refused as "must be a finite number",
+    np.int64 max_tokens or token ids as "must be an integer", and np.float64 stayed numpy in the
+    params (other reprs, hashes that may differ): the engine's other arguments take numpy numbers."""
+    from_numpy = SamplingParams(
+        max_tokens=np.int64(8), temperature=np.float32(0.5), top_p=np.float16(0.5), top_k=np.int32(3),
+        min_p=np.float64(0.25), seed=np.uint64(7), n=np.int8(2), logprobs=np.int64(1),
+        stop_token_ids=np.array([5, 6]), allowed_token_ids=[np.int64(1), 2], logit_bias={np.int64(4): np.float32(-2)},
+        ignore_eos=np.True_, repetition_penalty=np.longdouble(1.5), presence_penalty=np.float32(0.5))
+    plain = SamplingParams(max_tokens=8, temperature=0.5, top_p=0.5, top_k=3, min_p=0.25, seed=7, n=2,
+                           logprobs=1, stop_token_ids=[5, 6], allowed_token_ids=[1, 2], logit_bias={4: -2.0},
+                           ignore_eos=True, repetition_penalty=1.5, presence_penalty=0.5)
+    assert from_numpy == plain and hash(from_numpy) == hash(plain) and repr(from_numpy) == repr(plain)
+    for value in vars(from_numpy).values():
+        for item in value if isinstance(value, tuple) else (value,):
+            for number in item if isinstance(item, tuple) else (item,):
+                assert type(number).__module__ == "builtins", (number, type(number))
+    for field, value in [("max_tokens", np.float64(2.0)), ("temperature", np.float32("nan")), ("n", np.array(2)),
+                         ("ignore_eos", np.int64(1)), ("top_k", np.bool_(True))]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: value})
+
+
 @pytest.mark.parametrize("temperature", [0.05, 0.1, 0.7])
 def test_weights_far_below_the_top_are_zero_and_the_rest_exact(temperature):
     """A low temperature puts most of the vocabulary below exp's fp32 range (torch's exp is slow
