@@ -106,7 +106,7 @@ class _Checkpoint:
     def __init__(self, model_dir: Path, tied: bool):
         files = safetensors_files(model_dir)
         self._model_dir = model_dir
-        self._handles = [_open(f) for f in files]
+        self._handles = [open_safetensors(f) for f in files]
         self._where: dict[str, tuple] = {}
         for handle, path in zip(self._handles, files):
             for name in handle.keys():
@@ -128,7 +128,9 @@ class _Checkpoint:
         return tensor
 
 
-def _open(path: Path):
+def open_safetensors(path: Path):
+    """`path` opened by safetensors, which checks its header (each tensor's bytes match its shape
+    and type, no two overlap, they fill the file); any error names the file."""
     with open(path, "rb"):  # safetensors reports any file it cannot open as missing (unreadable too)
         pass
     try:

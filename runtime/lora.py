@@ -16,9 +16,8 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from runtime.loader import canonical_name, packed_part
+from runtime.loader import canonical_name, open_safetensors, packed_part
 from runtime.numbers import is_number, is_whole
 
 _PREFIX = "base_model.model."
@@ -79,10 +78,7 @@ def _open_weights(adapter_dir: Path):
             raise NotImplementedError(f"{adapter_dir}: adapter_model.bin (pickled) adapters are not "
                                       f"supported; save it with safe_serialization=True")
         raise FileNotFoundError(f"{adapter_dir}: no {ADAPTER_WEIGHTS}")
-    try:
-        return safe_open(str(path), framework="pt")
-    except Exception as exc:  # safetensors raises its own error type for a file that is not one
-        raise ValueError(f"{path}: not a safetensors file ({exc})") from None
+    return open_safetensors(path)
 
 
 @torch.no_grad()

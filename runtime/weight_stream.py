@@ -39,7 +39,8 @@ from torch import nn
 from kernels import expert_ffn
 from kernels.moe import combine, sort_by_expert
 from runtime.loader import (STORED_FLOATS, alias_tied_embedding, canonical_name, check_stored_shapes,
-                            hf_sources, missing_tensor, offset_norms, refuse_twice, safetensors_files)
+                            hf_sources, missing_tensor, offset_norms, open_safetensors, refuse_twice,
+                            safetensors_files)
 from runtime.model import CausalLM
 from runtime.moe import SparseMoeBlock, per_expert_names
 
@@ -75,17 +76,16 @@ class _Index:
         # fd, offset, bytes, stored type, shape
         self._tensors: dict[str, tuple[int, int, int, str, tuple[int, ...]]] = {}
         for path in safetensors_files(model_dir):
+            # The in-memory load's checks of the header, found now, not by the step that reads it
+            # (a file cut short, spans that overlap or do not match their shapes).
+            open_safetensors(path)
             fd = os.open(path, os.O_RDONLY)
             self.fds.append(fd)
             (size,) = struct.unpack("<Q", os.pread(fd, 8, 0))
             header = json.loads(os.pread(fd, size, 8))
-            file_size = os.fstat(fd).st_size
             for name, meta in header.items():
                 if name != "__metadata__":
                     start, end = meta["data_offsets"]
-                    if 8 + size + end > file_size:  # found now, not by the step that reads it
-                        raise ValueError(f"{path}: {name} ends past the file's end ({8 + size + end} > "
-                                         f"{file_size} bytes): the checkpoint is cut short")
                     refuse_twice(self._tensors, canonical_name(name), path)
                     self._tensors[canonical_name(name)] = (fd, 8 + size + start, end - start, meta["dtype"],
                                                            tuple(meta["shape"]))

@@ -159,7 +159,7 @@ def test_broken_adapter_files_are_refused_naming_the_file(tiny, tmp_path):
     cases = [
         (tmp_path / "bin", NotImplementedError, "adapter_model.bin"),
         (broken("garbage", lambda d: (d / "adapter_model.safetensors").write_bytes(b"x" * 64)),
-         ValueError, "adapter_model.safetensors: not a safetensors file"),
+         ValueError, "adapter_model.safetensors: not a readable safetensors file"),
         (broken("json", lambda d: (d / "adapter_config.json").write_text("{oops")),
          ValueError, "adapter_config.json: not valid JSON"),
         (broken("r0", config_with(r=0)), ValueError, "r must be a positive integer, got r=0"),

@@ -8,6 +8,7 @@ budgets too small, a device other than CPU or CUDA, a checkpoint that is not flo
 truncated checkpoint refused clearly; reads run on the background reader thread, the next layer's
 read issued before the current layer computes."""
 
+import json
 import shutil
 import threading
 import time
@@ -370,13 +371,49 @@ def test_each_part_of_a_packed_weight_is_checked(tiny, tmp_path, family, change,
         make_engine(directory, weight_budget_bytes=budget)
 
 
-def test_a_truncated_checkpoint_fails_loudly(tiny, tmp_path):
-    directory = tmp_path / "truncated"
+def _edit_header(weights: Path, edit) -> None:
+    """Rewrite a safetensors file's JSON header with `edit(header)`, its data left as it is."""
+    raw = weights.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + size])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    weights.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + size:])
+
+
+def _shift_span(tensor: str, by: int):
+    def edit(header):
+        start, end = header[tensor]["data_offsets"]
+        header[tensor]["data_offsets"] = [start + by, end + by]
+    return edit
+
+
+_O_PROJ = "model.layers.{}.self_attn.o_proj.weight"
+BROKEN_FILES = {  # the weights file, broken: each once found only by safetensors' own checks
+    "cut-short": lambda w: w.write_bytes(w.read_bytes()[:-1000]),
+    "empty": lambda w: w.write_bytes(b""),
+    "header-cut": lambda w: w.write_bytes(w.read_bytes()[:100]),
+    "header-not-json": lambda w: w.write_bytes((8).to_bytes(8, "little") + b"{broken!" + w.read_bytes()[16:]),
+    "fp32-bytes-labelled-bf16": lambda w: _edit_header(w, lambda h: h[_O_PROJ.format(0)].update(dtype="BF16")),
+    "span-overlapping-the-next": lambda w: _edit_header(w, _shift_span(_O_PROJ.format(0), 4)),
+    "two-tensors-one-span": lambda w: _edit_header(
+        w, lambda h: h[_O_PROJ.format(1)].update(data_offsets=h[_O_PROJ.format(0)]["data_offsets"])),
+}
+
+
+@pytest.mark.parametrize("budget", [None, PLENTY], ids=["resident", "streamed"])
+@pytest.mark.parametrize("breakage", BROKEN_FILES)
+def test_a_broken_weights_file_is_refused_naming_it(tiny, tmp_path, breakage, budget):
+    """Streamed, a file cut to its first bytes failed with a bare struct.error or JSONDecodeError,
+    and one whose header gave tensors wrong or overlapping spans loaded, its steps reading other
+    tensors' bytes (other tokens, or NaN rows): the in-memory load refused them all."""
+    directory = tmp_path / breakage
     shutil.copytree(tiny.dir("llama"), directory)
     weights = directory / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-1000])  # the last tensor's bytes cut short
-    with pytest.raises(ValueError, match=r"model.safetensors: .* ends past the file's end .* cut short"):
-        make_engine(directory, weight_budget_bytes=PLENTY)
+    BROKEN_FILES[breakage](weights)
+    with pytest.raises(ValueError, match=rf"{directory}/model.safetensors: not a readable safetensors file"):
+        make_engine(directory, weight_budget_bytes=budget)
 
 
 def test_a_checkpoint_cut_short_under_a_running_engine_fails_its_step_loudly(tiny, tmp_path):
