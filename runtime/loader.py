@@ -105,7 +105,7 @@ class _Checkpoint:
 
     def __init__(self, model_dir: Path, tied: bool):
         files = safetensors_files(model_dir)
-        self._model_dir = model_dir
+        self.model_dir = model_dir
         self._handles = [open_safetensors(f) for f in files]
         self._where: dict[str, tuple] = {}
         for handle, path in zip(self._handles, files):
@@ -119,12 +119,12 @@ class _Checkpoint:
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
-            raise missing_tensor(self._model_dir, name)
+            raise missing_tensor(self.model_dir, name)
         handle, stored_name = self._where[name]
         tensor = handle.get_tensor(stored_name)
         if tensor.dtype not in STORED_FLOATS.values():  # int8, fp8, packed 4-bit: would load as garbage
-            raise NotImplementedError(f"{stored_name} is stored as {tensor.dtype}: quantised checkpoints "
-                                      f"are not supported (floats only: {', '.join(STORED_FLOATS)})")
+            raise NotImplementedError(f"{self.model_dir}: {stored_name} is stored as {tensor.dtype}: quantised "
+                                      f"checkpoints are not supported (floats only: {', '.join(STORED_FLOATS)})")
         return tensor
 
 

@@ -75,12 +75,17 @@ def per_expert_names(checkpoint, name: str, num_experts: int) -> list[list[str]]
     """Where the stacked tensor `name` (`….experts.gate_up_proj` or `….experts.down_proj`) is
     stored one expert at a time (what `save_pretrained` writes, and older checkpoints): each
     expert's stored tensors, concatenated in this order to form its slice. None where the
-    checkpoint stores it fused (transformers 5)."""
-    if name in checkpoint:
-        return None
+    checkpoint stores it fused (transformers 5). `checkpoint` answers `in` and names its
+    `model_dir`."""
     prefix, kind = name.rsplit(".", 1)
     for gate, up, down in _PER_EXPERT_NAMES:
         parts = (gate, up) if kind == "gate_up_proj" else (down,)
-        if f"{prefix}.0.{parts[0]}.weight" in checkpoint:
+        first = f"{prefix}.0.{parts[0]}.weight"
+        if first in checkpoint:
+            if name in checkpoint:  # a stale copy in the other layout: which is meant?
+                raise ValueError(f"{checkpoint.model_dir}: the checkpoint stores {name!r} both fused and per "
+                                 f"expert ({first!r}, ...); keep one of the two")
             return [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(num_experts)]
-    raise KeyError(f"checkpoint has no tensor {name!r}, fused or per expert")
+    if name in checkpoint:
+        return None
+    raise KeyError(f"{checkpoint.model_dir}: the checkpoint has no tensor {name!r}, fused or per expert")

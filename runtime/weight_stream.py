@@ -99,7 +99,7 @@ class _Index:
             raise missing_tensor(self.model_dir, name)
         fd, offset, nbytes, stored, _ = self._tensors[name]
         if stored not in STORED_FLOATS:
-            raise NotImplementedError(f"weight streaming reads float checkpoints "
+            raise NotImplementedError(f"{self.model_dir}: weight streaming reads float checkpoints "
                                       f"({', '.join(STORED_FLOATS)}): {name} is stored as {stored}")
         return Extent(fd, offset, nbytes, STORED_FLOATS[stored])
 

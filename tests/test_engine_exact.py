@@ -688,7 +688,8 @@ def test_tensors_the_config_does_not_describe_are_refused_at_load(tiny, tmp_path
     tensors = load_file(model / "model.safetensors")
     tensors[tensor] = stored(tensors[tensor]).contiguous()
     save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
-    match = "stored as torch.int8: quantised" if problem is NotImplementedError else "in the checkpoint; the config makes it"
+    match = (rf"{model}: {tensor} is stored as torch.int8: quantised" if problem is NotImplementedError
+             else "in the checkpoint; the config makes it")
     with pytest.raises(problem, match=match):
         make_engine(model)
 

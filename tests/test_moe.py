@@ -5,8 +5,11 @@ the counts the grouped-experts kernel returns; the kernel against a per-token re
 checkpoints that store experts fused or one by one load the same weights."""
 
 
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import runtime.moe
 from helpers import BatchSpy, assert_idle_and_clean, assert_matches, greedy_requests, make_engine, random_prompts
@@ -173,3 +176,19 @@ def test_fused_and_per_expert_checkpoints_load_the_same(tiny, family, tmp_path):
     for name in ours:
         assert torch.equal(ours[name], from_fused[name]), name
     assert ours["layers.1.mlp.experts.gate_up_proj"].shape == (SPECS[family][-1].num_experts, 2 * 32, 64)
+
+
+@pytest.mark.parametrize("budget", [None, 1 << 30], ids=["resident", "streamed"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_experts_stored_both_fused_and_per_expert_are_refused(tiny, family, tmp_path, budget):
+    """A checkpoint holding a layer's experts in both layouts (a stale copy beside the model) loaded
+    the fused copy and ignored the other, where transformers fails: which one is meant?"""
+    both = tmp_path / "both"
+    shutil.copytree(tiny.dir(family), both)
+    fused = load_file(str(save_fused_experts(tiny.dir(family), tmp_path / "fused") / "model.safetensors"))
+    tensors = load_file(str(both / "model.safetensors"))
+    tensors.update({name: t for name, t in fused.items() if ".experts.down_proj" in name})
+    save_file(tensors, str(both / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{both}: the checkpoint stores '.*experts.down_proj' both fused and per "
+                                         rf"expert \('.*experts.0.(w2|down_proj).weight', ...\); keep one"):
+        make_engine(both, weight_budget_bytes=budget)
