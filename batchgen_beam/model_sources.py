@@ -115,12 +115,12 @@ def _check_model_dir(path: pathlib.Path, source: str) -> None:
         raise ValueError(f"model {source} is not a directory")
     if not (path / "config.json").is_file():
         raise ValueError(f"model {source} has no config.json")
-    from runtime.loader import safetensors_files  # the list loading reads
+    from runtime.loader import pickled_note, safetensors_files  # the list loading reads
 
     try:
         weights = safetensors_files(path)
     except FileNotFoundError:
-        raise ValueError(f"model {source} has no *.safetensors weights") from None
+        raise ValueError(f"model {source} has no *.safetensors weights{pickled_note(path)}") from None
     except ValueError as exc:  # an index that is not one
         raise ValueError(f"model {source}: {exc}") from None
     missing = [f.name for f in weights if not f.is_file()]

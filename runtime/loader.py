@@ -62,8 +62,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         return [model_dir / shard for shard in shards]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}{pickled_note(model_dir)}")
     return files
+
+
+def pickled_note(model_dir: Path) -> str:
+    """What to do about a folder's pickled weights (pytorch_model.bin), which are not read: "" if
+    it holds none."""
+    pickled = sorted(p.name for p in model_dir.glob("*.bin"))
+    return (f" ({pickled[0]} is a pickled checkpoint, which is not read: save the model with "
+            f"save_pretrained(..., safe_serialization=True))" if pickled else "")
 
 
 def weights_digest(files: list[Path]) -> str:

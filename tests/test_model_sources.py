@@ -61,6 +61,11 @@ def test_local_dir_errors(tmp_path):
     (tmp_path / "model" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match=r"no \*\.safetensors"):
         resolve_model(tmp_path / "model")
+    (tmp_path / "model" / "pytorch_model.bin").write_bytes(b"pickled")  # the folder of an older save
+    with pytest.raises(ValueError, match=r"no \*\.safetensors weights \(pytorch_model.bin is a pickled checkpoint, "
+                                         r"which is not read: save the model with save_pretrained\(\.\.\., "
+                                         r"safe_serialization=True\)\)"):
+        resolve_model(tmp_path / "model")
 
 
 def test_paths_that_are_not_utf8_text_are_named_where_the_pipeline_is_built(tmp_path):
