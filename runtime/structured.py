@@ -39,10 +39,15 @@ def canonical_json_schema(schema) -> str:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"json_schema must be a JSON schema (an object), got one JSON cannot hold "
                          f"({exc})") from None
-    for keyword, bound in _bounds(schema):
-        if isinstance(bound, int) and abs(bound) > _EXACT_IN_FLOAT64:
-            raise ValueError(f"json_schema must be a schema with integer bounds within 2**53: {keyword} "
-                             f"{bound} is past it (the grammar engine reads it as the nearest float64)")
+    for node in _objects(schema):
+        for keyword, bound in _bounds(node):
+            if isinstance(bound, int) and abs(bound) > _EXACT_IN_FLOAT64:
+                raise ValueError(f"json_schema must be a schema with integer bounds within 2**53: {keyword} "
+                                 f"{bound} is past it (the grammar engine reads it as the nearest float64)")
+        lost = _exclusion_lost(node)
+        if lost:
+            raise ValueError(f"json_schema must be a schema whose excluded bounds the grammar engine keeps out: "
+                             f"llguidance 1.9.1 lets {lost}")
     try:  # llguidance's schema reader raises on some schemas (nested past its depth limit)
         error = llguidance.LLMatcher.validate_grammar(grammar_of(text))
     except ValueError as exc:
@@ -56,18 +61,44 @@ _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _EXACT_IN_FLOAT64 = 2 ** 53
 
 
-def _bounds(node):
-    """(keyword, value) of every numeric bound in a schema, at any depth (a property named
-    "minimum" holds a schema, not a number, so it is no bound)."""
+def _objects(node):
+    """Every JSON object in a schema, at any depth."""
     if isinstance(node, dict):
-        for key, value in node.items():
-            if key in _BOUNDS and not isinstance(value, (dict, list)):
-                yield key, value
-            else:
-                yield from _bounds(value)
-    elif isinstance(node, list):
+        yield node
+        node = list(node.values())
+    if isinstance(node, list):
         for item in node:
-            yield from _bounds(item)
+            yield from _objects(item)
+
+
+def _bounds(node: dict):
+    """(keyword, value) of each bound an object of a schema holds (a property named "minimum"
+    holds a schema, not a bound)."""
+    return [(key, node[key]) for key in _BOUNDS if key in node and not isinstance(node[key], (dict, list))]
+
+
+def _exclusion_lost(node: dict) -> str | None:
+    """What llguidance 1.9.1 would let through of an object's excluded bounds, or None. It takes
+    an excluded whole number as allowed where the other bound lies less than 1 from it, on its
+    side away from zero: (1, 1.5) takes 1, (-1.5, -1) takes -1; (1, 2), (0.5, 1) and (-1, -0.5)
+    are right (measured over every such pair of bounds, in both forms, up to +-1000)."""
+    def numbers(*keys):
+        return [(key, node[key]) for key in keys
+                if isinstance(node.get(key), (int, float)) and not isinstance(node[key], bool)]
+
+    lows, highs = numbers("minimum", "exclusiveMinimum"), numbers("maximum", "exclusiveMaximum")
+    # draft-04 excludes minimum / maximum with a boolean beside them
+    for bound_key, bound in lows:
+        if bound_key == "exclusiveMinimum" or node.get("exclusiveMinimum") is True:
+            for other_key, other in highs:
+                if bound == int(bound) and bound >= 0 and other < bound + 1:
+                    return f"{bound} through ({bound_key} {bound}, with {other_key} {other} less than 1 from it)"
+    for bound_key, bound in highs:
+        if bound_key == "exclusiveMaximum" or node.get("exclusiveMaximum") is True:
+            for other_key, other in lows:
+                if bound == int(bound) and bound < 0 and other > bound - 1:
+                    return f"{bound} through ({bound_key} {bound}, with {other_key} {other} less than 1 from it)"
+    return None
 
 
 def check_regex(regex: str) -> str:

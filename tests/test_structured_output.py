@@ -3,6 +3,7 @@ schema, text the regex matches, one of the choices. The oracle for greedy output
 transformers' logits, masked step by step by an independent llguidance matcher, then the
 argmax."""
 
+import itertools
 import json
 import logging
 import pickle
@@ -17,6 +18,7 @@ from transformers import AutoTokenizer
 
 from helpers import CallCounter, assert_idle_and_clean, collect, live_sequences, make_engine
 from runtime import Request, SamplingParams
+from runtime.structured import grammar_of
 from tiny_models import hf_model
 
 SCHEMA = {"type": "object",
@@ -196,6 +198,51 @@ def test_the_schema_is_held_as_canonical_json_and_checked():
     with pytest.raises(ValueError, match="one at most"):
         SamplingParams(regex="a+", choice=["a"])
     assert SamplingParams(choice=["a", "b"]).choice == ("a", "b")
+
+
+def _bounded(low, high, low_excluded: bool, high_excluded: bool, draft4: bool) -> dict:
+    schema = {"type": "number"}
+    if draft4:  # draft-04's form: a boolean beside minimum / maximum
+        schema.update(minimum=low, exclusiveMinimum=low_excluded, maximum=high, exclusiveMaximum=high_excluded)
+    else:
+        schema.update({"exclusiveMinimum" if low_excluded else "minimum": low,
+                       "exclusiveMaximum" if high_excluded else "maximum": high})
+    return {"type": "object", "properties": {"x": schema}, "required": ["x"]}
+
+
+def test_a_schema_whose_excluded_bound_the_grammar_engine_would_let_through_is_refused(tiny_chat):
+    """llguidance 1.9.1 took {"exclusiveMinimum": 1, "maximum": 1.5} to allow 1 (an excluded whole
+    number less than 1 from the other bound, on its side away from zero): a completion broke its
+    schema. Every schema is now either refused, or its grammar keeps out exactly what it excludes."""
+    model_dir = tiny_chat.dir("llama")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vocab = llguidance.hf.from_tokenizer(tokenizer, n_vocab=hf_model(model_dir).config.vocab_size)
+
+    def takes(grammar: str, value: float) -> bool:
+        matcher = llguidance.LLMatcher(vocab, grammar, log_level=0)
+        text = json.dumps({"x": int(value) if value == int(value) else value}, separators=(",", ":"))
+        return all(matcher.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False)) \
+            and matcher.is_accepting()
+
+    refused = 0
+    for whole, distance, below, low_excluded, high_excluded, draft4 in itertools.product(
+            (0, 1, 7, -1, -7), (0.25, 0.75, 1.0, 1.5), (False, True), *[(True, False)] * 3):
+        low, high = (whole - distance, whole) if below else (whole, whole + distance)
+        schema = _bounded(low, high, low_excluded, high_excluded, draft4)
+        try:
+            grammar = grammar_of(json_schema=SamplingParams(json_schema=schema).json_schema)
+        except ValueError as exc:
+            assert re.search(r"json_schema must be a schema whose excluded bounds the grammar engine keeps out: "
+                             r".* less than 1 from it", str(exc)), exc
+            refused += 1
+            continue
+        for value in (low, high, (low + high) / 2):
+            allowed = ((value > low if low_excluded else value >= low)
+                       and (value < high if high_excluded else value <= high))
+            assert takes(grammar, value) == allowed, (schema, value)
+    # Only those the grammar engine gets wrong: excluded 0, 1 and 7 with the other bound 0.25 or
+    # 0.75 above, -1 and -7 with it below; each with that bound excluded or not, in both forms.
+    assert refused == 5 * 2 * 2 * 2
 
 
 def test_a_grammar_that_fails_only_while_running_ends_its_row_with_a_one_line_reason(tiny_chat):
