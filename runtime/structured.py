@@ -39,12 +39,12 @@ def canonical_json_schema(schema) -> str:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"json_schema must be a JSON schema (an object), got one JSON cannot hold "
                          f"({exc})") from None
-    for node in _objects(schema):
-        for keyword, bound in _bounds(node):
+    for node in _schemas(schema):
+        for _, keyword, bound, _ in _own_bounds(node):
             if isinstance(bound, int) and abs(bound) > _EXACT_IN_FLOAT64:
                 raise ValueError(f"json_schema must be a schema with integer bounds within 2**53: {keyword} "
                                  f"{bound} is past it (the grammar engine reads it as the nearest float64)")
-        lost = _exclusion_lost(node)
+        lost = _exclusion_lost(node, schema)
         if lost:
             raise ValueError(f"json_schema must be a schema whose excluded bounds the grammar engine keeps out: "
                              f"llguidance 1.9.1 lets {lost}")
@@ -57,47 +57,88 @@ def canonical_json_schema(schema) -> str:
     return text
 
 
-_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _EXACT_IN_FLOAT64 = 2 ** 53
+# Keywords whose value maps names to schemas, and those whose value is data, not a schema.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA = ("const", "enum", "default", "examples")
 
 
-def _objects(node):
-    """Every JSON object in a schema, at any depth."""
-    if isinstance(node, dict):
-        yield node
-        node = list(node.values())
-    if isinstance(node, list):
-        for item in node:
-            yield from _objects(item)
+def _schemas(node):
+    """Every schema object within a schema, at any depth (not the data of const, enum, default,
+    examples and x- keys)."""
+    if not isinstance(node, dict):
+        return
+    yield node
+    for key, value in node.items():
+        if key in _DATA or key.startswith("x-"):
+            continue
+        children = (value.values() if key in _SCHEMA_MAPS and isinstance(value, dict)
+                    else value if isinstance(value, list) else [value])
+        for child in children:
+            yield from _schemas(child)
 
 
-def _bounds(node: dict):
-    """(keyword, value) of each bound an object of a schema holds (a property named "minimum"
-    holds a schema, not a bound)."""
-    return [(key, node[key]) for key in _BOUNDS if key in node and not isinstance(node[key], (dict, list))]
+def _own_bounds(node: dict) -> list[tuple[bool, str, int | float, bool]]:
+    """(a lower bound?, its keyword, its value, excluded?) of each numeric bound a schema object
+    holds itself (draft-04 excludes minimum / maximum with a boolean beside them)."""
+    bounds = []
+    for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        value = node.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            lower = key.endswith("inimum")
+            draft4_flag = "exclusiveMinimum" if lower else "exclusiveMaximum"
+            bounds.append((lower, key, value, key.startswith("exclusive") or node.get(draft4_flag) is True))
+    return bounds
 
 
-def _exclusion_lost(node: dict) -> str | None:
-    """What llguidance 1.9.1 would let through of an object's excluded bounds, or None. It takes
-    an excluded whole number as allowed where the other bound lies less than 1 from it, on its
-    side away from zero: (1, 1.5) takes 1, (-1.5, -1) takes -1; (1, 2), (0.5, 1) and (-1, -0.5)
-    are right (measured over every such pair of bounds, in both forms, up to +-1000)."""
-    def numbers(*keys):
-        return [(key, node[key]) for key in keys
-                if isinstance(node.get(key), (int, float)) and not isinstance(node[key], bool)]
+def _merged_bounds(node: dict, root: dict, seen: frozenset = frozenset()) -> list:
+    """The bounds a value of `node` is held to: its own, its allOf members' and its (local) $ref
+    target's, which llguidance merges into one range."""
+    if id(node) in seen:
+        return []
+    seen |= {id(node)}
+    bounds = _own_bounds(node)
+    parts = node.get("allOf") if isinstance(node.get("allOf"), list) else []
+    ref = node.get("$ref")
+    for part in parts + ([_resolve(root, ref)] if isinstance(ref, str) else []):
+        if isinstance(part, dict):
+            bounds += _merged_bounds(part, root, seen)
+    return bounds
 
-    lows, highs = numbers("minimum", "exclusiveMinimum"), numbers("maximum", "exclusiveMaximum")
-    # draft-04 excludes minimum / maximum with a boolean beside them
-    for bound_key, bound in lows:
-        if bound_key == "exclusiveMinimum" or node.get("exclusiveMinimum") is True:
-            for other_key, other in highs:
-                if bound == int(bound) and bound >= 0 and other < bound + 1:
-                    return f"{bound} through ({bound_key} {bound}, with {other_key} {other} less than 1 from it)"
-    for bound_key, bound in highs:
-        if bound_key == "exclusiveMaximum" or node.get("exclusiveMaximum") is True:
-            for other_key, other in lows:
-                if bound == int(bound) and bound < 0 and other > bound - 1:
-                    return f"{bound} through ({bound_key} {bound}, with {other_key} {other} less than 1 from it)"
+
+def _resolve(root: dict, ref: str):
+    """The object a local JSON pointer ("#/$defs/a") names, or None."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in ref[1:].split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _exclusion_lost(node: dict, root: dict) -> str | None:
+    """What llguidance 1.9.1 would let through of the bounds a schema object excludes, or None.
+    It takes an excluded whole number as allowed where the other bound lies less than 1 from
+    it, on its side away from zero: (1, 1.5) takes 1, (-1.5, -1) takes -1, (-0.5, 0) takes -0;
+    (1, 2), (0.5, 1) and (-1, -0.5) are right (measured over every such pair of bounds, in both
+    forms, up to +-1000). An anyOf or oneOf alternative is held to its parent's bounds too."""
+    merged = _merged_bounds(node, root)
+    alternatives = [alt for key in ("anyOf", "oneOf") if isinstance(node.get(key), list)
+                    for alt in node[key] if isinstance(alt, dict)]
+    for bounds in [merged] + [merged + _merged_bounds(alt, root) for alt in alternatives]:
+        for lower, key, value, excluded in bounds:
+            if not (excluded and value == int(value) and (value >= 0 if lower else value <= 0)):
+                continue
+            for other_lower, other_key, other, _ in bounds:
+                if other_lower != lower and (other < value + 1 if lower else other > value - 1):
+                    return (f"{value} through ({key} {value} excluded, with {other_key} {other} less than 1 "
+                            f"from it)")
     return None
 
 
