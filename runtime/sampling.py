@@ -38,7 +38,10 @@ def _tuple_of(name: str, value) -> tuple:
         return (value,)
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
         raise ValueError(f"{name} must be a list, got {value!r}")
-    return tuple(value)
+    try:
+        return tuple(value)
+    except TypeError:  # iterable by its type, not as it is: a 0-d numpy array
+        raise ValueError(f"{name} must be a list, got {value!r}") from None
 
 
 @dataclass(frozen=True)

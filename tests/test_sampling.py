@@ -478,6 +478,7 @@ INVALID = [
     ("stop", [""]), ("stop", ""), ("stop", [3]), ("stop", ["ok", None]),
     ("stop_token_ids", [-1]), ("stop_token_ids", [1 << 63]), ("stop_token_ids", [1.5]), ("stop_token_ids", ["2"]),
     ("stop_token_ids", 1), ("stop_token_ids", "2"), ("stop", {"a": 1}), ("allowed_token_ids", 3), ("bad_words", 7),
+    ("stop_token_ids", np.array(5)), ("allowed_token_ids", np.array(5)), ("stop", np.array("END")),
     ("ignore_eos", "yes"), ("ignore_eos", 1),
     ("repetition_penalty", 0), ("repetition_penalty", -1.2), ("repetition_penalty", math.nan),
     ("frequency_penalty", 2.5), ("frequency_penalty", "0.1"), ("presence_penalty", -2.01),
