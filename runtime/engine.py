@@ -3,6 +3,7 @@ over sequence coroutines. Callers submit from any thread and collect completions
 the sequence primitives (suspend, resume, evict, migrate; fork happens for n > 1) are public."""
 
 import atexit
+import collections
 import contextlib
 import functools
 import inspect
@@ -31,7 +32,7 @@ from runtime.kv_cache import BlockManager, HostKVPool, KVCache, block_hash
 from runtime.loader import build_model, load_model, safetensors_files, weights_digest
 from runtime.lora import ADAPTER_WEIGHTS
 from runtime.moe import moe_blocks
-from runtime.numbers import check_whole, is_whole
+from runtime.numbers import check_number, check_whole, is_whole
 from runtime.request import (ChatOptions, Completion, CompletionWaiter, Request, SampleOutput, Timings,
                              content_text)
 from runtime.runner import ModelRunner, ScoredPrompts
@@ -944,6 +945,8 @@ class Engine:
         even when nothing is in flight yet, as other threads may submit — or, with no timeout,
         as long as something is in flight; a wait ends early where the loop is stopped, and
         raises where it died."""
+        if timeout is not None:
+            check_number("timeout", timeout, 0)
         completions = []
         if self._thread is None:
             while self._outbox.empty() and self.has_unfinished():
@@ -973,9 +976,16 @@ class Engine:
                 return completions
 
     def completions(self):
-        """Iterate completions as they finish until nothing is in flight."""
+        """Iterate completions as they finish until nothing is in flight. Those a poll took that
+        a caller leaving the loop did not read go back, for its next poll."""
         while self._anything_left():
-            yield from self.poll(timeout=0.1)
+            taken = collections.deque(self.poll(timeout=0.1))
+            try:
+                while taken:
+                    yield taken.popleft()
+            finally:
+                for completion in taken:
+                    self._outbox.put(completion)
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Submit all, wait for all; results in request order."""

@@ -278,6 +278,8 @@ class EnginePool:
     def poll(self, timeout: float | None = None) -> list[Completion]:
         """Completions finished so far (of requests not collected by generate()), waiting up to
         `timeout` for one when there are none yet (None: while anything is in flight)."""
+        if timeout is not None:
+            check_number("timeout", timeout, 0)
         completions = self._drain()
         deadline = None if timeout is None else time.monotonic() + timeout
         while not completions:

@@ -623,6 +623,40 @@ def test_completions_iterator_yields_each_once(tiny, background):
     assert engine.poll() == []
 
 
+@pytest.mark.parametrize("leave", ["break", "close", "raise"])
+def test_completions_a_caller_leaves_unread_are_read_by_its_next_poll(tiny, leave):
+    """Leaving completions() after its first item lost the others its poll had taken: they
+    finished in the same step, and no later poll, completions() or finished() gave them."""
+    engine = make_engine(tiny.dir(FAMILY))
+    for request in greedy_requests(random_prompts([3, 5, 7], seed=8), 4):  # all finish at one step
+        engine.submit(request)
+    iterator = engine.completions()
+    first = next(iterator)
+    if leave == "close":
+        iterator.close()
+    elif leave == "raise":
+        with pytest.raises(KeyError):
+            iterator.throw(KeyError("the caller's own failure"))
+    del iterator
+    rest = list(engine.completions())
+    assert sorted(c.id for c in [first, *rest]) == ["r0", "r1", "r2"]
+    assert_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), -1.0, "1"])
+@pytest.mark.parametrize("background", [False, True], ids=["caller-drives", "background-loop"])
+def test_a_poll_timeout_that_is_no_duration_is_refused(tiny, background, timeout):
+    """poll(timeout=nan) with the background loop running waited forever: no deadline compares."""
+    engine = make_engine(tiny.dir(FAMILY))
+    if background:
+        engine.start()
+    try:
+        with pytest.raises(ValueError, match="timeout must be a number >= 0"):
+            engine.poll(timeout=timeout)
+    finally:
+        engine.stop()
+
+
 def test_poll_without_background_loop_runs_steps_until_something_finishes(tiny):
     engine = make_engine(tiny.dir(FAMILY))
     prompts = random_prompts([4, 4], seed=7)

@@ -329,6 +329,9 @@ def test_poll_and_submit(shared_pool, single):
             done[completion.id] = completion
     assert_same_outputs([done[r.id] for r in requests], single.generate(requests))
     assert shared_pool.poll() == [] and not shared_pool.has_unfinished()
+    for timeout in (float("nan"), -1.0):  # nan waited forever: no deadline compares
+        with pytest.raises(ValueError, match="timeout must be a number >= 0"):
+            shared_pool.poll(timeout=timeout)
 
 
 def test_bad_requests(shared_pool):
