@@ -14,6 +14,7 @@ max_tokens, as small models do.
 import json
 import re
 import threading
+import urllib.parse
 
 import llguidance
 import llguidance.hf
@@ -29,14 +30,14 @@ def canonical_json_schema(schema) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ValueError(f"json_schema must be a JSON schema (an object), got text that is not "
-                             f"JSON ({exc})") from None
+                             f"JSON Python reads ({type(exc).__name__}: {exc})") from None
     if not isinstance(schema, dict):
         raise ValueError(f"json_schema must be a JSON schema (an object), got {type(schema).__name__}")
     try:
         text = json.dumps(schema, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise ValueError(f"json_schema must be a JSON schema (an object), got one JSON cannot hold "
                          f"({exc})") from None
     for node in _schemas(schema):
@@ -44,7 +45,7 @@ def canonical_json_schema(schema) -> str:
             if isinstance(bound, int) and abs(bound) > _EXACT_IN_FLOAT64:
                 raise ValueError(f"json_schema must be a schema with integer bounds within 2**53: {keyword} "
                                  f"{bound} is past it (the grammar engine reads it as the nearest float64)")
-        lost = _exclusion_lost(node, schema)
+        lost = _exclusion_lost(_joined_bounds(node, schema))
         if lost:
             raise ValueError(f"json_schema must be a schema whose excluded bounds the grammar engine keeps out: "
                              f"llguidance 1.9.1 lets {lost}")
@@ -63,19 +64,20 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 _DATA = ("const", "enum", "default", "examples")
 
 
-def _schemas(node):
+def _schemas(schema):
     """Every schema object within a schema, at any depth (not the data of const, enum, default,
     examples and x- keys)."""
-    if not isinstance(node, dict):
-        return
-    yield node
-    for key, value in node.items():
-        if key in _DATA or key.startswith("x-"):
+    stack = [schema]
+    while stack:  # not recursive: a schema may nest deeper than Python's stack
+        node = stack.pop()
+        if not isinstance(node, dict):
             continue
-        children = (value.values() if key in _SCHEMA_MAPS and isinstance(value, dict)
-                    else value if isinstance(value, list) else [value])
-        for child in children:
-            yield from _schemas(child)
+        yield node
+        for key, value in node.items():
+            if key in _DATA or key.startswith("x-"):
+                continue
+            stack.extend(value.values() if key in _SCHEMA_MAPS and isinstance(value, dict)
+                         else value if isinstance(value, list) else [value])
 
 
 def _own_bounds(node: dict) -> list[tuple[bool, str, int | float, bool]]:
@@ -91,27 +93,33 @@ def _own_bounds(node: dict) -> list[tuple[bool, str, int | float, bool]]:
     return bounds
 
 
-def _merged_bounds(node: dict, root: dict, seen: frozenset = frozenset()) -> list:
-    """The bounds a value of `node` is held to: its own, its allOf members' and its (local) $ref
-    target's, which llguidance merges into one range."""
-    if id(node) in seen:
-        return []
-    seen |= {id(node)}
-    bounds = _own_bounds(node)
-    parts = node.get("allOf") if isinstance(node.get("allOf"), list) else []
-    ref = node.get("$ref")
-    for part in parts + ([_resolve(root, ref)] if isinstance(ref, str) else []):
-        if isinstance(part, dict):
-            bounds += _merged_bounds(part, root, seen)
+def _joined_bounds(node: dict, root: dict) -> list:
+    """The bounds of every schema object llguidance may merge into one range with `node`: those
+    reached through allOf, anyOf, oneOf and local $refs. Alternatives count too (a parent's
+    bounds reach into each), which errs on the side of refusing."""
+    stack, seen, bounds = [node], {id(node)}, []
+    while stack:
+        current = stack.pop()
+        bounds += _own_bounds(current)
+        linked = [member for key in ("allOf", "anyOf", "oneOf") if isinstance(current.get(key), list)
+                  for member in current[key]]
+        if isinstance(current.get("$ref"), str):
+            linked.append(_resolve(root, current["$ref"]))
+        for child in linked:
+            if isinstance(child, dict) and id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
     return bounds
 
 
 def _resolve(root: dict, ref: str):
-    """The object a local JSON pointer ("#/$defs/a") names, or None."""
-    if not ref.startswith("#"):
+    """The object a local JSON pointer ("#/$defs/a") names, or None (other references: $anchor
+    names, $id-relative URIs)."""
+    pointer = urllib.parse.unquote(ref[1:]) if ref.startswith("#") else None
+    if pointer is None or (pointer and not pointer.startswith("/")):
         return None
     node = root
-    for part in ref[1:].split("/")[1:]:
+    for part in pointer.split("/")[1:]:
         part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict):
             node = node.get(part)
@@ -122,23 +130,23 @@ def _resolve(root: dict, ref: str):
     return node
 
 
-def _exclusion_lost(node: dict, root: dict) -> str | None:
-    """What llguidance 1.9.1 would let through of the bounds a schema object excludes, or None.
+def _exclusion_lost(bounds: list) -> str | None:
+    """What llguidance 1.9.1 would let through of excluded bounds merged with `bounds`, or None.
     It takes an excluded whole number as allowed where the other bound lies less than 1 from
     it, on its side away from zero: (1, 1.5) takes 1, (-1.5, -1) takes -1, (-0.5, 0) takes -0;
     (1, 2), (0.5, 1) and (-1, -0.5) are right (measured over every such pair of bounds, in both
-    forms, up to +-1000). An anyOf or oneOf alternative is held to its parent's bounds too."""
-    merged = _merged_bounds(node, root)
-    alternatives = [alt for key in ("anyOf", "oneOf") if isinstance(node.get(key), list)
-                    for alt in node[key] if isinstance(alt, dict)]
-    for bounds in [merged] + [merged + _merged_bounds(alt, root) for alt in alternatives]:
-        for lower, key, value, excluded in bounds:
-            if not (excluded and value == int(value) and (value >= 0 if lower else value <= 0)):
-                continue
-            for other_lower, other_key, other, _ in bounds:
-                if other_lower != lower and (other < value + 1 if lower else other > value - 1):
-                    return (f"{value} through ({key} {value} excluded, with {other_key} {other} less than 1 "
-                            f"from it)")
+    forms, up to +-1000)."""
+    lowest_upper = min(((value, key) for lower, key, value, _ in bounds if not lower), default=None)
+    highest_lower = max(((value, key) for lower, key, value, _ in bounds if lower), default=None)
+    for lower, key, value, excluded in bounds:
+        if not excluded or value != int(value):
+            continue
+        if lower:
+            other = lowest_upper if value >= 0 and lowest_upper and lowest_upper[0] < value + 1 else None
+        else:
+            other = highest_lower if value <= 0 and highest_lower and highest_lower[0] > value - 1 else None
+        if other:
+            return f"{value} through ({key} {value} excluded, with {other[1]} {other[0]} less than 1 from it)"
     return None
 
 

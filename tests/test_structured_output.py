@@ -254,12 +254,28 @@ def test_a_schema_whose_excluded_bound_the_grammar_engine_would_let_through_is_r
     {"exclusiveMinimum": 1, "anyOf": [{"type": "number", "maximum": 1.5}, {"type": "string"}]},
     {"type": "object", "properties": {"x": {"allOf": [{"$ref": "#/definitions/up"}, {"minimum": -0.5}]}},
      "definitions": {"up": {"type": "number", "exclusiveMaximum": 0}}},
-], ids=["allOf", "ref-and-sibling", "anyOf-under-a-bound", "nested-ref-in-allOf"])
+    {"allOf": [{"anyOf": [{"type": "number", "exclusiveMinimum": 1}, {"type": "string"}]}, {"maximum": 1.5}]},
+    {"$defs": {"either": {"anyOf": [{"type": "number", "exclusiveMinimum": 1}, {"type": "string"}]}},
+     "$ref": "#/$defs/either", "maximum": 1.5},
+    {"exclusiveMinimum": 1, "anyOf": [{"anyOf": [{"type": "number", "maximum": 1.5}]}, {"type": "string"}]},
+    {"$defs": {"a b": {"type": "number", "exclusiveMinimum": 1}}, "$ref": "#/$defs/a%20b", "maximum": 1.5},
+], ids=["allOf", "ref-and-sibling", "anyOf-under-a-bound", "nested-ref-in-allOf", "alternatives-in-allOf",
+        "alternatives-behind-a-ref", "alternatives-in-alternatives", "percent-escaped-ref"])
 def test_excluded_bounds_are_judged_as_the_grammar_engine_merges_them(schema):
     """Bounds in different objects that llguidance merges into one range (allOf, a $ref and its
     siblings, a parent and its anyOf alternatives) were judged apart and let through."""
     with pytest.raises(ValueError, match="excluded bounds the grammar engine keeps out"):
         SamplingParams(json_schema=schema)
+
+
+def test_a_schema_nested_past_pythons_stack_is_refused_as_a_bad_value():
+    deep = '{"allOf":[' * 2000 + "{}" + "]}" * 2000
+    chain = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(2000)}, "$ref": "#/$defs/d0"}
+    chain["$defs"]["d2000"] = {"type": "number", "exclusiveMinimum": 1, "maximum": 1.5}
+    with pytest.raises(ValueError, match=r"json_schema must be a JSON schema .*\(RecursionError: "):
+        SamplingParams(json_schema=deep)
+    with pytest.raises(ValueError, match="json_schema must be a schema whose excluded bounds"):
+        SamplingParams(json_schema=chain)  # followed to its end without recursing
 
 
 @pytest.mark.parametrize("where", ["const", "enum", "default", "examples", "x-note"])
