@@ -1026,11 +1026,12 @@ class Engine:
         with self._lock.held():
             for request_id in list(request_ids):
                 try:
-                    _, live = self._take_out(request_id, "withdrawn: its generate() call was interrupted")
+                    state, live = self._take_out(request_id, "withdrawn: its generate() call was interrupted")
                 except KeyError:  # finished meanwhile, or never submitted
                     continue
-                for seq in live:
+                for seq in state.seqs:  # a finished one too, where the interrupt came before its end was booked
                     self.scheduler.remove(seq)
+                for seq in live:
                     seq.end("abort")
 
     def _step_or_stall(self, done) -> None:

@@ -969,6 +969,26 @@ def test_an_interrupted_generate_leaves_none_of_its_requests_in_flight(tiny, mon
     assert_idle_and_clean(engine)
 
 
+def test_an_interrupt_between_a_sequences_last_token_and_its_booking_leaks_nothing(tiny, monkeypatch):
+    """Stopped after a sequence took its last token but before the engine booked its end, an
+    interrupted generate() withdrew its requests' live sequences only: the finished one kept
+    its KV blocks and its seat in the running queue for good."""
+    engine = make_engine(tiny.dir(FAMILY))
+    requests = greedy_requests(random_prompts([7, 19, 33], seed=3), MAX_TOKENS)
+    real = engine._finish_sequence
+
+    def interrupted(seq):
+        monkeypatch.setattr(engine, "_finish_sequence", real)  # once
+        raise KeyboardInterrupt
+    monkeypatch.setattr(engine, "_finish_sequence", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(requests)
+    assert_idle_and_clean(engine)
+    for completion, request in zip(engine.generate(requests), requests):
+        assert_matches(completion, *reference(tiny, request.prompt_token_ids))
+    assert_idle_and_clean(engine)
+
+
 def test_a_request_id_that_looks_like_another_requests_sample_keeps_its_own_kv(tiny):
     """Sample 1 of request "r" and request "r#1" were both keyed "r#1" in the host KV tier and
     among the held sequences: suspending both lost one."""
