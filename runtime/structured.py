@@ -131,11 +131,11 @@ def _resolve(root: dict, ref: str):
 
 
 def _exclusion_lost(bounds: list) -> str | None:
-    """What llguidance 1.9.1 would let through of excluded bounds merged with `bounds`, or None.
-    It takes an excluded whole number as allowed where the other bound lies less than 1 from
-    it, on its side away from zero: (1, 1.5) takes 1, (-1.5, -1) takes -1, (-0.5, 0) takes -0;
-    (1, 2), (0.5, 1) and (-1, -0.5) are right (measured over every such pair of bounds, in both
-    forms, up to +-1000)."""
+    """What llguidance 1.9.1 would let through of the excluded ones among `bounds`, which it
+    merges into one range, or None. It takes an excluded whole number as allowed where the
+    other bound lies less than 1 from it, on its side away from zero: (1, 1.5) takes 1,
+    (-1.5, -1) takes -1, (-0.5, 0) takes -0; (1, 2), (0.5, 1) and (-1, -0.5) are right
+    (measured over every such pair of bounds, in both forms, up to +-1000)."""
     lowest_upper = min(((value, key) for lower, key, value, _ in bounds if not lower), default=None)
     highest_lower = max(((value, key) for lower, key, value, _ in bounds if lower), default=None)
     for lower, key, value, excluded in bounds:
