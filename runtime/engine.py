@@ -518,6 +518,8 @@ class Engine:
         self._wake.set()
 
     def _check_request(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise TypeError(f"requests are runtime.Request objects, got {type(request).__name__}")
         if not isinstance(request.id, str):  # 1 and "1" would name the same sequences
             raise TypeError(f"request ids are strings, got {request.id!r}")
         if not isinstance(request.params, SamplingParams):
@@ -991,11 +993,11 @@ class Engine:
         """Submit all, wait for all; results in request order."""
         if not requests:
             return []
+        for request in requests:  # all of them before any: none is left in flight by a raise
+            self._check_request(request)
         waiter = CompletionWaiter([r.id for r in requests])
         if len(waiter.pending) != len(requests):
             raise ValueError("request ids must be unique")
-        for request in requests:  # all of them before any: none is left in flight by a raise
-            self._check_request(request)
         with self._ids_lock:  # claimed in one step: two calls with an id in common, one fails
             clash = [i for i in waiter.pending if i in self._requests or i in self._waiters]
             if not clash:

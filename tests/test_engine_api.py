@@ -643,6 +643,17 @@ def test_completions_a_caller_leaves_unread_are_read_by_its_next_poll(tiny, leav
     assert_idle_and_clean(engine)
 
 
+def test_what_is_not_a_request_is_refused_as_such(tiny):
+    """submit(None) or generate("abc") failed inside with "'NoneType' object has no attribute 'id'"."""
+    engine = make_engine(tiny.dir(FAMILY))
+    for call, value in [(engine.submit, None), (engine.submit, "Hello"), (engine.submit, {"id": "r"}),
+                        (engine.generate, "abc"), (engine.generate, [None]),
+                        (engine.generate, [Request("ok", prompt_token_ids=[5]), "Hello"])]:
+        with pytest.raises(TypeError, match="requests are runtime.Request objects, got "):
+            call(value)
+    assert_idle_and_clean(engine)
+
+
 @pytest.mark.parametrize("timeout", [float("nan"), -1.0, "1"])
 @pytest.mark.parametrize("background", [False, True], ids=["caller-drives", "background-loop"])
 def test_a_poll_timeout_that_is_no_duration_is_refused(tiny, background, timeout):
