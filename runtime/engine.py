@@ -34,7 +34,7 @@ from runtime.lora import ADAPTER_WEIGHTS
 from runtime.moe import moe_blocks
 from runtime.numbers import check_number, check_whole, is_whole
 from runtime.request import (ChatOptions, Completion, CompletionWaiter, Request, SampleOutput, Timings,
-                             content_text)
+                             check_request_types, content_text, request_list)
 from runtime.runner import ModelRunner, ScoredPrompts
 from runtime.sampling import (DEFAULT_MAX_LOGPROBS, SampledToken, SampleRow, SamplingParams, logits_failure,
                               over_max_logprobs, sample)
@@ -518,12 +518,7 @@ class Engine:
         self._wake.set()
 
     def _check_request(self, request: Request) -> None:
-        if not isinstance(request, Request):
-            raise TypeError(f"requests are runtime.Request objects, got {type(request).__name__}")
-        if not isinstance(request.id, str):  # 1 and "1" would name the same sequences
-            raise TypeError(f"request ids are strings, got {request.id!r}")
-        if not isinstance(request.params, SamplingParams):
-            raise TypeError(f"request {request.id!r}: params must be SamplingParams")
+        check_request_types(request)
         self.check_params(request.params)
 
     def check_params(self, params: SamplingParams) -> None:
@@ -991,6 +986,7 @@ class Engine:
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Submit all, wait for all; results in request order."""
+        requests = request_list(requests)
         if not requests:
             return []
         for request in requests:  # all of them before any: none is left in flight by a raise

@@ -37,7 +37,7 @@ from runtime.engine import Engine
 from runtime.estimate import EstimateOrder, LengthEstimator, exact_length
 from runtime.numbers import check_number, check_whole, is_whole
 from runtime.rebalance import QUEUE_ORDERS
-from runtime.request import Completion, CompletionWaiter, Request
+from runtime.request import Completion, CompletionWaiter, Request, check_request_types, request_list
 from runtime.sampling import SamplingParams
 from runtime.scheduler import OVERDUE_AFTER_BATCHES
 
@@ -219,10 +219,7 @@ class EnginePool:
     def _submit(self, requests: list[Request], engines: list[int] | None,
                 waiter: CompletionWaiter | None = None) -> None:
         for request in requests:
-            if not isinstance(request.id, str):
-                raise TypeError(f"request ids are strings, got {request.id!r}")
-            if not isinstance(request.params, SamplingParams):
-                raise TypeError(f"request {request.id!r}: params must be SamplingParams")
+            check_request_types(request)
         if engines is not None:
             if self.split != "static":
                 raise ValueError('engines can be named only with split="static"')
@@ -260,6 +257,7 @@ class EnginePool:
     def generate(self, requests: list[Request], engines: list[int] | None = None) -> list[Completion]:
         """Submit all, wait for all; results in request order. With split="static", `engines`
         may name each request's engine (default: request i to engine i % num_engines)."""
+        requests = request_list(requests)
         if not requests:
             return []
         waiter = CompletionWaiter([r.id for r in requests])

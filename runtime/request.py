@@ -63,6 +63,33 @@ class Request:
     chat: ChatOptions = field(default_factory=ChatOptions)
 
 
+def check_request_types(request) -> None:
+    """TypeError for what cannot run as a request: no Request, an id that is no string (1 and
+    "1" would name the same sequences), params that are no SamplingParams."""
+    if not isinstance(request, Request):
+        raise TypeError(f"requests are runtime.Request objects, got {type(request).__name__}")
+    if not isinstance(request.id, str):
+        raise TypeError(f"request ids are strings, got {request.id!r}")
+    if not isinstance(request.params, SamplingParams):
+        raise TypeError(f"request {request.id!r}: params must be SamplingParams")
+
+
+def request_list(requests) -> list[Request]:
+    """generate()'s argument as a list: any iterable of Requests, a generator too. None, a
+    lone Request and a string are refused rather than read as no requests or as characters."""
+    refusal = TypeError(f"requests are an iterable of runtime.Request objects, got {type(requests).__name__}")
+    if isinstance(requests, (Request, str, bytes, Mapping)):
+        raise refusal
+    try:
+        iterator = iter(requests)
+    except TypeError:
+        raise refusal from None
+    requests = list(iterator)
+    for request in requests:
+        check_request_types(request)
+    return requests
+
+
 @dataclass
 class SampleOutput:
     """One of a request's n samples."""

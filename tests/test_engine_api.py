@@ -649,8 +649,23 @@ def test_what_is_not_a_request_is_refused_as_such(tiny):
     for call, value in [(engine.submit, None), (engine.submit, "Hello"), (engine.submit, {"id": "r"}),
                         (engine.generate, "abc"), (engine.generate, [None]),
                         (engine.generate, [Request("ok", prompt_token_ids=[5]), "Hello"])]:
-        with pytest.raises(TypeError, match="requests are runtime.Request objects, got "):
+        with pytest.raises(TypeError, match="requests are (an iterable of )?runtime.Request objects, got "):
             call(value)
+    assert_idle_and_clean(engine)
+
+
+def test_generate_takes_any_iterable_of_requests_and_refuses_what_is_none(tiny):
+    """generate(None) returned [] as if asked for nothing, a generator failed on len(), and a
+    lone Request on iteration."""
+    engine = make_engine(tiny.dir(FAMILY))
+    requests = [Request(f"g{i}", prompt_token_ids=[5, 6 + i], params=SamplingParams(max_tokens=3)) for i in range(3)]
+    expected = [c.token_ids for c in engine.generate(requests)]
+    assert [c.token_ids for c in engine.generate(r for r in requests)] == expected
+    assert [c.token_ids for c in engine.generate(tuple(requests))] == expected
+    assert engine.generate(iter([])) == []
+    for value in (None, requests[0], 5, {"id": "r"}, b"abc"):
+        with pytest.raises(TypeError, match="requests are an iterable of runtime.Request objects, got "):
+            engine.generate(value)
     assert_idle_and_clean(engine)
 
 

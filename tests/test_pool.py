@@ -348,6 +348,13 @@ def test_bad_requests(shared_pool):
         shared_pool.submit(Request("params", prompt_token_ids=[5], params={"max_tokens": 3}))
     with pytest.raises(TypeError, match="request ids are strings"):
         shared_pool.submit(Request(7, prompt_token_ids=[5]))
+    for value in (None, "Hello"):  # failed inside on a missing .id
+        with pytest.raises(TypeError, match="requests are runtime.Request objects, got "):
+            shared_pool.submit(value)
+    with pytest.raises(TypeError, match="requests are an iterable of runtime.Request objects, got NoneType"):
+        shared_pool.generate(None)  # returned [] as if asked for nothing
+    [from_generator] = shared_pool.generate(r for r in [Request("gen", prompt_token_ids=[5], params=SamplingParams(max_tokens=2))])
+    assert from_generator.id == "gen" and from_generator.finish_reason == "length"
     with pytest.raises(ValueError, match="split"):
         EnginePool(split="round_robin")
 
