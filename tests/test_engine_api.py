@@ -6,6 +6,7 @@ import json
 import random
 import re
 import shutil
+import signal
 import threading
 import time
 
@@ -15,6 +16,7 @@ import torch
 from helpers import (CallCounter, assert_idle_and_clean, assert_matches, greedy_requests, make_engine,
                      random_prompt, random_prompts)
 from runtime import Engine, Request, SamplingParams
+from runtime.step_lock import StepLock
 
 FAMILY = "qwen2"
 MAX_TOKENS = 12
@@ -1013,6 +1015,72 @@ def test_an_interrupt_between_a_sequences_last_token_and_its_booking_leaks_nothi
     for completion, request in zip(engine.generate(requests), requests):
         assert_matches(completion, *reference(tiny, request.prompt_token_ids))
     assert_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("where, when", [
+    ("scheduler._reserve", None), ("scheduler.blocks.match_prefix", lambda taken: taken[0]),
+    ("kv.copy_blocks", None), ("_finish_sequence", None), ("runner.run", None), ("scheduler.suspend", None)])
+def test_a_real_stop_button_midway_through_a_step_or_primitive_leaves_it_whole(tiny, interruptible, where, when):
+    """SIGINT on the main thread raised wherever it was: inside a copy-on-write (a block taken,
+    never given back), a prefix match (references taken) or a booking. It is now held until the
+    engine's lock is let go, so the interrupted generate() withdraws a consistent state."""
+    engine = make_engine(tiny.dir(FAMILY))
+    prompts = random_prompts([9, 21, 9 + 16], seed=8)
+    prompts[2][:16] = prompts[1][:16]  # a cached prefix block to match
+    requests = [Request(f"r{i}", prompt_token_ids=p, params=SamplingParams(max_tokens=MAX_TOKENS, n=2, temperature=1.0, seed=i))
+                for i, p in enumerate(prompts)]
+    expected = [[o.token_ids for o in c.outputs] for c in make_engine(tiny.dir(FAMILY)).generate(requests)]
+    engine.generate(requests[1:2])  # its prompt's blocks cached
+    owner, name = engine, where
+    while "." in name:
+        head, name = name.split(".", 1)
+        owner = getattr(owner, head)
+    real, pressed = getattr(owner, name), []
+
+    def pressing_stop(*args, **kwargs):  # right after it, before its caller goes on
+        result = real(*args, **kwargs)
+        if not pressed and (when is None or when(result)):
+            pressed.append(True)
+            signal.raise_signal(signal.SIGINT)
+        return result
+    setattr(owner, name, pressing_stop)
+    if where == "scheduler.suspend":  # a primitive from the caller: after the first of two samples
+        engine.submit(requests[0])
+        engine.step()
+        with pytest.raises(KeyboardInterrupt):
+            engine.suspend("r0")
+        assert engine.resume("r0") == 2
+        assert [o.token_ids for o in next(engine.completions()).outputs] == expected[0]
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(requests)
+    assert pressed, f"{where} was not reached"
+    setattr(owner, name, real)
+    assert_idle_and_clean(engine)
+    assert [[o.token_ids for o in c.outputs] for c in engine.generate(requests)] == expected
+    assert_idle_and_clean(engine)
+
+
+def test_the_stop_button_held_by_the_engine_lock_only_once_and_only_its_own(interruptible):
+    """A second press raises at once (a step that will not end can still be stopped); Python's
+    handler is back after the block; an application's own SIGINT handler is left to run."""
+    lock, reached = StepLock(), []
+    with pytest.raises(KeyboardInterrupt):
+        with lock.step():
+            signal.raise_signal(signal.SIGINT)
+            reached.append("after the first")
+            signal.raise_signal(signal.SIGINT)
+            reached.append("after the second")
+    assert reached == ["after the first"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with lock.held():
+        pass
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    seen = []
+    signal.signal(signal.SIGINT, lambda *_: seen.append("own handler"))
+    with lock.held():
+        signal.raise_signal(signal.SIGINT)
+        assert seen == ["own handler"]
 
 
 def test_a_request_id_that_looks_like_another_requests_sample_keeps_its_own_kv(tiny):
