@@ -6,13 +6,15 @@ adapter_config.json gives r, lora_alpha, use_rslora (scale alpha / sqrt(r), else
 and target_modules; adapter_model.safetensors holds `base_model.model.<HF name>.lora_A.weight`
 [r, in] and `lora_B.weight` [out, r] per adapted linear, named as the model's checkpoint
 names it (the loader's renames apply: an image-text model's language model, older names).
-Options that only choose which linears are adapted (target_modules, layers_to_transform)
-need nothing: the tensors present say it. Options that change more than the adapted linears
+Options that only choose which linears are adapted (target_modules, exclude_modules,
+layers_to_transform) are checked against the tensors present: PEFT ignores a tensor its
+config does not select, so merging one would run another model. Options that change more than the adapted linears
 (DoRA, full copies of modules, biases, per-module ranks) and LoRA on MoE experts are refused.
 """
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -27,7 +29,9 @@ _REFUSED = {"use_dora": False, "modules_to_save": None, "bias": "none", "lora_bi
             "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
             # Activated LoRA applies from its invocation tokens on (it cannot be merged); layer
             # replication builds another stack of layers, which the tensors' names do not say.
-            "alora_invocation_tokens": None, "layer_replication": None}
+            "alora_invocation_tokens": None, "layer_replication": None,
+            # BD-LoRA stores a block-diagonal factor compactly: not a plain [r, in] / [out, r].
+            "use_bdlora": None}
 # init_lora_weights values whose adapters PEFT applies to a base it first changed (W - B0 @ A0,
 # in memory, again at every load): merged onto the checkpoint's W they give another model.
 _BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
@@ -71,6 +75,42 @@ def read_adapter_config(adapter_dir: str | Path) -> dict:
     return config
 
 
+def _selects(config: dict, module: str) -> bool:
+    """Whether PEFT, loading this adapter, adapts `module` (named as in the model PEFT wraps):
+    target_parameters names one of its parameters (`<module>.<parameter>`, or its end), or
+    target_modules names it (a regex on the whole name, or names it ends with), exclude_modules
+    does not, and layers_to_transform holds its layer's index."""
+    def named(patterns) -> bool:
+        if isinstance(patterns, str):
+            return re.fullmatch(patterns, module) is not None
+        return any(module == p or module.endswith(f".{p}") for p in patterns)
+
+    for target in config.get("target_parameters") or ():
+        key = f"{module}.{target.rpartition('.')[2]}"
+        if key == target or key.endswith(f".{target}"):
+            return True
+    excluded, targets = config.get("exclude_modules"), config.get("target_modules")
+    if excluded and named(excluded):
+        return False
+    if targets is None:  # PEFT's defaults for the architecture, unless it targets parameters
+        return not config.get("target_parameters")
+    if targets == "all-linear":  # every linear but the output layer
+        return module.rsplit(".", 1)[-1] != "lm_head"
+    if not named(targets):
+        return False
+    layers = config.get("layers_to_transform")
+    if isinstance(targets, str) or layers is None or layers == []:  # a regex says it all
+        return True
+    # A layer's index follows the first `<layers_pattern>.` in the name (any segment if none).
+    patterns = config.get("layers_pattern") or [None]
+    for pattern in [patterns] if isinstance(patterns, str) else patterns:
+        found = re.match(r".*?\.[^.]*\.(\d+)\." if pattern is None else rf"(?:^|.*?\.){pattern}\.(\d+)\.", module)
+        if found:
+            index = int(found.group(1))
+            return index == layers if isinstance(layers, int) else index in layers
+    return False
+
+
 def _open_weights(adapter_dir: Path):
     path = adapter_dir / ADAPTER_WEIGHTS
     if not path.is_file():
@@ -103,11 +143,16 @@ def merge_lora(model, adapter_dir: str | Path) -> int:
         merged = 0
         for a_name in sorted(n for n in names if n.endswith(".lora_A.weight")):
             b_name = a_name.replace(".lora_A.", ".lora_B.")
-            hf_name = canonical_name(a_name[:-len(".lora_A.weight")].removeprefix(_PREFIX))
+            module = a_name[:-len(".lora_A.weight")].removeprefix(_PREFIX)
+            hf_name = canonical_name(module)
             if hf_name.startswith(_NOT_RUN):
                 continue
             if ".experts." in hf_name or hf_name.endswith(".experts"):
                 raise NotImplementedError(f"LoRA on MoE experts is not supported ({hf_name})")
+            if not _selects(config, module):
+                raise ValueError(f"{adapter_dir}: the adapter holds weights for {module}, which "
+                                 f"adapter_config.json does not select (target_modules, exclude_modules, "
+                                 f"layers_to_transform): PEFT would ignore them")
             ours, rows = packed_part(hf_name.removeprefix("model."), model.spec)
             if ours == "lm_head" and model.spec.tie_word_embeddings:
                 raise NotImplementedError("LoRA on a LM head tied to the embeddings is not supported")

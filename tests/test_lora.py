@@ -86,6 +86,44 @@ def test_an_adapter_of_some_layers_matches_peft(tiny, tmp_path):
     assert_adapter_matches(base, tmp_path / "adapter", oracle)
 
 
+@pytest.mark.parametrize("selection", [
+    {"target_modules": ["q_proj"]}, {"target_modules": r".*\.q_proj"}, {"layers_to_transform": [1]},
+    {"layers_to_transform": 0, "layers_pattern": "layers"}, {"exclude_modules": ["v_proj"]},
+    {"exclude_modules": r"model\.layers\.0\..*"}], ids=str)
+def test_an_adapter_whose_config_selects_fewer_linears_than_its_tensors_is_refused(tiny, tmp_path, selection):
+    """PEFT adapts only the linears adapter_config.json selects and ignores the other tensors;
+    merging them all ran another model than PEFT's, with no word (a hand-edited or converted
+    adapter: PEFT's own save_pretrained writes no such thing)."""
+    base = tiny.dir("llama")
+    make_lora_adapter(base, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    path = tmp_path / "adapter" / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **selection}))
+    with pytest.raises(ValueError, match="which adapter_config.json does not select"):
+        make_engine(base, lora=tmp_path / "adapter")
+
+
+def test_an_adapter_selected_by_a_regex_or_with_exclusions_matches_peft(tiny, tmp_path):
+    """The selection check takes what PEFT selects: a regex on the whole name, and exclusions."""
+    base = tiny.dir("llama")
+    oracle = make_lora_adapter(base, tmp_path / "regex", r=4, lora_alpha=8,
+                               target_modules=r"model\.layers\.[01]\.self_attn\.(q|v)_proj")
+    assert_adapter_matches(base, tmp_path / "regex", oracle)
+    oracle = make_lora_adapter(base, tmp_path / "excluding", r=4, lora_alpha=8, target_modules=ALL_LINEARS,
+                               exclude_modules=["down_proj"], layers_to_transform=[0], layers_pattern="layers")
+    assert_adapter_matches(base, tmp_path / "excluding", oracle)
+
+
+def test_a_block_diagonal_lora_is_refused_by_name(tiny, tmp_path):
+    """BD-LoRA stores its block-diagonal factor compactly: it failed a shape check blaming r."""
+    from peft.tuners.lora.config import BdLoraConfig
+
+    base = tiny.dir("llama")
+    make_lora_adapter(base, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                      use_bdlora=BdLoraConfig(target_modules_bd_a=["q_proj"], nblocks=2, match_strict=False))
+    with pytest.raises(NotImplementedError, match="LoRA adapter option use_bdlora="):
+        make_engine(base, lora=tmp_path / "adapter")
+
+
 @pytest.mark.parametrize("kind", ["gemma3", "mistral3"])
 def test_an_image_text_models_adapter_matches_peft(tmp_path, kind):
     """PEFT names the language model's linears as the image-text checkpoint does; the vision
