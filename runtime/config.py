@@ -247,14 +247,22 @@ def _moe_spec(config: PretrainedConfig) -> MoESpec | None:
     if model_type in ("mixtral", "olmoe"):  # every layer sparse, experts of intermediate_size
         expert_size, sparse = config.intermediate_size, [True] * config.num_hidden_layers
     elif model_type in ("qwen2_moe", "qwen3_moe"):
-        expert_size = config.moe_intermediate_size
+        expert_size, step = config.moe_intermediate_size, config.decoder_sparse_step
+        if not is_whole(step, 1):
+            raise ValueError(f"decoder_sparse_step must be a whole number >= 1, got {step!r}")
         sparse = [i not in config.mlp_only_layers and config.num_experts > 0
-                  and (i + 1) % config.decoder_sparse_step == 0 for i in range(config.num_hidden_layers)]
+                  and (i + 1) % step == 0 for i in range(config.num_hidden_layers)]
     else:
         return None
+    num_experts, top_k = config.num_experts, config.num_experts_per_tok
+    if any(sparse) and not is_whole(num_experts, 1):
+        raise ValueError(f"the number of experts must be a whole number >= 1, got {num_experts!r}")
+    if any(sparse) and not (is_whole(top_k, 1) and top_k <= num_experts):
+        raise ValueError(f"num_experts_per_tok must be a whole number in 1..{num_experts} (the "
+                         f"number of experts), got {top_k!r}")
     return MoESpec(
-        num_experts=config.num_experts,  # Mixtral's num_local_experts, through the attribute map
-        top_k=config.num_experts_per_tok,
+        num_experts=num_experts,  # Mixtral's num_local_experts, through the attribute map
+        top_k=top_k,
         intermediate_size=expert_size,
         norm_topk_prob=model_type == "mixtral" or bool(config.norm_topk_prob),  # Mixtral always does
         shared_expert_size=_family_key(config, "shared_expert_intermediate_size", ("qwen2_moe",)) or 0,

@@ -281,7 +281,7 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
     with torch.no_grad():
         for name, param in model.named_parameters():  # tied weights are listed once
             sources = hf_sources(name, checkpoint)
-            per_expert = (per_expert_names(checkpoint, sources[0], model.spec.moe.num_experts)
+            per_expert = (per_expert_names(checkpoint, sources[0], model.spec.moe)
                           if ".experts." in name else None)
             if per_expert is None:  # one tensor, q|k|v or gate|up parts, or MoE experts fused
                 stored = read(name, sources, param.shape)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from kernels import grouped_experts, route
-from runtime.config import ModelSpec
+from runtime.config import ModelSpec, MoESpec
 from runtime.model import MLP
 
 
@@ -71,13 +71,20 @@ _PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"),  # Qwen2/3-MoE, OLMo
                      ("w1", "w3", "w2"))  # Mixtral
 
 
-def per_expert_names(checkpoint, name: str, num_experts: int) -> list[list[str]] | None:
+def per_expert_names(checkpoint, name: str, moe: MoESpec) -> list[list[str]] | None:
     """Where the stacked tensor `name` (`….experts.gate_up_proj` or `….experts.down_proj`) is
     stored one expert at a time (what `save_pretrained` writes, and older checkpoints): each
     expert's stored tensors, concatenated in this order to form its slice. None where the
     checkpoint stores it fused (transformers 5). `checkpoint` answers `in` and names its
-    `model_dir`."""
+    `model_dir`. Experts stored that the config has no place for are refused: loading only
+    those it names would run another model than the checkpoint's (transformers refuses too)."""
     prefix, kind = name.rsplit(".", 1)
+    block = prefix.rsplit(".", 1)[0]
+    stray = next((n for n in (f"{block}.shared_expert_gate.weight", f"{block}.shared_expert.down_proj.weight")
+                  if n in checkpoint), None)
+    if stray and not moe.shared_expert_size:
+        raise ValueError(f"{checkpoint.model_dir}: the checkpoint stores a shared expert ({stray!r}), which "
+                         f"the config has none of (shared_expert_intermediate_size)")
     for gate, up, down in _PER_EXPERT_NAMES:
         parts = (gate, up) if kind == "gate_up_proj" else (down,)
         first = f"{prefix}.0.{parts[0]}.weight"
@@ -85,7 +92,11 @@ def per_expert_names(checkpoint, name: str, num_experts: int) -> list[list[str]]
             if name in checkpoint:  # a stale copy in the other layout: which is meant?
                 raise ValueError(f"{checkpoint.model_dir}: the checkpoint stores {name!r} both fused and per "
                                  f"expert ({first!r}, ...); keep one of the two")
-            return [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(num_experts)]
+            extra = f"{prefix}.{moe.num_experts}.{parts[0]}.weight"
+            if extra in checkpoint:
+                raise ValueError(f"{checkpoint.model_dir}: the checkpoint stores more experts than the "
+                                 f"config's {moe.num_experts} ({extra!r}, ...)")
+            return [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(moe.num_experts)]
     if name in checkpoint:
         return None
     raise KeyError(f"{checkpoint.model_dir}: the checkpoint has no tensor {name!r}, fused or per expert")

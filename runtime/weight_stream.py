@@ -111,11 +111,11 @@ class _Index:
         self._check_shape(name, sources, shape)
         return extents
 
-    def expert_extents(self, hf_name: str, num_experts: int, shape: tuple[int, ...]) -> list[list[Extent]]:
+    def expert_extents(self, hf_name: str, moe, shape: tuple[int, ...]) -> list[list[Extent]]:
         """Per expert, the extents that make up its slice of the stacked tensor `hf_name`
         (`….experts.gate_up_proj` or `….experts.down_proj`, `shape` [E, ...]), stored fused or
         per expert."""
-        per_expert = per_expert_names(self, hf_name, num_experts)
+        per_expert = per_expert_names(self, hf_name, moe)
         if per_expert is not None:
             extents = [[self.extent(part) for part in parts] for parts in per_expert]
             for parts in per_expert:
@@ -123,8 +123,8 @@ class _Index:
             return extents
         whole = self.extent(hf_name)
         self._check_shape(hf_name, [hf_name], shape)
-        size = whole.nbytes // num_experts
-        return [[Extent(whole.fd, whole.offset + e * size, size, whole.dtype)] for e in range(num_experts)]
+        size = whole.nbytes // moe.num_experts
+        return [[Extent(whole.fd, whole.offset + e * size, size, whole.dtype)] for e in range(moe.num_experts)]
 
     def _check_shape(self, name: str, sources: list[str], shape) -> None:
         check_stored_shapes(self.model_dir, name, sources, [self._tensors[src][4] for src in sources],
@@ -264,7 +264,7 @@ class WeightStreamer:
                   "down_proj": (moe.num_experts, hidden, moe.intermediate_size)}
         for i, block in blocks:  # self._experts: layer -> (gate_up extents, down extents) per expert
             self._experts[i] = tuple(self._index.expert_extents(f"model.layers.{i}.mlp.experts.{kind}",
-                                                                moe.num_experts, shape)
+                                                                moe, shape)
                                      for kind, shape in shapes.items())
             block.experts = StreamedExperts(self, i, moe.num_experts)
         self._gate_up_bytes = 2 * moe.intermediate_size * hidden * self._element

@@ -5,6 +5,7 @@ the counts the grouped-experts kernel returns; the kernel against a per-token re
 checkpoints that store experts fused or one by one load the same weights."""
 
 
+import json
 import re
 import shutil
 
@@ -193,3 +194,49 @@ def test_experts_stored_both_fused_and_per_expert_are_refused(tiny, family, tmp_
     with pytest.raises(ValueError, match=rf"{re.escape(str(both))}: the checkpoint stores '.*experts.down_proj' both fused and per "
                                          rf"expert \('.*experts.0.(w2|down_proj).weight', ...\); keep one"):
         make_engine(both, weight_budget_bytes=budget)
+
+
+@pytest.mark.parametrize("budget", [None, 1 << 30], ids=["resident", "streamed"])
+@pytest.mark.parametrize("family, edit, message", [
+    ("mixtral", "a fifth expert", r"stores more experts than the config's 4 \('.*experts.4.w1.weight'"),
+    ("qwen2_moe", "a fused seventh expert", r"experts.gate_up_proj'? is \(7, 64, 64\)"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": 0},
+     r"stores a shared expert \('.*shared_expert_gate.weight'\), which the config has none of"),
+])
+def test_a_checkpoint_with_experts_the_config_lacks_is_refused(tiny, tmp_path, budget, family, edit, message):
+    """Loading only what the config names ran another model than the checkpoint's: a per-expert
+    checkpoint's extra expert, or a shared expert under shared_expert_intermediate_size 0, were
+    ignored, where transformers refuses (its stacked experts' sizes differ)."""
+    model = tmp_path / "model"
+    if edit == "a fused seventh expert":
+        save_fused_experts(tiny.dir(family), model)
+        tensors = load_file(str(model / "model.safetensors"))
+        tensors = {n: torch.cat([t, t[:1]]) if n.endswith("experts.gate_up_proj") else t for n, t in tensors.items()}
+    else:
+        shutil.copytree(tiny.dir(family), model)
+        tensors = load_file(str(model / "model.safetensors"))
+    if edit == "a fifth expert":
+        tensors.update({n.replace(".experts.0.", ".experts.4."): t.clone() for n, t in tensors.items() if ".experts.0." in n})
+    save_file(tensors, str(model / "model.safetensors"))
+    if isinstance(edit, dict):
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ValueError, match=message):
+        make_engine(model, weight_budget_bytes=budget)
+
+
+@pytest.mark.parametrize("family, edit, message", [
+    ("mixtral", {"num_experts_per_tok": 5}, "num_experts_per_tok must be a whole number in 1..4"),
+    ("qwen3_moe", {"num_experts_per_tok": -1}, "num_experts_per_tok must be a whole number in 1..8"),
+    ("qwen3_moe", {"num_experts_per_tok": 0}, "num_experts_per_tok must be a whole number in 1..8"),
+    ("qwen2_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step must be a whole number >= 1"),
+])
+def test_router_settings_out_of_range_are_refused_at_start(tiny, tmp_path, family, edit, message):
+    """More experts per token than there are failed inside the first step with torch's "selected
+    index k out of range", and left the engine stuck; decoder_sparse_step 0 divided by zero."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny.dir(family), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ValueError, match=message):
+        make_engine(model)
