@@ -45,8 +45,9 @@ Choices:
 - Text fields (id, prompt, a message's role and content, a text part's type and text) given
   as bytes, as some Parquet writers store strings, are decoded as UTF-8; bytes that are not
   UTF-8 reject the record.
-- A message of role "developer" (OpenAI's newer name for system instructions) is a system
-  message: chat templates know only "system".
+- A message of role "developer" (OpenAI's newer name for system instructions) reaches the
+  engine as it is: the engine gives it to a chat template that does not know it as a system
+  message, as vLLM does (runtime/chat.py).
 - A message's content may be OpenAI's list of text parts (the engine joins them by newlines
   unless the chat template loops over parts itself, as vLLM does); any other part (an image)
   rejects the record.
@@ -86,9 +87,7 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
 # How a record's messages become its prompt (runtime.request.ChatOptions): vLLM's chat fields.
 CHAT_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 _CHAT_NO_OP = {"chat_template_kwargs": {}, "add_generation_prompt": True, "continue_final_message": False}
-ROLES = ("system", "user", "assistant")
-# OpenAI's newer name for the system role: chat templates know only "system".
-ROLE_ALIASES = {"developer": "system"}
+ROLES = ("system", "user", "assistant", "developer")
 _STRUCTURED = {"json_schema", "regex", "choice"}  # structured output: one kind at most
 # Sampling fields that take an integer (a whole float counts, see _whole).
 _INTEGER_FIELDS = {"max_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprobs", "min_tokens",
@@ -595,10 +594,8 @@ def _check_message(where: str, message: Any) -> dict:
     content = _utf8(message.get("content"), f"{where}.content")
     if role is None:
         raise _Invalid(f"{where}.role: missing")
-    if isinstance(role, str):
-        role = ROLE_ALIASES.get(role, role)
     if not isinstance(role, str) or role not in ROLES:
-        raise _Invalid(f"{where}.role: must be one of {', '.join(ROLES + tuple(ROLE_ALIASES))}, "
+        raise _Invalid(f"{where}.role: must be one of {', '.join(ROLES)}, "
                        f"got {_show(role)}")
     if content is None:
         raise _Invalid(f"{where}.content: missing")

@@ -25,6 +25,7 @@ import torch
 from jinja2 import TemplateError
 
 import kernels
+from runtime.chat import ChatRules
 from runtime.config import load_hf_config, model_spec
 from runtime.default_model import default_model_dir
 from runtime.estimate import exact_length
@@ -34,7 +35,7 @@ from runtime.lora import ADAPTER_WEIGHTS
 from runtime.moe import moe_blocks
 from runtime.numbers import check_number, check_whole, is_whole
 from runtime.request import (ChatOptions, Completion, CompletionWaiter, Request, SampleOutput, Timings,
-                             check_request_types, content_text, request_list)
+                             check_request_types, request_list)
 from runtime.runner import ModelRunner, ScoredPrompts
 from runtime.sampling import (DEFAULT_MAX_LOGPROBS, SampledToken, SampleRow, SamplingParams, logits_failure,
                               over_max_logprobs, sample)
@@ -43,7 +44,7 @@ from runtime.speculate import DRAFT_BELOW_ROWS, DRAFT_ROWS, accepted
 from runtime.sequence import Event, Sequence, Status, StopRule
 from runtime.step_lock import StepLock
 from runtime.structured import Grammars, UnfollowableGrammar, allowed_tokens
-from runtime.tokenizer import load_tokenizer, takes_content_parts
+from runtime.tokenizer import load_tokenizer
 from runtime.weight_stream import WeightStreamer
 
 log = logging.getLogger(__name__)
@@ -402,7 +403,7 @@ class Engine:
                                  spec.max_position_embeddings, num_blocks * block_size)
         # Before the weights: a broken tokenizer file fails the start in seconds, not after a load.
         self.tokenizer = load_tokenizer(self.model_dir)
-        self._chat_takes_parts = self.tokenizer is not None and takes_content_parts(self.tokenizer)
+        self._chat = ChatRules(self.tokenizer) if self.tokenizer is not None else None
         self._load_weights(dtype, lora, weight_budget_bytes, weights_in_host_memory)
         self._dtype = dtype
         if greedy_screen is None:
@@ -605,11 +606,9 @@ class Engine:
         for i, message in enumerate(messages):
             for text in _content_texts(message["content"]):
                 _check_text(f"messages[{i}].content", text)
-        if not self._chat_takes_parts:
-            messages = [{**m, "content": content_text(m["content"])} for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=options.add_generation_prompt,
+                self._chat.conversation(messages), tokenize=False, add_generation_prompt=options.add_generation_prompt,
                 continue_final_message=options.continue_final_message, **options.template_kwargs)
         except TemplateError as refused:  # templates raise on what they do not take (roles out of turn)
             raise InvalidPrompt(f"messages: the model's chat template refused them ({refused})") from None

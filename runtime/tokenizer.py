@@ -6,11 +6,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable
 
-from jinja2 import TemplateSyntaxError, nodes
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
-from transformers.utils.chat_template_utils import _compile_jinja_template
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -148,56 +146,6 @@ def _space_marker(tokenizer: PreTrainedTokenizerBase) -> str | None:
         if step.get("type") == "Metaspace":
             return step.get("replacement", "\u2581")
     return None
-
-
-def takes_content_parts(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """Whether the chat template loops over a message's content, so takes OpenAI's list of text
-    parts and joins them its own way (Gemma 3's, Llama 4's, Mistral Small 3.1's do); other
-    templates take a string, made of the parts joined by newlines. vLLM tells them apart the
-    same way, by the template's syntax tree as transformers' jinja parses it (which knows a
-    training template's {% generation %} tag)."""
-    template = tokenizer.chat_template
-    if isinstance(template, dict):  # named templates: apply_chat_template renders "default"
-        template = template.get("default")
-    if not isinstance(template, str):
-        return False
-    try:
-        tree = _compile_jinja_template(template).environment.parse(template)
-    except TemplateSyntaxError:  # apply_chat_template cannot render it either: an error row
-        return False
-    bound = _names_bound_to_content(tree)
-    return any(_is_content(loop.iter, bound) for loop in tree.find_all(nodes.For))
-
-
-def _is_content(node: nodes.Node, bound: set[str]) -> bool:
-    """Whether an expression is a message's content: `m['content']`, `m.content` or a name bound
-    to one, through filters, tests and slices."""
-    while ((isinstance(node, (nodes.Filter, nodes.Test)) and node.node is not None)
-           or (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice))):
-        node = node.node
-    if isinstance(node, nodes.Getitem):
-        return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
-    if isinstance(node, nodes.Getattr):
-        return node.attr == "content"
-    return isinstance(node, nodes.Name) and node.name in bound
-
-
-def _names_bound_to_content(tree: nodes.Template) -> set[str]:
-    """The names a template binds to a message's content: set from it (`{% set c = m.content
-    %}`, or from a name so bound), or a macro's parameter that a call passes it to. Scopes are
-    not told apart (nor are they by vLLM)."""
-    macros = {macro.name: [arg.name for arg in macro.args] for macro in tree.find_all(nodes.Macro)}
-    bound: set[str] = set()
-    while True:
-        found = {assign.target.name for assign in tree.find_all(nodes.Assign)
-                 if isinstance(assign.target, nodes.Name) and _is_content(assign.node, bound)}
-        for call in tree.find_all(nodes.Call):
-            params = macros.get(call.node.name, []) if isinstance(call.node, nodes.Name) else []
-            found.update(name for name, arg in zip(params, call.args) if _is_content(arg, bound))
-            found.update(kw.key for kw in call.kwargs if kw.key in params and _is_content(kw.value, bound))
-        if found <= bound:
-            return bound
-        bound |= found
 
 
 class TextStream:

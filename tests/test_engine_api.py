@@ -129,10 +129,18 @@ def test_messages_a_chat_template_refuses_are_an_error_completion(tiny_chat, tmp
     ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}"
      "{{ m['content'] }}{% endgeneration %}{% elif m['content'] is string %}{{ m['content'] }}{% else %}"
      "{% for part in m['content'] %}[{{ part['text'] }}]{% endfor %}{% endif %}<|im_end|>\n{% endfor %}", False),
-    # through a variable the content is set to
-    ("{% for m in messages %}{% set content = m.content %}{% set text = content %}<|im_start|>{{ m['role'] }}\n"
+    # through a variable named content (vLLM follows no other variable: `text` below)
+    ("{% for m in messages %}{% set content = m.content %}<|im_start|>{{ m['role'] }}\n"
+     "{% if content is string %}{{ content }}{% else %}{% for part in content %}[{{ part.text }}]{% endfor %}"
+     "{% endif %}<|im_end|>\n{% endfor %}", False),
+    ("{% for m in messages %}{% set text = m.content %}<|im_start|>{{ m['role'] }}\n"
      "{% if text is string %}{{ text }}{% else %}{% for part in text %}[{{ part.text }}]{% endfor %}{% endif %}"
-     "<|im_end|>\n{% endfor %}", False),
+     "<|im_end|>\n{% endfor %}", True),
+    # a loop over the first message's content, or a tool's: not a loop over each message's
+    ("{% for part in messages[0]['content'] %}{{ part }}{% endfor %}{% for m in messages %}<|im_start|>"
+     "{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}", True),
+    ("{% for tool in tools or [] %}{% for line in tool.content %}{{ line }}{% endfor %}{% endfor %}"
+     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}", True),
     # through a macro's parameter
     ("{% macro render(body) %}{% if body is string %}{{ body }}{% else %}{% for part in body %}"
      "[{{ part.text }}]{% endfor %}{% endif %}{% endmacro %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
@@ -140,17 +148,24 @@ def test_messages_a_chat_template_refuses_are_an_error_completion(tiny_chat, tmp
     # a loop over something else the template set
     ("{% for m in messages %}{% set words = m['role'] ~ ' ' ~ m['content'] %}{% set lines = [words] %}"
      "{% for line in lines %}{{ line }}{% endfor %}\n{% endfor %}", True)],
-    ids=["string", "loops-over-parts", "generation-tag", "set-variable", "macro-parameter", "other-loop"])
-def test_text_parts_render_as_transformers_renders_them(tiny_chat, tmp_path, template, joins):
+    ids=["string", "loops-over-parts", "generation-tag", "variable-named-content", "other-variable",
+         "first-message-only", "a-tools-content", "macro-parameter", "other-loop"])
+def test_text_parts_render_as_vllm_renders_them(tiny_chat, tmp_path, template, joins):
+    """A template that takes parts gets every content as parts, a string one wrapped in a text
+    part; any other gets the parts joined by newlines. vLLM's rule (its renderers/hf.py
+    _detect_content_format): our rule followed any variable set from any `.content`."""
     from transformers import AutoTokenizer
     model_dir = tmp_path / "template"
     shutil.copytree(tiny_chat.dir(FAMILY), model_dir)
     (model_dir / "chat_template.jinja").write_text(template)
     parts = [{"type": "text", "text": "Summarise this: "}, {"type": "text", "text": "The cat sat."}]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
-    given = [{"role": "user", "content": "Summarise this: \nThe cat sat."}] if joins else messages[1:]
+    if joins:
+        given = [messages[0], {"role": "user", "content": "Summarise this: \nThe cat sat."}]
+    else:
+        given = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, messages[1]]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    expected = tokenizer.apply_chat_template([messages[0], *given], add_generation_prompt=True, tokenize=True)
+    expected = tokenizer.apply_chat_template(given, add_generation_prompt=True, tokenize=True)
     expected = expected["input_ids"] if hasattr(expected, "keys") else expected
     engine = make_engine(model_dir)
     scored = SamplingParams(max_tokens=3, prompt_logprobs=0)
@@ -163,6 +178,42 @@ def test_text_parts_render_as_transformers_renders_them(tiny_chat, tmp_path, tem
         {"type": "image_url", "image_url": {"url": "x"}}]}])])
     assert refused.finish_reason == "error" and "list of text parts" in refused.error
     assert_idle_and_clean(engine)
+
+
+NO_DEVELOPER = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+KNOWS_DEVELOPER = ("{% for m in messages %}{% if m['role'] == 'developer' %}<dev>{{ m['content'] }}</dev>{% else %}"
+                   "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}")
+
+
+def _message(role, content):
+    return {"role": role, "content": content}
+
+
+@pytest.mark.parametrize("template, messages, given", [
+    (NO_DEVELOPER, [_message("developer", "B"), _message("user", "U")], [_message("system", "B"), _message("user", "U")]),
+    (NO_DEVELOPER, [_message("system", "A"), _message("developer", "B"), _message("user", "U")],
+     [_message("system", "A\n\nB"), _message("user", "U")]),
+    (NO_DEVELOPER, [_message("user", "U"), _message("developer", [{"type": "text", "text": "B"}, {"type": "text", "text": "C"}])],
+     [_message("system", "B\nC"), _message("user", "U")]),
+    (NO_DEVELOPER, [_message("developer", ""), _message("user", "U"), _message("system", "A")],
+     [_message("system", "A"), _message("user", "U")]),
+    (NO_DEVELOPER, [_message("user", "U"), _message("system", "A")], None),  # no developer: as they are
+    (KNOWS_DEVELOPER, [_message("system", "A"), _message("developer", "B"), _message("user", "U")], None),
+], ids=["first", "after-a-system-message", "after-the-user-in-parts", "empty", "none", "template-knows-it"])
+def test_a_developer_message_reaches_the_template_as_vllm_gives_it(tiny_chat, tmp_path, template, messages, given):
+    """vLLM gives "developer" to a template whose text names it; else it makes it a system
+    message and merges every system message into one at the front (blank lines between, empty
+    ones left out). We made it a system message where it stood."""
+    from transformers import AutoTokenizer
+    model_dir = tmp_path / "template"
+    shutil.copytree(tiny_chat.dir(FAMILY), model_dir)
+    (model_dir / "chat_template.jinja").write_text(template)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    expected = tokenizer.apply_chat_template(given or messages, add_generation_prompt=True, tokenize=False)
+    [completion] = make_engine(model_dir).generate([Request("d", messages=messages, params=SamplingParams(
+        max_tokens=1, prompt_logprobs=0))])
+    assert completion.error is None
+    assert completion.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
 
 
 def test_a_chat_template_kept_only_in_the_processor_file_is_used(tiny_chat, tmp_path):

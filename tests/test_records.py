@@ -651,12 +651,13 @@ def test_messages_are_normalised_copies():
     assert got.to_request() == Request("m", messages=got.messages, params=SamplingParams())
 
 
-def test_a_developer_message_is_a_system_message():
-    """OpenAI's newer name for system instructions; chat templates know only "system"."""
+def test_a_developer_message_reaches_the_engine_as_it_is():
+    """OpenAI's newer name for system instructions: the engine knows whether the chat template
+    takes it (runtime/chat.py), as vLLM's renderer does."""
     got = parse_record(json.dumps(chat_line({"messages": [{"role": "developer", "content": "Be brief."},
                                                           {"role": "user", "content": "Hi"}]})))
     assert isinstance(got, Parsed), got
-    assert got.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert got.messages == [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 
 
 def test_a_nan_prompt_or_messages_is_absent():
