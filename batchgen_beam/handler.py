@@ -62,9 +62,16 @@ def content_id(example: Any) -> str:
     return f"example-{digest.hexdigest()}"
 
 
-# What Beam's ModelHandler takes besides the batch sizes (its BatchElements' other knobs).
-_BEAM_BATCHING_ARGS = {"max_batch_duration_secs", "max_batch_weight", "element_size_fn", "batch_length_fn",
-                       "batch_bucket_boundaries"}
+# What Beam's ModelHandler takes besides the batch sizes: its BatchElements' other knobs, and
+# its model sharing, which changes nothing here (one engine per machine serves every process).
+_BEAM_ARGS = {"max_batch_duration_secs", "element_size_fn", "batch_length_fn", "batch_bucket_boundaries",
+              "large_model", "model_copies"}
+_BEAM_ARGS_REFUSED = {
+    "max_batch_weight": "Beam 2.77's BatchElements does not take it (its ModelHandler passes it on, and "
+                        "RunInference fails)",
+    "env_vars": "not supported: Beam sets them in the SDK process, and the machine's one engine, shared by "
+                "every pipeline, may have started before; set them in the workers' environment",
+}
 
 
 class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineLease]):
@@ -74,11 +81,13 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineLease]):
 
     def __init__(self, model: str | os.PathLike | None = None, *, min_batch_size: int | None = None,
                  max_batch_size: int | None = None, engine_args: dict | None = None, **kwargs):
-        unknown = sorted(kwargs.keys() - _BEAM_BATCHING_ARGS)
+        for name in sorted(kwargs.keys() & _BEAM_ARGS_REFUSED.keys()):
+            raise TypeError(f"BatchGenModelHandler: {name}: {_BEAM_ARGS_REFUSED[name]}")
+        unknown = sorted(kwargs.keys() - _BEAM_ARGS)
         if unknown:  # Beam's ModelHandler would take them and do nothing with them
             raise TypeError(f"BatchGenModelHandler: unknown {unknown}: sampling and chat fields go in "
                             f"RunInference's inference_args, engine arguments in engine_args, and Beam's "
-                            f"batching takes {', '.join(sorted(_BEAM_BATCHING_ARGS))}")
+                            f"ModelHandler takes {', '.join(sorted(_BEAM_ARGS))}")
         for name, size in (("min_batch_size", min_batch_size), ("max_batch_size", max_batch_size)):
             if size is not None:
                 check_whole(name, size, 1)
@@ -110,6 +119,9 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineLease]):
 
     def share_model_across_processes(self) -> bool:
         return False  # the client already shares one engine process per machine
+
+    def model_copies(self) -> int:
+        return 1  # the machine's one engine, whatever model_copies asked (a KeyedModelHandler refuses more)
 
     def validate_inference_args(self, inference_args: dict | None) -> None:
         check_defaults(inference_args)  # a bad transform-wide default fails before any record

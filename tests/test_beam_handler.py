@@ -280,6 +280,10 @@ def test_with_exception_handling_bad_records_are_rows_not_failures(outputs, prom
     (dict(max_batch_size="8"), "max_batch_size must be a whole number >= 1, got '8'"),
     (dict(min_batch_size=64, max_batch_size=8), r"min_batch_size \(64\) must not be above max_batch_size \(8\)"),
     (dict(engine_args={"greedy_screen": "off"}), "greedy_screen must be True or False, got 'off'"),
+    # Beam 2.77's ModelHandler passes it to a BatchElements that does not take it: RunInference failed
+    (dict(max_batch_weight=100), "max_batch_weight: Beam 2.77's BatchElements does not take it"),
+    # Beam sets them in the SDK process: the machine's one engine may have started before
+    (dict(env_vars={"OMP_NUM_THREADS": "1"}), "env_vars: not supported"),
 ])
 def test_handler_mistakes_raise_at_construction_naming_the_argument(arguments, problem):
     with pytest.raises((TypeError, ValueError), match=problem):
@@ -289,6 +293,14 @@ def test_handler_mistakes_raise_at_construction_naming_the_argument(arguments, p
 def test_beams_own_batching_arguments_pass_through():
     handler = BatchGenModelHandler("unused-model-dir", max_batch_duration_secs=5)
     assert handler.batch_elements_kwargs()["max_batch_duration_secs"] == 5
+
+
+def test_beams_model_sharing_arguments_are_taken_and_change_nothing():
+    """A user coming from Beam's Hugging Face or PyTorch handlers passes them; they were refused
+    as unknown, where the README says they change nothing (one engine per machine serves all)."""
+    handler = BatchGenModelHandler("unused-model-dir", large_model=True, model_copies=2)
+    assert not handler.share_model_across_processes() and handler.model_copies() == 1
+    assert handler.batch_elements_kwargs() == BatchGenModelHandler("unused-model-dir").batch_elements_kwargs()
 
 
 @pytest.mark.parametrize("inference_args, message", [
