@@ -265,6 +265,7 @@ class EnginePool:
         try:
             while not waiter.done.wait(0.1):
                 with self._lock:
+                    self._note_exited()
                     self._raise_failure()
         finally:
             with self._lock:
@@ -282,6 +283,7 @@ class EnginePool:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not completions:
             with self._lock:
+                self._note_exited()
                 self._raise_failure()
                 if timeout is None and not self._params:
                     break
@@ -316,14 +318,19 @@ class EnginePool:
                 try:
                     if message is not None:
                         self._handle(message)
-                    dead = [i for i, e in enumerate(self._engines) if e.process.exitcode is not None]
-                    if dead and self._failure is None and not self._closing.is_set():
-                        self._failure = f"engine process(es) {dead} exited"
+                    self._note_exited()
                     self._dispatch()
                     self._rebalance()
                 except BaseException:  # callers get it instead of waiting forever
                     self._failure = f"the pool's coordinator failed:\n{traceback.format_exc()}"
                     return
+
+    def _note_exited(self) -> None:
+        """An engine process that exited fails the pool. Callers waiting look too: one killed
+        midway through a message leaves the coordinator waiting for its rest for good."""
+        dead = [i for i, e in enumerate(self._engines) if e.process.exitcode is not None]
+        if dead and self._failure is None and not self._closing.is_set():
+            self._failure = f"engine process(es) {dead} exited"
 
     def _handle(self, message: tuple) -> None:
         kind, index = message[0], message[1]
@@ -476,6 +483,9 @@ class EnginePool:
             if engine.process.is_alive():
                 engine.process.terminate()
             engine.process.join(5)
+            # What is still on its way to an engine that has gone stays so: Python's exit would
+            # wait for its inbox's feeder thread, blocked on a pipe nobody reads any more.
+            engine.inbox.cancel_join_thread()
 
     def __enter__(self) -> "EnginePool":
         return self

@@ -5,6 +5,8 @@ load, migrations and idle time are reported; a dead engine process fails callers
 
 import multiprocessing
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -379,3 +381,75 @@ def test_a_dead_engine_process_fails_its_callers(tiny):
         pool._engines[0].process.kill()
         with pytest.raises(RuntimeError, match="exited"):
             pool.poll()
+
+
+class _StuckReader:
+    """The pool's shared outbox as the coordinator saw it when an engine died midway through
+    putting a message there: the read waits for the rest, which never comes."""
+
+    def __init__(self, real, coordinator):
+        self.real, self.coordinator = real, coordinator
+
+    def get(self, timeout=None):
+        if threading.current_thread() is self.coordinator:
+            threading.Event().wait()
+        return self.real.get(timeout=timeout)
+
+
+def test_callers_see_a_dead_engine_while_the_coordinator_is_stuck_reading(tiny):
+    """Killed while writing a message, an engine left the coordinator waiting for its rest for
+    good; only the coordinator looked for dead engines, so generate() and poll() waited forever."""
+    pool = EnginePool(tiny.dir(FAMILY), num_engines=1, kv_cache_bytes=KV_BYTES)
+    try:
+        real = pool._outbox
+        pool._outbox = _StuckReader(real, pool._thread)
+        time.sleep(0.5)  # the coordinator's next read is the stuck one
+        pool._engines[0].process.kill()
+        outcome = []
+        caller = threading.Thread(target=lambda: outcome.append(_raised(pool.generate, [
+            Request("r", prompt_token_ids=[5, 6], params=SamplingParams(max_tokens=4))])), daemon=True)
+        caller.start()
+        caller.join(30)
+        assert not caller.is_alive(), "generate() waited on a dead engine"
+        assert outcome == ["engine pool failed: engine process(es) [0] exited"]
+        assert _raised(pool.poll) == "engine pool failed: engine process(es) [0] exited"
+        pool._outbox = real
+    finally:
+        pool.close()
+
+
+def _raised(call, *args):
+    try:
+        call(*args)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_a_process_whose_only_engine_died_under_a_full_inbox_exits(tiny, tmp_path):
+    """Killed as the caller handed it more than a pipe holds, the engine left its inbox's
+    feeder thread blocked on a pipe nobody reads, and Python waited for that thread at exit
+    for good (close() emptied dead engines' inboxes only while another engine lived)."""
+    script = tmp_path / "child.py"
+    script.write_text(f"""
+import sys
+sys.path[:0] = {sys.path!r}
+import torch
+torch.set_num_threads(1)
+from runtime import Request, SamplingParams
+from runtime.pool import EnginePool
+
+if __name__ == "__main__":  # the engine process imports this file
+    pool = EnginePool({str(tiny.dir(FAMILY))!r}, num_engines=1, kv_cache_bytes={KV_BYTES})
+    pool._engines[0].process.kill()
+    pool._engines[0].process.join()
+    try:
+        pool.generate([Request(f"r{{i}}", prompt_token_ids=list(range(5, 505)), params=SamplingParams(max_tokens=2))
+                       for i in range(200)])
+    except RuntimeError as error:
+        print(error)
+    pool.close()
+""")
+    child = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert "engine process(es) [0] exited" in child.stdout
