@@ -499,6 +499,7 @@ class Engine:
 
     def _submit(self, request: Request, waiter: CompletionWaiter | None) -> None:
         """submit(), for `waiter`'s generate() call where given (which has claimed the id)."""
+        self._raise_failure()
         self._check_request(request)
         timings = Timings(submitted=time.perf_counter())
         error, prompt_tokens = None, 0
@@ -1075,8 +1076,8 @@ class Engine:
 
     @property
     def failure(self) -> BaseException | None:
-        """What ended the background loop, if it died (a bug); then every call that waits on
-        the engine raises RuntimeError("engine loop failed") from it."""
+        """What ended the background loop, if it died (a bug); then submit() and every call that
+        waits on the engine raise RuntimeError("engine loop failed") from it."""
         return self._failure
 
     def _raise_failure(self) -> None:
