@@ -27,10 +27,10 @@ class ChatRules:
         template = tokenizer.chat_template
         if isinstance(template, dict):  # named templates: apply_chat_template renders "default"
             template = template.get("default")
-        self.template = template if isinstance(template, str) else None
-        self.takes_parts = self.template is not None and _loops_over_content(self.template)
-        self.knows_developer = self.template is not None and (
-            '"developer"' in self.template or "'developer'" in self.template)
+        if not isinstance(template, str):
+            template = ""  # no template: apply_chat_template refuses the request anyway
+        self.takes_parts = _loops_over_content(template)
+        self.knows_developer = '"developer"' in template or "'developer'" in template
 
     def conversation(self, messages: list[dict]) -> list[dict]:
         """The messages (each's content a string or a non-empty list of text parts) as the

@@ -609,7 +609,8 @@ class Engine:
                 _check_text(f"messages[{i}].content", text)
         try:
             text = self.tokenizer.apply_chat_template(
-                self._chat.conversation(messages), tokenize=False, add_generation_prompt=options.add_generation_prompt,
+                self._chat.conversation(messages), tokenize=False,
+                add_generation_prompt=options.add_generation_prompt,
                 continue_final_message=options.continue_final_message, **options.template_kwargs)
         except TemplateError as refused:  # templates raise on what they do not take (roles out of turn)
             raise InvalidPrompt(f"messages: the model's chat template refused them ({refused})") from None

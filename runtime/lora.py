@@ -8,8 +8,9 @@ and target_modules; adapter_model.safetensors holds `base_model.model.<HF name>.
 names it (the loader's renames apply: an image-text model's language model, older names).
 Options that only choose which linears are adapted (target_modules, exclude_modules,
 layers_to_transform) are checked against the tensors present: PEFT ignores a tensor its
-config does not select, so merging one would run another model. Options that change more than the adapted linears
-(DoRA, full copies of modules, biases, per-module ranks) and LoRA on MoE experts are refused.
+config does not select, so merging one would run another model. Options that change more
+than the adapted linears (DoRA, full copies of modules, biases, per-module ranks) and LoRA on
+MoE experts are refused.
 """
 
 import json
@@ -78,8 +79,8 @@ def read_adapter_config(adapter_dir: str | Path) -> dict:
 def _selects(config: dict, module: str) -> bool:
     """Whether PEFT, loading this adapter, adapts `module` (named as in the model PEFT wraps):
     target_parameters names one of its parameters (`<module>.<parameter>`, or its end), or
-    target_modules names it (a regex on the whole name, or names it ends with), exclude_modules
-    does not, and layers_to_transform holds its layer's index."""
+    exclude_modules does not name it and target_modules does: a regex on the whole name, the
+    name itself, or names it ends with, of a layer layers_to_transform holds."""
     def named(patterns) -> bool:
         if isinstance(patterns, str):
             return re.fullmatch(patterns, module) is not None
@@ -96,10 +97,12 @@ def _selects(config: dict, module: str) -> bool:
         return not config.get("target_parameters")
     if targets == "all-linear":  # every linear but the output layer
         return module.rsplit(".", 1)[-1] != "lm_head"
+    if isinstance(targets, str) or module in targets:  # no layer filter then
+        return named(targets)
     if not named(targets):
         return False
     layers = config.get("layers_to_transform")
-    if isinstance(targets, str) or layers is None or layers == []:  # a regex says it all
+    if layers is None or layers == []:
         return True
     # A layer's index follows the first `<layers_pattern>.` in the name (any segment if none).
     patterns = config.get("layers_pattern") or [None]
