@@ -95,7 +95,7 @@ def _selects(config: dict, module: str) -> bool:
         return False
     if targets is None:  # PEFT's defaults for the architecture, unless it targets parameters
         return not config.get("target_parameters")
-    if targets == "all-linear":  # every linear but the output layer
+    if isinstance(targets, str) and targets.lower() == "all-linear":  # every linear but the output layer
         return module.rsplit(".", 1)[-1] != "lm_head"
     if isinstance(targets, str) or module in targets:  # no layer filter then
         return named(targets)

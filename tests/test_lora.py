@@ -224,3 +224,40 @@ def test_a_request_is_not_migrated_between_adapters_that_differ_only_in_their_co
     source.step()
     with pytest.raises(ValueError, match="other weights"):
         target.migrate_in(source.migrate_out("r0"))
+
+
+def test_which_linears_an_adapter_config_selects_is_peft_s_answer():
+    """runtime.lora._selects against PEFT's own check, over target_modules (names, suffixes,
+    regexes), exclude_modules and layers_to_transform with and without layers_pattern."""
+    import itertools
+
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    from runtime.lora import _selects
+
+    modules = [f"model.{stack}.{layer}.{part}" for stack in ("layers", "language_model.layers", "h")
+               for layer in (0, 1, 12) for part in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")]
+    modules += ["lm_head", "model.layers.1.block_sparse_moe.gate", "model.layers.0.mlp.experts.3.w1"]
+    targets = [["q_proj"], ["q_proj", "down_proj"], ["model.layers.0.self_attn.q_proj", "v_proj"],
+               r".*\.(q|v)_proj", r"model\.layers\.1\..*", ["self_attn.v_proj"], ["w1", "gate"]]
+    excludes = [None, ["v_proj"], r".*\.0\..*"]
+    layer_options = [(None, None), ([1], None), (0, None), ([0, 12], "layers"), ([1], ["h", "layers"]), ([1], "blocks")]
+    cases = 0
+    for target, exclude, (layers, pattern) in itertools.product(targets, excludes, layer_options):
+        if isinstance(target, str) and layers is not None:  # PEFT refuses the config
+            continue
+        peft_config = LoraConfig(target_modules=target, exclude_modules=exclude, layers_to_transform=layers,
+                                 layers_pattern=pattern)
+        ours = {"target_modules": target, "exclude_modules": exclude, "layers_to_transform": layers,
+                "layers_pattern": pattern}
+        for module in modules:
+            expected = check_target_module_exists(peft_config, module)
+            expected = bool(expected) and type(expected).__name__ != "_ExcludedModule"
+            assert _selects(ours, module) == expected, (ours, module)
+            cases += 1
+    assert cases > 1000
+    # PEFT expands "all-linear" (any case) before this check: every linear but the output layer.
+    for spelling in ("all-linear", "ALL-Linear"):
+        assert _selects({"target_modules": spelling}, "model.layers.0.self_attn.q_proj")
+        assert not _selects({"target_modules": spelling}, "lm_head")
