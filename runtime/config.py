@@ -248,10 +248,11 @@ def _moe_spec(config: PretrainedConfig) -> MoESpec | None:
         expert_size, sparse = config.intermediate_size, [True] * config.num_hidden_layers
     elif model_type in ("qwen2_moe", "qwen3_moe"):
         expert_size, step = config.moe_intermediate_size, config.decoder_sparse_step
-        if not is_whole(step, 1):
+        candidates = [i for i in range(config.num_hidden_layers)
+                      if i not in config.mlp_only_layers and config.num_experts > 0]
+        if candidates and not is_whole(step, 1):  # read only where a layer may be sparse
             raise ValueError(f"decoder_sparse_step must be a whole number >= 1, got {step!r}")
-        sparse = [i not in config.mlp_only_layers and config.num_experts > 0
-                  and (i + 1) % step == 0 for i in range(config.num_hidden_layers)]
+        sparse = [i in candidates and (i + 1) % step == 0 for i in range(config.num_hidden_layers)]
     else:
         return None
     num_experts, top_k = config.num_experts, config.num_experts_per_tok

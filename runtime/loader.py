@@ -125,6 +125,10 @@ class _Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        handle, stored_name = self._where[name]
+        return tuple(handle.get_slice(stored_name).get_shape())
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise missing_tensor(self.model_dir, name)

@@ -5,6 +5,8 @@ sequence), so each expert meets all the step's tokens routed to it, from whichev
 one grouped matmul: no per-sequence loop, no padding.
 """
 
+import math
+
 import torch
 from torch import nn
 
@@ -75,16 +77,17 @@ def per_expert_names(checkpoint, name: str, moe: MoESpec) -> list[list[str]] | N
     """Where the stacked tensor `name` (`….experts.gate_up_proj` or `….experts.down_proj`) is
     stored one expert at a time (what `save_pretrained` writes, and older checkpoints): each
     expert's stored tensors, concatenated in this order to form its slice. None where the
-    checkpoint stores it fused (transformers 5). `checkpoint` answers `in` and names its
-    `model_dir`. Experts stored that the config has no place for are refused: loading only
-    those it names would run another model than the checkpoint's (transformers refuses too)."""
+    checkpoint stores it fused (transformers 5). `checkpoint` answers `in` and `shape(name)`,
+    and names its `model_dir`. Experts stored that the config has no place for are refused:
+    loading only those it names would run another model than the checkpoint's (transformers
+    refuses too)."""
     prefix, kind = name.rsplit(".", 1)
-    block = prefix.rsplit(".", 1)[0]
-    stray = next((n for n in (f"{block}.shared_expert_gate.weight", f"{block}.shared_expert.down_proj.weight")
-                  if n in checkpoint), None)
-    if stray and not moe.shared_expert_size:
-        raise ValueError(f"{checkpoint.model_dir}: the checkpoint stores a shared expert ({stray!r}), which "
-                         f"the config has none of (shared_expert_intermediate_size)")
+    # transformers builds Qwen2-MoE's shared expert even 0 wide, and saves it so: nothing to run.
+    shared = f"{prefix.rsplit('.', 1)[0]}.shared_expert.down_proj.weight"
+    if not moe.shared_expert_size and shared in checkpoint and math.prod(checkpoint.shape(shared)):
+        raise ValueError(f"{checkpoint.model_dir}: the checkpoint stores a shared expert ({shared!r}, "
+                         f"{list(checkpoint.shape(shared))}), which the config has none of "
+                         f"(shared_expert_intermediate_size)")
     for gate, up, down in _PER_EXPERT_NAMES:
         parts = (gate, up) if kind == "gate_up_proj" else (down,)
         first = f"{prefix}.0.{parts[0]}.weight"

@@ -94,6 +94,9 @@ class _Index:
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._tensors[name][4]
+
     def extent(self, name: str) -> Extent:
         if name not in self._tensors:
             raise missing_tensor(self.model_dir, name)

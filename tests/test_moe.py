@@ -18,7 +18,7 @@ from helpers import BatchSpy, assert_idle_and_clean, assert_matches, greedy_requ
 from kernels import grouped_experts, route, silu_and_mul
 from runtime.config import MoESpec, load_hf_config, model_spec
 from runtime.loader import load_model
-from tiny_models import MOE_FAMILIES, save_fused_experts
+from tiny_models import MOE_FAMILIES, hf_greedy, hf_model, make_tiny_model, save_fused_experts
 
 MAX_TOKENS = 16
 LENGTHS = (1, 5, 17, 33, 64)
@@ -240,3 +240,24 @@ def test_router_settings_out_of_range_are_refused_at_start(tiny, tmp_path, famil
     (model / "config.json").write_text(json.dumps({**config, **edit}))
     with pytest.raises(ValueError, match=message):
         make_engine(model)
+
+
+@pytest.mark.parametrize("budget", [None, 1 << 30], ids=["resident", "streamed"])
+def test_a_qwen2_moe_saved_with_a_zero_wide_shared_expert_loads(tmp_path, budget):
+    """transformers builds the shared expert even at shared_expert_intermediate_size 0 and saves
+    it 0 wide (its gate too): nothing the config lacks, so not refused as a stray one."""
+    model = make_tiny_model("qwen2_moe", tmp_path / "model", shared_expert_intermediate_size=0)
+    assert load_file(str(model / "model.safetensors"))["model.layers.1.mlp.shared_expert.down_proj.weight"].numel() == 0
+    engine = make_engine(model, weight_budget_bytes=budget)
+    oracle = hf_model(model)
+    for prompt, completion in zip(PROMPTS[:3], engine.generate(greedy_requests(PROMPTS[:3], MAX_TOKENS))):
+        assert completion.token_ids == hf_greedy(oracle, prompt, MAX_TOKENS)[0]
+
+
+def test_decoder_sparse_step_is_not_read_where_no_layer_may_be_sparse(tiny, tmp_path):
+    """Every layer in mlp_only_layers: transformers never reads the step, 0 included."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny.dir("qwen3_moe"), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "mlp_only_layers": [0, 1], "decoder_sparse_step": 0}))
+    assert model_spec(load_hf_config(model)).moe.sparse_layers == (False, False)
