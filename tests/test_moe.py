@@ -201,7 +201,7 @@ def test_experts_stored_both_fused_and_per_expert_are_refused(tiny, family, tmp_
     ("mixtral", "a fifth expert", r"stores more experts than the config's 4 \('.*experts.4.w1.weight'"),
     ("qwen2_moe", "a fused seventh expert", r"experts.gate_up_proj'? is \(7, 64, 64\)"),
     ("qwen2_moe", {"shared_expert_intermediate_size": 0},
-     r"stores a shared expert \('.*shared_expert_gate.weight'\), which the config has none of"),
+     r"stores a shared expert \('.*shared_expert.down_proj.weight', \[64, 48\]\), which the config has none of"),
 ])
 def test_a_checkpoint_with_experts_the_config_lacks_is_refused(tiny, tmp_path, budget, family, edit, message):
     """Loading only what the config names ran another model than the checkpoint's: a per-expert
