@@ -946,32 +946,49 @@ class Engine:
         if timeout is not None:
             check_number("timeout", timeout, 0)
         completions = []
-        if self._thread is None:
-            while self._outbox.empty() and self.has_unfinished():
-                self._step_or_stall(lambda: not self._outbox.empty())
-        elif self._outbox.empty() and (timeout is not None or self.has_unfinished()):
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while True:  # in slices: the loop may die, be stopped, or its work migrate away
-                self._raise_failure()
-                left = POLL_SLICE_S if deadline is None else min(POLL_SLICE_S, deadline - time.monotonic())
-                try:
-                    completions.append(self._outbox.get(timeout=max(left, 0.0)))
-                    break
-                except queue.Empty:
-                    if (self._thread is None or (deadline is None and not self.has_unfinished())
-                            or (deadline is not None and time.monotonic() >= deadline)):
+        try:
+            if self._thread is None:
+                while self._outbox.empty() and self.has_unfinished():
+                    self._step_or_stall(lambda: not self._outbox.empty())
+            elif self._outbox.empty() and (timeout is not None or self.has_unfinished()):
+                deadline = None if timeout is None else time.monotonic() + timeout
+                while True:  # in slices: the loop may die, be stopped, or its work migrate away
+                    self._raise_failure()
+                    left = POLL_SLICE_S if deadline is None else min(POLL_SLICE_S, deadline - time.monotonic())
+                    try:
+                        completions.append(self._outbox.get(timeout=max(left, 0.0)))
                         break
-        return completions + self.finished()
+                    except queue.Empty:
+                        if (self._thread is None or (deadline is None and not self.has_unfinished())
+                                or (deadline is not None and time.monotonic() >= deadline)):
+                            break
+            self._take_finished(completions)
+        except BaseException:  # an interrupt: what was taken goes back, for the next poll
+            self._put_back(completions)
+            raise
+        return completions
 
     def finished(self) -> list[Completion]:
         """Completions already finished, without running a step or waiting: for a caller that
         drives `step()` itself and must stay responsive between steps."""
         completions = []
+        try:
+            self._take_finished(completions)
+        except BaseException:
+            self._put_back(completions)
+            raise
+        return completions
+
+    def _take_finished(self, into: list[Completion]) -> None:
         while True:
             try:
-                completions.append(self._outbox.get_nowait())
+                into.append(self._outbox.get_nowait())
             except queue.Empty:
-                return completions
+                return
+
+    def _put_back(self, completions) -> None:
+        for completion in completions:
+            self._outbox.put(completion)
 
     def completions(self):
         """Iterate completions as they finish until nothing is in flight. Those a poll took that
@@ -982,8 +999,7 @@ class Engine:
                 while taken:
                     yield taken.popleft()
             finally:
-                for completion in taken:
-                    self._outbox.put(completion)
+                self._put_back(taken)
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Submit all, wait for all; results in request order."""
@@ -995,13 +1011,13 @@ class Engine:
         waiter = CompletionWaiter([r.id for r in requests])
         if len(waiter.pending) != len(requests):
             raise ValueError("request ids must be unique")
-        with self._ids_lock:  # claimed in one step: two calls with an id in common, one fails
-            clash = [i for i in waiter.pending if i in self._requests or i in self._waiters]
-            if not clash:
-                self._waiters.update(dict.fromkeys(waiter.pending, waiter))
-        if clash:
-            raise ValueError(f"request ids already in flight: {clash[:5]}")
-        try:
+        try:  # from the claim on: an interrupt right after it must give the ids back too
+            with self._ids_lock:  # claimed in one step: two calls with an id in common, one fails
+                clash = [i for i in waiter.pending if i in self._requests or i in self._waiters]
+                if not clash:
+                    self._waiters.update(dict.fromkeys(waiter.pending, waiter))
+            if clash:
+                raise ValueError(f"request ids already in flight: {clash[:5]}")
             for request in requests:
                 self._submit(request, waiter)
             while not waiter.done.is_set():
@@ -1145,19 +1161,27 @@ class Engine:
         """Take a request out of this engine: a picklable state that `migrate_in` on another
         engine (same model) continues exactly where it stopped. with_kv: sequences that have
         computed KV take it along (host tensors) and arrive suspended instead of recomputing."""
-        with self._lock.held():
-            state, live = self._take_out(request_id, "migrated out of this engine: its completion comes "
-                                                     "from the engine it migrated to")
-            exported = []
-            for seq in live:
-                kv = self._export_kv(seq) if with_kv else None
-                self.scheduler.remove(seq)
-                exported.append(seq.export_state(kv))
-                seq.send(Event.MIGRATED)
-            return {"format": STATE_FORMAT, "request_id": request_id, "weights": self.weights_id,
-                    "prompt_tokens": state.prompt_tokens, "n": state.n,
-                    "timings": state.timings.carried(), "outputs": dict(state.outputs),
-                    "scored_prompt": state.scored_prompt, "sequences": exported}
+        weights = self.weights_id  # before the request is out: reading the checkpoint may fail
+        migrated = None
+        try:
+            with self._lock.held():
+                state, live = self._take_out(request_id, "migrated out of this engine: its completion "
+                                                         "comes from the engine it migrated to")
+                exported = []
+                for seq in live:
+                    kv = self._export_kv(seq) if with_kv else None
+                    self.scheduler.remove(seq)
+                    exported.append(seq.export_state(kv))
+                    seq.send(Event.MIGRATED)
+                migrated = {"format": STATE_FORMAT, "request_id": request_id, "weights": weights,
+                            "prompt_tokens": state.prompt_tokens, "n": state.n,
+                            "timings": state.timings.carried(), "outputs": dict(state.outputs),
+                            "scored_prompt": state.scored_prompt, "sequences": exported}
+        except KeyboardInterrupt:  # held while the lock was, raised as it let go: the state,
+            if migrated is not None:  # the request's only copy, never reached the caller
+                self.migrate_in(migrated)  # so it runs on here
+            raise
+        return migrated
 
     def _take_out(self, request_id: str, why: str) -> tuple[_RequestState, list[Sequence]]:
         """The request, no longer the engine's, and its live sequences, still scheduled (call

@@ -1115,6 +1115,83 @@ def test_a_real_stop_button_midway_through_a_step_or_primitive_leaves_it_whole(t
     assert_idle_and_clean(engine)
 
 
+@pytest.mark.parametrize("with_kv", [False, True])
+def test_a_stop_button_during_migrate_out_leaves_the_request_running_here(tiny, interruptible, with_kv):
+    """Held while the lock was, the interrupt came as migrate_out let go of it: the state it
+    had made, the request's only copy, never reached the caller, and the request was lost."""
+    request = Request("m", prompt_token_ids=random_prompts([11], seed=4)[0],
+                      params=SamplingParams(max_tokens=MAX_TOKENS, n=2, temperature=1.0, seed=3))
+    expected = [o.token_ids for o in make_engine(tiny.dir(FAMILY)).generate([request])[0].outputs]
+    engine = make_engine(tiny.dir(FAMILY))
+    engine.submit(request)
+    for _ in range(3):
+        engine.step()
+    real = engine.scheduler.remove
+
+    def pressing_stop(seq):
+        real(seq)
+        engine.scheduler.remove = real
+        signal.raise_signal(signal.SIGINT)
+    engine.scheduler.remove = pressing_stop
+    with pytest.raises(KeyboardInterrupt):
+        engine.migrate_out("m", with_kv=with_kv)
+    [done] = list(engine.completions())
+    assert done.error is None and [o.token_ids for o in done.outputs] == expected
+    assert_idle_and_clean(engine)
+
+
+def test_an_interrupt_right_after_generate_claims_its_ids_gives_them_back(tiny):
+    """Claimed before the try whose finally gives them back: the same call run again failed
+    with "request ids already in flight"."""
+    engine = make_engine(tiny.dir(FAMILY))
+    requests = greedy_requests(random_prompts([7, 9], seed=6), MAX_TOKENS)
+
+    class InterruptedOnLeaving:
+        def __init__(self, lock):
+            self.lock, self.armed = lock, True
+
+        def __enter__(self):
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            self.lock.__exit__(*exc)
+            if self.armed and engine._waiters:  # right after the claim
+                self.armed = False
+                raise KeyboardInterrupt
+
+    engine._ids_lock = InterruptedOnLeaving(engine._ids_lock)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(requests)
+    assert not engine._waiters
+    for completion, request in zip(engine.generate(requests), requests):
+        assert_matches(completion, *reference(tiny, request.prompt_token_ids))
+    assert_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("call", ["poll", "finished"])
+def test_completions_a_poll_took_before_an_interrupt_go_back(tiny, call):
+    """Taken off the outbox, then interrupted before the return: gone for good."""
+    engine = make_engine(tiny.dir(FAMILY))
+    requests = greedy_requests(random_prompts([5, 6, 7], seed=2), 3)
+    for request in requests:
+        engine.submit(request)
+    while engine.has_unfinished():
+        engine.step()
+    real, taken = engine._outbox.get_nowait, []
+
+    def interrupted_after_the_first():
+        if taken:
+            raise KeyboardInterrupt
+        taken.append(real())
+        return taken[-1]
+    engine._outbox.get_nowait = interrupted_after_the_first
+    with pytest.raises(KeyboardInterrupt):
+        getattr(engine, call)()
+    del engine._outbox.get_nowait
+    assert sorted(c.id for c in engine.poll()) == sorted(r.id for r in requests)
+    assert_idle_and_clean(engine)
+
+
 def test_the_stop_button_held_by_the_engine_lock_only_once_and_only_its_own(interruptible):
     """A second press raises at once (a step that will not end can still be stopped); Python's
     handler is back after the block; an application's own SIGINT handler is left to run."""
