@@ -38,8 +38,9 @@ class ChatRules:
         if self.takes_parts:
             messages = [{**m, "content": [{"type": "text", "text": text} for text in _texts(m["content"])]}
                         for m in messages]
-        else:
-            messages = [{**m, "content": content_text(m["content"])} for m in messages]
+        else:  # the texts joined by newlines; an empty part adds no line (vLLM drops it)
+            messages = [{**m, "content": "\n".join(text for text in _texts(m["content"]) if text)}
+                        for m in messages]
         if self.knows_developer or not any(m["role"] == "developer" for m in messages):
             return messages
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
@@ -55,26 +56,49 @@ def _texts(content: str | list[dict]) -> list[str]:
     return [content] if isinstance(content, str) else [part["text"] for part in content]
 
 
+class _Unreadable(Exception):
+    """A template shape vLLM's reading gives up on (a name it binds is no plain name): then it
+    takes the content as a string."""
+
+
 def _loops_over_content(template: str) -> bool:
     try:
         tree = _compile_jinja_template(template).environment.parse(template)
     except TemplateSyntaxError:  # apply_chat_template cannot render it either: an error row
         return False
+    try:
+        return _finds_content_loop(tree)
+    except _Unreadable:
+        return False
+
+
+def _finds_content_loop(tree: nodes.Template) -> bool:
     message_lists = _names_set_from(tree, "messages")
-    messages = {loop.target.name for loop in tree.find_all(nodes.For)
-                if isinstance(loop.target, nodes.Name) and _reads_name(loop.iter, message_lists)}
-    in_macros: dict[int, set[str]] = {}  # a loop in a macro: the macro's parameters given a content
-    for macro in tree.find_all(nodes.Macro):
-        params = _params_given_content(tree, macro, messages)
-        in_macros.update((id(loop), params) for loop in macro.find_all(nodes.For))
+    messages = {_plain_name(loop.target) for loop in tree.find_all(nodes.For)
+                if _reads_name(loop.iter, message_lists)}
+    in_macros, params_by_loop = set(), {}  # loops in a macro; the macro's parameters given a content
+    for macro in tree.find_all(nodes.Macro):  # outer macros first: an inner one with such
+        params = _params_given_content(tree, macro, messages)  # parameters has the last word
+        for loop in macro.find_all(nodes.For):
+            in_macros.add(id(loop))
+            if params:
+                params_by_loop[id(loop)] = params
     for loop in tree.find_all(nodes.For):
         if _reads_content(loop.iter, messages):
+            _plain_name(loop.target)
             return True
-        if isinstance(loop.iter, nodes.Name):
-            params = in_macros.get(id(loop))
-            if (params is None and loop.iter.name == "content") or (params and loop.iter.name in params):
-                return True
+        if isinstance(loop.iter, nodes.Name) and (
+                loop.iter.name in params_by_loop.get(id(loop), ())
+                or (id(loop) not in in_macros and loop.iter.name == "content")):
+            _plain_name(loop.target)
+            return True
     return False
+
+
+def _plain_name(target: nodes.Node) -> str:
+    if not isinstance(target, nodes.Name):  # `{% set ns.x = ... %}`, `{% for a, b in ... %}`
+        raise _Unreadable
+    return target.name
 
 
 def _through(node: nodes.Node) -> nodes.Node:
@@ -108,8 +132,8 @@ def _names_set_from(tree: nodes.Template, name: str) -> set[str]:
     messages[1:] %}`). Scopes are not told apart (nor are they by vLLM)."""
     names = {name}
     while True:
-        found = {assign.target.name for assign in tree.find_all(nodes.Assign)
-                 if isinstance(assign.target, nodes.Name) and _reads_name(assign.node, names)}
+        found = {_plain_name(assign.target) for assign in tree.find_all(nodes.Assign)
+                 if _reads_name(assign.node, names)}
         if found <= names:
             return names
         names |= found

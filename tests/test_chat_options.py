@@ -102,3 +102,36 @@ def test_every_parameter_of_apply_chat_template_but_the_template_s_inputs_is_ref
 
     params = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
     assert params - {"self", "kwargs", "tools", "documents"} <= _NOT_TEMPLATE_VARIABLES
+
+
+@pytest.mark.parametrize("template, takes_parts", [
+    ("{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}", True),
+    ("{% set loop_messages = messages[1:] %}{% for m in loop_messages %}{% for p in m['content'] %}{{ p }}"
+     "{% endfor %}{% endfor %}", True),
+    ("{% for m in messages[::-1] | list %}{% for p in m.content | reverse %}{{ p }}{% endfor %}{% endfor %}", True),
+    ("{% macro r(c) %}{% for i in c %}{{ i.text }}{% endfor %}{% endmacro %}{% for m in messages %}{{ r(m.content) }}"
+     "{% endfor %}", True),
+    # a loop in a macro nested in one given a content: the outer macro's parameters still hold
+    ("{% macro render(x) %}{% macro inner(y) %}{% for z in x %}{{ z.text }}{% endfor %}{% endmacro %}{{ inner(1) }}"
+     "{% endmacro %}{% for m in messages %}{{ render(m.content) }}{% endfor %}", True),
+    ("{% for m in messages %}{% set content = m.content %}{% for p in content %}{{ p }}{% endfor %}{% endfor %}", True),
+    # not a loop over each message's content
+    ("{% for m in messages %}{% set c = m.content %}{% for p in c %}{{ p }}{% endfor %}{% endfor %}", False),
+    ("{% for p in messages[0]['content'] %}{{ p }}{% endfor %}", False),
+    ("{% for t in tools %}{% for x in t.content %}{{ x }}{% endfor %}{% endfor %}", False),
+    ("{% for m in messages %}{{ m.content }}{% endfor %}{% for item in content or [] %}{{ item }}{% endfor %}", False),
+    ("{% macro r(c) %}{% for i in content %}{{ i }}{% endfor %}{% endmacro %}{% for m in messages %}{{ r(1) }}"
+     "{% endfor %}", False),
+    # a name bound other than plainly: vLLM's reading gives up, and takes a string
+    ("{% set ns = namespace(x=[]) %}{% set ns.x = messages %}{% for m in messages %}{% for p in m.content %}"
+     "{{ p.text }}{% endfor %}{% endfor %}", False),
+    ("{% for m in messages %}{% for p in m.content %}{{ p }}{% endfor %}{% endfor %}{% for a, b in messages %}"
+     "{% endfor %}", False),
+    ("{% for m in messages %", False),  # no template jinja can read
+])
+def test_which_templates_take_text_parts_is_vllms_answer(template, takes_parts):
+    """vLLM 0.32's rule (renderers/hf.py _detect_content_format), which runtime/chat.py follows."""
+    from types import SimpleNamespace
+
+    from runtime.chat import ChatRules
+    assert ChatRules(SimpleNamespace(chat_template=template)).takes_parts is takes_parts

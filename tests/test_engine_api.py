@@ -158,9 +158,9 @@ def test_text_parts_render_as_vllm_renders_them(tiny_chat, tmp_path, template, j
     model_dir = tmp_path / "template"
     shutil.copytree(tiny_chat.dir(FAMILY), model_dir)
     (model_dir / "chat_template.jinja").write_text(template)
-    parts = [{"type": "text", "text": "Summarise this: "}, {"type": "text", "text": "The cat sat."}]
+    parts = [{"type": "text", "text": "Summarise this: "}, {"type": "text", "text": ""}, {"type": "text", "text": "The cat sat."}]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
-    if joins:
+    if joins:  # an empty part adds no line
         given = [messages[0], {"role": "user", "content": "Summarise this: \nThe cat sat."}]
     else:
         given = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, messages[1]]
