@@ -82,7 +82,9 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineLease]):
     def __init__(self, model: str | os.PathLike | None = None, *, min_batch_size: int | None = None,
                  max_batch_size: int | None = None, engine_args: dict | None = None, **kwargs):
         for name in sorted(kwargs.keys() & _BEAM_ARGS_REFUSED.keys()):
-            raise TypeError(f"BatchGenModelHandler: {name}: {_BEAM_ARGS_REFUSED[name]}")
+            if kwargs[name] not in (None, {}):  # Beam's defaults, as code forwarding them gives them
+                raise TypeError(f"BatchGenModelHandler: {name}: {_BEAM_ARGS_REFUSED[name]}")
+            del kwargs[name]
         unknown = sorted(kwargs.keys() - _BEAM_ARGS)
         if unknown:  # Beam's ModelHandler would take them and do nothing with them
             raise TypeError(f"BatchGenModelHandler: unknown {unknown}: sampling and chat fields go in "

@@ -301,6 +301,9 @@ def test_beams_model_sharing_arguments_are_taken_and_change_nothing():
     handler = BatchGenModelHandler("unused-model-dir", large_model=True, model_copies=2)
     assert not handler.share_model_across_processes() and handler.model_copies() == 1
     assert handler.batch_elements_kwargs() == BatchGenModelHandler("unused-model-dir").batch_elements_kwargs()
+    # Beam's defaults of the ones refused, as code that forwards every argument gives them
+    BatchGenModelHandler("unused-model-dir", env_vars={}, max_batch_weight=None)
+    BatchGenModelHandler("unused-model-dir", env_vars=None)
 
 
 @pytest.mark.parametrize("inference_args, message", [
