@@ -76,9 +76,11 @@ def _finds_content_loop(tree: nodes.Template) -> bool:
     message_lists = _names_set_from(tree, "messages")
     messages = {_plain_name(loop.target) for loop in tree.find_all(nodes.For)
                 if _reads_name(loop.iter, message_lists)}
-    in_macros, params_by_loop = set(), {}  # loops in a macro; the macro's parameters given a content
-    for macro in tree.find_all(nodes.Macro):  # outer macros first: an inner one with such
-        params = _params_given_content(tree, macro, messages)  # parameters has the last word
+    # The loops inside macros, and for each the parameters its macro is given a content in (an
+    # inner macro's, where it has any: find_all visits outer macros first).
+    in_macros, params_by_loop = set(), {}
+    for macro in tree.find_all(nodes.Macro):
+        params = _params_given_content(tree, macro, messages)
         for loop in macro.find_all(nodes.For):
             in_macros.add(id(loop))
             if params:
