@@ -82,7 +82,8 @@ class BatchGenModelHandler(ModelHandler[Any, PredictionResult, EngineLease]):
     def __init__(self, model: str | os.PathLike | None = None, *, min_batch_size: int | None = None,
                  max_batch_size: int | None = None, engine_args: dict | None = None, **kwargs):
         for name in sorted(kwargs.keys() & _BEAM_ARGS_REFUSED.keys()):
-            if kwargs[name] not in (None, {}):  # Beam's defaults, as code forwarding them gives them
+            value = kwargs[name]
+            if not (value is None or isinstance(value, Mapping) and not value):  # Beam's defaults
                 raise TypeError(f"BatchGenModelHandler: {name}: {_BEAM_ARGS_REFUSED[name]}")
             del kwargs[name]
         unknown = sorted(kwargs.keys() - _BEAM_ARGS)

@@ -1093,8 +1093,8 @@ class Engine:
 
     @property
     def failure(self) -> BaseException | None:
-        """What ended the background loop, if it died (a bug); then submit() and every call that
-        waits on the engine raise RuntimeError("engine loop failed") from it."""
+        """What ended the background loop, if it died (a bug); then submit(), migrate_in() and
+        every call that waits on the engine raise RuntimeError("engine loop failed") from it."""
         return self._failure
 
     def _raise_failure(self) -> None:
@@ -1206,6 +1206,7 @@ class Engine:
     def migrate_in(self, migrated: dict) -> None:
         """Continue a migrated-out request here, under migrated["request_id"] (which a caller may
         change: the sequences follow it)."""
+        self._raise_failure()
         self._check_migrated(migrated)
         request_id = migrated["request_id"]
         state = _RequestState(request_id, migrated["prompt_tokens"], migrated["n"],

@@ -227,6 +227,7 @@ class EnginePool:
                 raise ValueError(f"need one engine index (an int) in [0, {len(self._engines)}) per request")
         unsendable = _unsendable(requests)
         with self._lock:
+            self._note_exited()
             self._raise_failure()
             clash = [r.id for r in requests if r.id in self._params]
             if clash or len({r.id for r in requests}) != len(requests):
@@ -329,6 +330,8 @@ class EnginePool:
         """An engine process that exited fails the pool. Callers waiting look too: one killed
         midway through a message leaves the coordinator waiting for its rest for good."""
         dead = [i for i, e in enumerate(self._engines) if e.process.exitcode is not None]
+        for i in dead:  # what is on its way to it stays so: Python's exit would wait for its
+            self._engines[i].inbox.cancel_join_thread()  # feeder, blocked on a pipe nobody reads
         if dead and self._failure is None and not self._closing.is_set():
             self._failure = f"engine process(es) {dead} exited"
 

@@ -284,6 +284,7 @@ def test_with_exception_handling_bad_records_are_rows_not_failures(outputs, prom
     (dict(max_batch_weight=100), "max_batch_weight: Beam 2.77's BatchElements does not take it"),
     # Beam sets them in the SDK process: the machine's one engine may have started before
     (dict(env_vars={"OMP_NUM_THREADS": "1"}), "env_vars: not supported"),
+    (dict(max_batch_weight=np.array([1, 2])), "max_batch_weight: Beam 2.77's BatchElements does not take it"),
 ])
 def test_handler_mistakes_raise_at_construction_naming_the_argument(arguments, problem):
     with pytest.raises((TypeError, ValueError), match=problem):

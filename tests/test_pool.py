@@ -379,6 +379,9 @@ def test_a_dead_engine_process_fails_its_callers(tiny):
         pool.submit(Request("long", prompt_token_ids=[5, 6, 7],
                             params=SamplingParams(max_tokens=400, ignore_eos=True)))
         pool._engines[0].process.kill()
+        pool._engines[0].process.join()
+        with pytest.raises(RuntimeError, match="exited"):  # was taken, to wait for a dead engine
+            pool.submit(Request("after", prompt_token_ids=[5, 6]))
         with pytest.raises(RuntimeError, match="exited"):
             pool.poll()
 
@@ -426,10 +429,12 @@ def _raised(call, *args):
     return None
 
 
-def test_a_process_whose_only_engine_died_under_a_full_inbox_exits(tiny, tmp_path):
+@pytest.mark.parametrize("closed", [True, False], ids=["closed", "never-closed"])
+def test_a_process_whose_only_engine_died_under_a_full_inbox_exits(tiny, tmp_path, closed):
     """Killed as the caller handed it more than a pipe holds, the engine left its inbox's
     feeder thread blocked on a pipe nobody reads, and Python waited for that thread at exit
-    for good (close() emptied dead engines' inboxes only while another engine lived)."""
+    for good (close() emptied dead engines' inboxes only while another engine lived), closed
+    or not."""
     script = tmp_path / "child.py"
     script.write_text(f"""
 import sys
@@ -448,7 +453,8 @@ if __name__ == "__main__":  # the engine process imports this file
                        for i in range(200)])
     except RuntimeError as error:
         print(error)
-    pool.close()
+    if {closed!r}:
+        pool.close()
 """)
     child = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
     assert child.returncode == 0, child.stderr[-2000:]
