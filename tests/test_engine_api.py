@@ -158,7 +158,8 @@ def test_text_parts_render_as_vllm_renders_them(tiny_chat, tmp_path, template, j
     model_dir = tmp_path / "template"
     shutil.copytree(tiny_chat.dir(FAMILY), model_dir)
     (model_dir / "chat_template.jinja").write_text(template)
-    parts = [{"type": "text", "text": "Summarise this: "}, {"type": "text", "text": ""}, {"type": "text", "text": "The cat sat."}]
+    parts = [{"type": "text", "text": "Summarise this: "}, {"type": "text", "text": ""},
+             {"type": "text", "text": "The cat sat."}]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
     if joins:  # an empty part adds no line
         given = [messages[0], {"role": "user", "content": "Summarise this: \nThe cat sat."}]
@@ -193,7 +194,8 @@ def _message(role, content):
     (NO_DEVELOPER, [_message("developer", "B"), _message("user", "U")], [_message("system", "B"), _message("user", "U")]),
     (NO_DEVELOPER, [_message("system", "A"), _message("developer", "B"), _message("user", "U")],
      [_message("system", "A\n\nB"), _message("user", "U")]),
-    (NO_DEVELOPER, [_message("user", "U"), _message("developer", [{"type": "text", "text": "B"}, {"type": "text", "text": "C"}])],
+    (NO_DEVELOPER, [_message("user", "U"),
+                    _message("developer", [{"type": "text", "text": "B"}, {"type": "text", "text": "C"}])],
      [_message("system", "B\nC"), _message("user", "U")]),
     (NO_DEVELOPER, [_message("developer", ""), _message("user", "U"), _message("system", "A")],
      [_message("system", "A"), _message("user", "U")]),
@@ -1086,7 +1088,8 @@ def test_a_real_stop_button_midway_through_a_step_or_primitive_leaves_it_whole(t
     engine = make_engine(tiny.dir(FAMILY))
     prompts = random_prompts([9, 21, 9 + 16], seed=8)
     prompts[2][:16] = prompts[1][:16]  # a cached prefix block to match
-    requests = [Request(f"r{i}", prompt_token_ids=p, params=SamplingParams(max_tokens=MAX_TOKENS, n=2, temperature=1.0, seed=i))
+    requests = [Request(f"r{i}", prompt_token_ids=p,
+                        params=SamplingParams(max_tokens=MAX_TOKENS, n=2, temperature=1.0, seed=i))
                 for i, p in enumerate(prompts)]
     expected = [[o.token_ids for o in c.outputs] for c in make_engine(tiny.dir(FAMILY)).generate(requests)]
     engine.generate(requests[1:2])  # its prompt's blocks cached

@@ -216,7 +216,8 @@ def test_a_checkpoint_with_experts_the_config_lacks_is_refused(tiny, tmp_path, b
         shutil.copytree(tiny.dir(family), model)
         tensors = load_file(str(model / "model.safetensors"))
     if edit == "a fifth expert":
-        tensors.update({n.replace(".experts.0.", ".experts.4."): t.clone() for n, t in tensors.items() if ".experts.0." in n})
+        tensors.update({n.replace(".experts.0.", ".experts.4."): t.clone()
+                        for n, t in tensors.items() if ".experts.0." in n})
     save_file(tensors, str(model / "model.safetensors"))
     if isinstance(edit, dict):
         config = json.loads((model / "config.json").read_text())

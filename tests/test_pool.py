@@ -355,7 +355,8 @@ def test_bad_requests(shared_pool):
             shared_pool.submit(value)
     with pytest.raises(TypeError, match="requests are an iterable of runtime.Request objects, got NoneType"):
         shared_pool.generate(None)  # returned [] as if asked for nothing
-    [from_generator] = shared_pool.generate(r for r in [Request("gen", prompt_token_ids=[5], params=SamplingParams(max_tokens=2))])
+    one = Request("gen", prompt_token_ids=[5], params=SamplingParams(max_tokens=2))
+    [from_generator] = shared_pool.generate(r for r in [one])
     assert from_generator.id == "gen" and from_generator.finish_reason == "length"
     with pytest.raises(ValueError, match="split"):
         EnginePool(split="round_robin")
