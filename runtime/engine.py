@@ -499,7 +499,6 @@ class Engine:
 
     def _submit(self, request: Request, waiter: CompletionWaiter | None) -> None:
         """submit(), for `waiter`'s generate() call where given (which has claimed the id)."""
-        self._raise_failure()
         self._check_request(request)
         timings = Timings(submitted=time.perf_counter())
         error, prompt_tokens = None, 0
@@ -1093,8 +1092,9 @@ class Engine:
 
     @property
     def failure(self) -> BaseException | None:
-        """What ended the background loop, if it died (a bug); then submit(), migrate_in() and
-        every call that waits on the engine raise RuntimeError("engine loop failed") from it."""
+        """What ended the background loop, if it died (a bug); then every call that waits on
+        the engine raises RuntimeError("engine loop failed") from it. (submit() still takes
+        requests: the Beam face's engine server hands what it took to the engine replacing it.)"""
         return self._failure
 
     def _raise_failure(self) -> None:
@@ -1206,7 +1206,6 @@ class Engine:
     def migrate_in(self, migrated: dict) -> None:
         """Continue a migrated-out request here, under migrated["request_id"] (which a caller may
         change: the sequences follow it)."""
-        self._raise_failure()
         self._check_migrated(migrated)
         request_id = migrated["request_id"]
         state = _RequestState(request_id, migrated["prompt_tokens"], migrated["n"],

@@ -825,14 +825,6 @@ def test_a_failing_loop_is_raised_to_callers_not_hung_on(tiny):
         with pytest.raises(RuntimeError, match="engine loop failed") as info:
             engine.generate(greedy_requests(random_prompts([5], seed=10)))
         assert "kernel exploded" in str(info.value.__cause__)
-        # Taken without a word, a request would wait for a loop that is gone.
-        with pytest.raises(RuntimeError, match="engine loop failed"):
-            engine.submit(Request("after", prompt_token_ids=[5, 6]))
-        migrated = make_engine(tiny.dir(FAMILY))
-        migrated.submit(Request("moved", prompt_token_ids=[5, 6], params=SamplingParams(max_tokens=4)))
-        migrated.step()
-        with pytest.raises(RuntimeError, match="engine loop failed"):
-            engine.migrate_in(migrated.migrate_out("moved"))
     finally:
         engine.stop()
 
