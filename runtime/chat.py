@@ -17,7 +17,7 @@ from jinja2 import TemplateSyntaxError, nodes
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
-from runtime.request import content_text
+from runtime.request import content_text, content_texts
 
 
 class ChatRules:
@@ -36,10 +36,10 @@ class ChatRules:
         """The messages (each's content a string or a non-empty list of text parts) as the
         template is given them; the caller's are left as they are."""
         if self.takes_parts:
-            messages = [{**m, "content": [{"type": "text", "text": text} for text in _texts(m["content"])]}
+            messages = [{**m, "content": [{"type": "text", "text": t} for t in content_texts(m["content"])]}
                         for m in messages]
         else:  # the texts joined by newlines; an empty part adds no line (vLLM drops it)
-            messages = [{**m, "content": "\n".join(text for text in _texts(m["content"]) if text)}
+            messages = [{**m, "content": "\n".join(text for text in content_texts(m["content"]) if text)}
                         for m in messages]
         if self.knows_developer or not any(m["role"] == "developer" for m in messages):
             return messages
@@ -50,10 +50,6 @@ class ChatRules:
         texts = [content_text(messages[i]["content"]) for i in systems]
         merged = {"role": "system", "content": "\n\n".join(text for text in texts if text)}
         return [merged, *(m for m in messages if m["role"] != "system")]
-
-
-def _texts(content: str | list[dict]) -> list[str]:
-    return [content] if isinstance(content, str) else [part["text"] for part in content]
 
 
 class _Unreadable(Exception):

@@ -35,7 +35,7 @@ from runtime.lora import ADAPTER_WEIGHTS
 from runtime.moe import moe_blocks
 from runtime.numbers import check_number, check_whole, is_whole
 from runtime.request import (ChatOptions, Completion, CompletionWaiter, Request, SampleOutput, Timings,
-                             check_request_types, request_list)
+                             check_request_types, content_texts, request_list)
 from runtime.runner import ModelRunner, ScoredPrompts
 from runtime.sampling import (DEFAULT_MAX_LOGPROBS, SampledToken, SampleRow, SamplingParams, logits_failure,
                               over_max_logprobs, sample)
@@ -162,18 +162,6 @@ def _check_text(where: str, text: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidPrompt(f"{where} is not valid Unicode text (lone surrogate at index {exc.start})") from None
-
-
-def _content_texts(content) -> list[str] | None:
-    """A message content's texts: a string, or OpenAI's non-empty list of text parts
-    ({"type": "text", "text": ...}); None for anything else."""
-    if isinstance(content, str):
-        return [content]
-    if not isinstance(content, list) or not content or not all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content):
-        return None
-    return [p["text"] for p in content]
 
 
 def _decode(tokenizer, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -600,11 +588,11 @@ class Engine:
         if self.tokenizer.chat_template is None:
             raise InvalidPrompt("this model's tokenizer has no chat template: give a prompt")
         if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                   and _content_texts(m.get("content")) is not None for m in messages):
+                                   and content_texts(m.get("content")) is not None for m in messages):
             raise InvalidPrompt("messages must be a non-empty list of {role: str, content: str or "
                                 "a list of text parts}")
         for i, message in enumerate(messages):
-            for text in _content_texts(message["content"]):
+            for text in content_texts(message["content"]):
                 _check_text(f"messages[{i}].content", text)
         try:
             text = self.tokenizer.apply_chat_template(

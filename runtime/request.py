@@ -44,6 +44,18 @@ class ChatOptions:
                              "a turn of the assistant's cannot be both continued and opened")
 
 
+def content_texts(content) -> list[str] | None:
+    """A message content's texts: a string, or OpenAI's non-empty list of text parts
+    ({"type": "text", "text": ...}); None for anything else."""
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, list) or not content or not all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return None
+    return [p["text"] for p in content]
+
+
 def content_text(content: str | list[dict]) -> str:
     """A message's content as one text: a string as it is, OpenAI's text parts joined by
     newlines (vLLM's rule, for a template that takes strings only)."""
